@@ -1,0 +1,34 @@
+"""The attention backend interface and the metadata every backend is fed.
+
+A batch is described as FlashInfer describes it: request i has queries
+q[qo_indptr[i]:qo_indptr[i+1]] and attends to the KV slots
+kv_indices[kv_indptr[i]:kv_indptr[i+1]] (its cached prefix followed by its new
+tokens, whose K/V were written to the pool before attention runs). The last
+query of a request sits at the last KV position; attention is causal."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttnMetadata:
+    is_decode: bool
+    qo_indptr: torch.Tensor  # [B + 1] int32, on the model's device
+    kv_indptr: torch.Tensor  # [B + 1] int32
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int64 KV slot ids
+    qo_lens: list[int]  # host copies, for backends that plan on the host
+    kv_lens: list[int]
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def begin_forward(self, meta: AttnMetadata) -> None:
+        """Prepare for one forward pass (once per batch, not per layer)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; k_cache, v_cache: the layer's pool [slots, Hkv, D]. Returns [T, Hq, D]."""

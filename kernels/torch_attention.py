@@ -1,0 +1,54 @@
+"""Reference attention over the paged KV pool in pure torch (CPU and GPU).
+
+Each forward pads the batch once into [B, max_q] queries and [B, max_kv] KV slot
+gathers with one boolean mask, so every layer is a gather plus one batched SDPA
+call, with no per-request Python loop."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sgl.kernels.attention import AttentionBackend, AttnMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def __init__(self) -> None:
+        self._q_idx: torch.Tensor | None = None
+        self._kv_idx: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+        self._valid: torch.Tensor | None = None
+
+    def begin_forward(self, meta: AttnMetadata) -> None:
+        dev = meta.kv_indices.device
+        qo_lens = torch.tensor(meta.qo_lens, dtype=torch.int64, device=dev)
+        kv_lens = torch.tensor(meta.kv_lens, dtype=torch.int64, device=dev)
+        max_q, max_kv = max(meta.qo_lens), max(meta.kv_lens)
+        qo_start = meta.qo_indptr[:-1].to(torch.int64)
+        kv_start = meta.kv_indptr[:-1].to(torch.int64)
+        qpos = torch.arange(max_q, device=dev)
+        kpos = torch.arange(max_kv, device=dev)
+        q_valid = qpos[None, :] < qo_lens[:, None]  # [B, max_q]
+        kv_valid = kpos[None, :] < kv_lens[:, None]  # [B, max_kv]
+        self._q_idx = torch.where(q_valid, qo_start[:, None] + qpos[None, :], 0)
+        kv_flat = torch.where(kv_valid, kv_start[:, None] + kpos[None, :], 0)
+        self._kv_idx = torch.where(kv_valid, meta.kv_indices[kv_flat], 0)
+        # Query j of request i sits at absolute position kv_len - qo_len + j.
+        q_abs = (kv_lens - qo_lens)[:, None] + qpos[None, :]  # [B, max_q]
+        mask = (kpos[None, None, :] <= q_abs[:, :, None]) & kv_valid[:, None, :]
+        # Padded query rows attend to slot 0 alone, so softmax never sees an empty row.
+        mask[:, :, 0] |= ~q_valid
+        self._mask = mask[:, None]  # [B, 1, max_q, max_kv]
+        self._valid = q_valid
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        assert self._q_idx is not None and self._kv_idx is not None
+        qp = q[self._q_idx].transpose(1, 2)  # [B, Hq, max_q, D]
+        k = k_cache[self._kv_idx].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_kv, D]
+        v = v_cache[self._kv_idx].transpose(1, 2).to(q.dtype)
+        if k.shape[1] != qp.shape[1]:
+            rep = qp.shape[1] // k.shape[1]
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=self._mask, scale=scale)
+        return out.transpose(1, 2)[self._valid]  # [T, Hq, D], in qo_indptr order

@@ -1,0 +1,27 @@
+"""ForwardBatch: everything one model forward needs, built by the model runner.
+Tokens of all requests are packed: request i owns rows
+attn.qo_indptr[i]:attn.qo_indptr[i+1]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sgl.cache.kv_pool import MHATokenToKVPool
+from sgl.kernels.attention import AttentionBackend, AttnMetadata
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64: KV slot of each new token
+    logits_indices: torch.Tensor  # [B] int64: the row whose hidden state predicts the next token
+    attn: AttnMetadata
+    attn_backend: AttentionBackend
+    kv_pool: MHATokenToKVPool
+
+    @property
+    def batch_size(self) -> int:
+        return self.logits_indices.shape[0]

@@ -1,0 +1,29 @@
+"""sgl: a compact, typed, asyncio-native LLM serving engine.
+
+    import sgl
+    with sgl.Engine() as engine:
+        print(engine.generate("What is the capital of France?")["text"])
+
+The heavy parts import on first use, so a child role that needs only the
+protocol never pays for the engine."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sgl.sampling_params import SamplingParams
+from sgl.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from sgl.engine import AsyncEngine, Engine
+
+__all__ = ["AsyncEngine", "Engine", "SamplingParams", "ServerArgs"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Engine", "AsyncEngine"):
+        from sgl import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'sgl' has no attribute {name!r}")

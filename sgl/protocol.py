@@ -1,0 +1,105 @@
+"""The messages the three roles exchange, as one tagged union of msgspec Structs.
+
+Bottom layer: imports only sgl's other data modules. Every message is a Struct
+with a tag; the codec in sgl.transports rejects unknown tags and wrong types.
+Request ids (rids) are strings chosen by the tokenizer manager."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from sgl.sampling_params import SamplingParams
+
+# {"type": "stop", "matched": int | str} | {"type": "length", "length": int} |
+# {"type": "abort", "message": str}
+FinishReason = dict[str, Any]
+
+
+class GenerateReqInput(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
+    """A tokenized request, tokenizer manager -> scheduler."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+
+
+class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
+    rid: str
+
+
+class BatchTokenIDOutput(msgspec.Struct, tag="batch_token_ids", forbid_unknown_fields=True):
+    """Scheduler -> detokenizer: the ids each request produced since the last message.
+
+    Column-wise lists, one entry per rid. A finished request appears once more with
+    its finish reason and is then forgotten by both ends."""
+
+    rids: list[str]
+    new_ids: list[list[int]]
+    finished_reasons: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+
+
+class BatchStrOutput(msgspec.Struct, tag="batch_str", forbid_unknown_fields=True):
+    """Detokenizer -> tokenizer manager: new text (a delta) and new ids per rid."""
+
+    rids: list[str]
+    texts: list[str]
+    new_ids: list[list[int]]
+    finished_reasons: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+
+
+class FlushCacheReq(msgspec.Struct, tag="flush_cache", forbid_unknown_fields=True):
+    pass
+
+
+class FlushCacheReqOutput(msgspec.Struct, tag="flush_cache_out", forbid_unknown_fields=True):
+    success: bool
+    message: str = ""
+
+
+class GetServerInfoReq(msgspec.Struct, tag="server_info", forbid_unknown_fields=True):
+    pass
+
+
+class GetServerInfoReqOutput(msgspec.Struct, tag="server_info_out", forbid_unknown_fields=True):
+    info: dict[str, Any]
+
+
+class HealthCheckReq(msgspec.Struct, tag="health", forbid_unknown_fields=True):
+    pass
+
+
+class HealthCheckOutput(msgspec.Struct, tag="health_out", forbid_unknown_fields=True):
+    ok: bool
+
+
+class ShutdownReq(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
+    pass
+
+
+Message = Union[
+    GenerateReqInput,
+    AbortReq,
+    BatchTokenIDOutput,
+    BatchStrOutput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetServerInfoReq,
+    GetServerInfoReqOutput,
+    HealthCheckReq,
+    HealthCheckOutput,
+    ShutdownReq,
+]
+
+# Control replies travel scheduler -> detokenizer -> tokenizer manager unchanged.
+CONTROL_REPLIES = (FlushCacheReqOutput, GetServerInfoReqOutput, HealthCheckOutput)
