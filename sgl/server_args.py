@@ -13,7 +13,7 @@ Transport = Literal["inproc", "ipc", "tcp"]
 class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model_path: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
     tokenizer_path: str | None = None
-    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    load_format: Literal["auto", "safetensors", "gguf", "dummy", "null"] = "auto"  # null: instant fake logits (pipeline benchmarks)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     trust_remote_code: bool = False

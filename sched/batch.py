@@ -1,0 +1,59 @@
+"""ScheduleBatch: the host-side description of one forward (prefill chunk or
+decode step) and the KV bookkeeping that goes with it.
+
+Allocation is decided by the scheduler before a batch is built: building a
+batch writes the new slots into req_to_token and advances each request's
+kv_len, never allocates behind the scheduler's back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sgl.cache.req_to_token_pool import ReqToTokenPool
+from sgl.sched.req import Req
+
+
+@dataclass(slots=True)
+class ScheduleBatch:
+    reqs: list[Req]
+    is_decode: bool
+    input_ids: list[int]
+    positions: torch.Tensor  # [T] int64 (host)
+    out_cache_loc: torch.Tensor  # [T] int64
+    qo_lens: list[int]
+    kv_lens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @classmethod
+    def extend(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool) -> ScheduleBatch:
+        """Prefill each req's next `extend_len` tokens on top of its `kv_len` written ones."""
+        input_ids: list[int] = []
+        positions, qo_lens, kv_lens = [], [], []
+        offset = 0
+        for r in reqs:
+            start, n = r.kv_len, r.extend_len
+            input_ids.extend(r.all_ids[start : start + n])
+            positions.append(torch.arange(start, start + n, dtype=torch.int64))
+            pool.req_to_token[r.req_pool_idx, start : start + n] = out_cache_loc[offset : offset + n].to(torch.int32)
+            offset += n
+            r.kv_len = start + n
+            qo_lens.append(n)
+            kv_lens.append(r.kv_len)
+        return cls(reqs, False, input_ids, torch.cat(positions), out_cache_loc, qo_lens, kv_lens)
+
+    @classmethod
+    def decode(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool) -> ScheduleBatch:
+        """One step: each req's newest token is written at its own new slot."""
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        pool.req_to_token[rows, pos] = out_cache_loc.to(pool.req_to_token.device, torch.int32)
+        for r in reqs:
+            r.kv_len += 1
+        n = len(reqs)
+        return cls(reqs, True, [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs],
+                   pos, out_cache_loc, [1] * n, (pos + 1).tolist())

@@ -1,0 +1,122 @@
+"""ModelRunner: owns the model, the KV pools and the attention backend; turns a
+ScheduleBatch into a ForwardBatch, runs the forward and samples.
+
+It decides nothing about which requests run: that is the scheduler's job."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from sgl.cache.kv_allocator import TokenToKVPoolAllocator
+from sgl.cache.kv_pool import MHATokenToKVPool
+from sgl.cache.req_to_token_pool import ReqToTokenPool
+from sgl.kernels.attention import AttnMetadata
+from sgl.kernels.torch_attention import TorchAttentionBackend
+from sgl.log import get_logger
+from sgl.sched.batch import ScheduleBatch
+from sgl.sched.forward_batch import ForwardBatch
+from sgl.sched.sampler import SamplingBatch, sample
+from sgl.server_args import ServerArgs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_TOKENS = 65536
+
+
+def resolve_device(args: ServerArgs) -> torch.device:
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available: pass device='cpu' or run on a GPU machine")
+    return torch.device(args.device)
+
+
+def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
+    if args.dtype != "auto":
+        return _DTYPES[args.dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, model_path: str) -> None:
+        self.log = get_logger("scheduler")
+        self.device = resolve_device(args)
+        self.dtype = resolve_dtype(args, self.device)
+        if args.random_seed is not None:
+            torch.manual_seed(args.random_seed)
+        self.model, self.config = self._load(args, model_path)
+        self.vocab_size: int = self.model.vocab_size
+        self.context_length = args.context_length or int(getattr(self.config, "max_position_embeddings", 4096))
+        self.max_total_tokens = args.max_total_tokens or self._default_kv_tokens()
+        self.max_running_requests = args.max_running_requests or min(256, self.max_total_tokens)
+        m = self.model
+        self.kv_pool = MHATokenToKVPool(
+            self.max_total_tokens, m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device
+        )
+        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, self.device)
+        self.attn_backend = TorchAttentionBackend()
+        self.generator = torch.Generator(self.device)
+        self.generator.manual_seed(args.random_seed if args.random_seed is not None else 0)
+        self.log.info(
+            "model ready", device=str(self.device), dtype=str(self.dtype), kv_tokens=self.max_total_tokens,
+            context_length=self.context_length, max_running_requests=self.max_running_requests,
+        )
+
+    def _load(self, args: ServerArgs, model_path: str) -> tuple[torch.nn.Module, PretrainedConfig]:
+        if args.load_format == "null":
+            from sgl.sched.models.null import NullModel
+
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+            return NullModel(config.vocab_size, self.device), config
+        from sgl.sched.models.loader import load_model
+
+        model, config = load_model(model_path, args.load_format, self.dtype, self.device,
+                                   seed=args.random_seed or 0)
+        return model.eval(), config
+
+    def _default_kv_tokens(self) -> int:
+        m = self.model
+        per_token = MHATokenToKVPool.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(1, int(free * 0.85) // per_token)
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return max(1, min(DEFAULT_CPU_KV_TOKENS, int(ram * 0.2) // per_token))
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Run one batch; returns the sampled next token of each request ([B] int64, on the host)."""
+        dev = self.device
+        qo = torch.tensor(batch.qo_lens, dtype=torch.int32)
+        kv = torch.tensor(batch.kv_lens, dtype=torch.int32)
+        qo_indptr = torch.zeros(len(qo) + 1, dtype=torch.int32)
+        kv_indptr = torch.zeros(len(kv) + 1, dtype=torch.int32)
+        torch.cumsum(qo, 0, out=qo_indptr[1:])
+        torch.cumsum(kv, 0, out=kv_indptr[1:])
+        rows = torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64, device=dev)
+        table = self.req_to_token_pool.req_to_token[rows, : max(batch.kv_lens)]
+        kv_mask = torch.arange(table.shape[1], device=dev)[None, :] < kv.to(dev)[:, None]
+        meta = AttnMetadata(
+            is_decode=batch.is_decode,
+            qo_indptr=qo_indptr.to(dev),
+            kv_indptr=kv_indptr.to(dev),
+            kv_indices=table[kv_mask].to(torch.int64),
+            qo_lens=batch.qo_lens,
+            kv_lens=batch.kv_lens,
+        )
+        self.attn_backend.begin_forward(meta)
+        fb = ForwardBatch(
+            input_ids=torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
+            positions=batch.positions.to(dev),
+            out_cache_loc=batch.out_cache_loc.to(dev),
+            logits_indices=(qo_indptr[1:] - 1).to(dev, torch.int64),
+            attn=meta,
+            attn_backend=self.attn_backend,
+            kv_pool=self.kv_pool,
+        )
+        logits = self.model(fb)
+        sb = SamplingBatch.from_reqs(batch.reqs, self.vocab_size, dev)
+        return sample(logits, sb, self.generator).cpu()

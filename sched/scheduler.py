@@ -1,0 +1,397 @@
+"""The scheduler role: a busy loop that drains requests, admits prefills within
+the KV budget, runs decode steps, and streams token ids to the detokenizer.
+
+It owns the model runner, the KV pools and the radix cache. It never talks to
+the caller directly and never decodes text. Bad input finishes that request with
+an abort reason; it never takes the loop down."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from sgl.cache.radix_cache import RadixCache
+from sgl.log import get_logger
+from sgl.protocol import (
+    AbortReq,
+    BatchTokenIDOutput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetServerInfoReq,
+    GetServerInfoReqOutput,
+    HealthCheckOutput,
+    HealthCheckReq,
+    Message,
+    ShutdownReq,
+)
+from sgl.sched.batch import ScheduleBatch
+from sgl.sched.model_runner import ModelRunner
+from sgl.sched.policy import order_waiting
+from sgl.sched.req import Req
+from sgl.server_args import ServerArgs
+from sgl.transports.channel import Receiver, Sender
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+CLIP_MAX_NEW_TOKENS = 4096
+IDLE_POLL_S = 0.5
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, model_path: str, recv: Receiver, send: Sender) -> None:
+        self.args = args
+        self.log = get_logger("scheduler")
+        self.recv = recv
+        self.send = send
+        self.runner = ModelRunner(args, model_path)
+        self.pool = self.runner.req_to_token_pool
+        self.allocator = self.runner.allocator
+        self.tree = RadixCache(self.pool, self.allocator, disable=args.disable_radix_cache)
+        self.eos_ids = _eos_ids(self.runner.config, model_path)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.rids: dict[str, Req] = {}
+        self.outbox: list[Req] = []
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.chunk_size = args.chunked_prefill_size or self.runner.context_length
+        self.strict = os.environ.get("SGL_STRICT_INVARIANTS") == "1"
+        self.invariant_violations = 0
+        self.checked_idle = False
+        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "retractions": 0, "cached_tokens": 0}
+
+    # ---- info ------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        r = self.runner
+        return {
+            "model_path": self.args.model_path,
+            "device": str(r.device),
+            "dtype": str(r.dtype).removeprefix("torch."),
+            "vocab_size": r.vocab_size,
+            "context_length": r.context_length,
+            "max_total_tokens": r.max_total_tokens,
+            "max_running_requests": r.max_running_requests,
+            "eos_token_ids": sorted(self.eos_ids),
+            "kv_free": self.allocator.available_size(),
+            "kv_evictable": self.tree.evictable_size(),
+            "kv_protected": self.tree.protected_size(),
+            "running": len(self.running) + (self.chunked_req is not None),
+            "waiting": len(self.waiting),
+            "invariant_violations": self.invariant_violations,
+            **self.stats,
+        }
+
+    # ---- the loop --------------------------------------------------------------
+
+    def run(self) -> None:
+        while True:
+            busy = bool(self.waiting or self.running or self.chunked_req)
+            if busy:
+                msgs = self.recv.recv_all_nowait()
+            else:
+                self._on_idle()
+                first = self.recv.recv(IDLE_POLL_S)
+                msgs = [first, *self.recv.recv_all_nowait()] if first is not None else []
+            for msg in msgs:
+                if isinstance(msg, ShutdownReq):
+                    self.send.send(msg)
+                    return
+                self.handle(msg)
+            self.step()
+            self._flush_outbox()
+
+    def step(self) -> None:
+        batch = self._prefill_batch()
+        if batch is None and self.running:
+            batch = self._decode_batch()
+        if batch is None:
+            return
+        next_ids = self.runner.forward(batch)
+        self._process(batch, next_ids.tolist())
+
+    # ---- input -----------------------------------------------------------------
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, GenerateReqInput):
+            self._add(msg)
+        elif isinstance(msg, AbortReq):
+            self._abort(msg.rid, "aborted by the client")
+        elif isinstance(msg, FlushCacheReq):
+            self.send.send(self._flush_cache())
+        elif isinstance(msg, GetServerInfoReq):
+            self.send.send(GetServerInfoReqOutput(info=self.info()))
+        elif isinstance(msg, HealthCheckReq):
+            self.send.send(HealthCheckOutput(ok=True))
+        else:
+            self.log.warning("ignored unexpected message", type=type(msg).__name__)
+
+    def _add(self, msg: GenerateReqInput) -> None:
+        req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.stream)
+        self.checked_idle = False
+        error = self._validate(req)
+        if error is not None:
+            self._finish(req, {"type": "abort", "message": error})
+            return
+        if req.sampling_params.seed is not None:
+            req.generator = torch.Generator(self.runner.device)
+            req.generator.manual_seed(req.sampling_params.seed)
+        self.rids[req.rid] = req
+        if req.sampling_params.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        self.waiting.append(req)
+
+    def _validate(self, req: Req) -> str | None:
+        n, r = len(req.origin_input_ids), self.runner
+        if req.rid in self.rids:
+            return f"duplicate request id {req.rid!r}: a request with this rid is still running"
+        if n == 0:
+            return "input_ids is empty: a request needs at least one token"
+        if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= r.vocab_size:
+            return f"input_ids contains ids outside the vocabulary [0, {r.vocab_size})"
+        if n >= r.context_length:
+            return f"the prompt has {n} tokens, which leaves no room in the context length of {r.context_length}"
+        if n + 1 > r.max_total_tokens:
+            return f"the prompt has {n} tokens but the KV cache holds only {r.max_total_tokens}: it can never fit"
+        return None
+
+    def _abort(self, rid: str, message: str) -> None:
+        req = self.rids.get(rid)
+        if req is None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._finish(req, {"type": "abort", "message": message})
+            return
+        if req is self.chunked_req:
+            self.chunked_req = None
+        elif req in self.running:
+            self.running.remove(req)
+        self._finish(req, {"type": "abort", "message": message})
+
+    def _flush_cache(self) -> FlushCacheReqOutput:
+        if self.waiting or self.running or self.chunked_req:
+            return FlushCacheReqOutput(False, "cannot flush the cache while requests are running or waiting")
+        self.tree.reset()
+        return FlushCacheReqOutput(True)
+
+    # ---- batching --------------------------------------------------------------
+
+    def _available(self) -> int:
+        return self.allocator.available_size() + self.tree.evictable_size()
+
+    def _reserved(self) -> int:
+        """KV the running requests are expected to still need."""
+        return sum(
+            int(min(r.sampling_params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+            for r in self.running
+        )
+
+    def _prefill_batch(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        budget = self.args.max_prefill_tokens
+        chunk_left = self.chunk_size
+        room = self._available() - self._reserved()
+        admitted: list[Req] = []
+        if (req := self.chunked_req) is not None:
+            n = min(req.seq_len - req.kv_len, chunk_left)
+            if n > room:
+                return None
+            req.extend_len = n
+            admitted.append(req)
+            chunk_left -= n
+            budget -= n
+            room -= n
+            self.chunked_req = None if req.kv_len + n == req.seq_len else req
+        if self.chunked_req is None:
+            n_running = len(self.running)
+            for req in order_waiting(self.waiting, self.args.schedule_policy, self.tree):
+                if chunk_left <= 0 or budget <= 0 or n_running + len(admitted) >= self.runner.max_running_requests:
+                    break
+                if self.pool.available_size() == 0:
+                    break
+                ids = req.all_ids
+                match = self.tree.match_prefix(ids[: len(ids) - 1])
+                prefix = match.indices
+                todo = len(ids) - len(prefix)
+                n = min(todo, chunk_left)
+                future = min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+                need = n + (int(future * self.new_token_ratio) if n == todo else 0)
+                if need > room and (admitted or self.running):
+                    break  # waits until running requests finish or retract
+                if n > self._available():
+                    break  # alone: admitted with no reserve, as long as its tokens fit
+                self._admit(req, match, n)
+                admitted.append(req)
+                room -= need
+                budget -= n
+                chunk_left -= n
+                if n < todo:
+                    self.chunked_req = req
+                    break
+            for req in admitted:
+                if req in self.waiting:
+                    self.waiting.remove(req)
+        if not admitted:
+            return None
+        total = sum(r.extend_len for r in admitted)
+        loc = self._alloc(total)
+        if loc is None:  # cannot happen: admission kept within available + evictable
+            raise RuntimeError(f"KV allocation of {total} failed after admission")
+        self.stats["prefill_tokens"] += total
+        return ScheduleBatch.extend(admitted, loc, self.pool)
+
+    def _admit(self, req: Req, match: Any, n: int) -> None:
+        req.req_pool_idx = self.pool.alloc()
+        prefix = match.indices
+        self.tree.inc_lock_ref(match.last_node)
+        req.prefix_indices = prefix
+        req.last_node = match.last_node
+        if len(prefix):
+            self.pool.req_to_token[req.req_pool_idx, : len(prefix)] = prefix.to(torch.int32)
+        req.kv_len = len(prefix)
+        req.cached_tokens = max(req.cached_tokens, len(prefix)) if req.retractions == 0 else req.cached_tokens
+        req.extend_len = n
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        short = n - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        return self.allocator.alloc(n)
+
+    def _decode_batch(self) -> ScheduleBatch | None:
+        while self.running:
+            loc = self._alloc(len(self.running))
+            if loc is not None:
+                break
+            self._retract_one()
+        else:
+            return None
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.stats["decode_steps"] += 1
+        return ScheduleBatch.decode(self.running, loc, self.pool)
+
+    def _retract_one(self) -> None:
+        """Out of KV in decode: send the request with the least progress back to the queue."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        self.running.remove(victim)
+        self.stats["retractions"] += 1
+        if not self.running and not self.waiting:
+            # Alone and still out of memory: it can never finish.
+            self._finish(victim, {"type": "abort", "message": "out of KV cache memory: the request cannot fit"})
+            return
+        self._release(victim, cache=False)
+        victim.retractions += 1
+        self.waiting.insert(0, victim)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        self.log.info("retracted", rid=victim.rid, output_len=len(victim.output_ids))
+
+    # ---- results ---------------------------------------------------------------
+
+    def _process(self, batch: ScheduleBatch, next_ids: list[int]) -> None:
+        for req, tok in zip(batch.reqs, next_ids):
+            if not batch.is_decode and req.kv_len < req.seq_len:
+                self.tree.cache_unfinished_req(req)  # a middle chunk: no token yet
+                continue
+            req.output_ids.append(tok)
+            reason = self._finish_reason(req, tok)
+            if not batch.is_decode:
+                self.running.append(req)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+            elif req.stream:
+                self.outbox.append(req)
+
+    def _finish_reason(self, req: Req, tok: int) -> dict[str, Any] | None:
+        p = req.sampling_params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            return {"type": "stop", "matched": tok}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if req.seq_len >= self.runner.context_length:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _release(self, req: Req, cache: bool) -> None:
+        """Give back the request's row and KV: into the radix tree, or freed outright."""
+        if req.req_pool_idx is None:
+            return
+        if cache:
+            self.tree.cache_finished_req(req)
+        else:
+            row = req.req_pool_idx
+            own = self.pool.req_to_token[row, len(req.prefix_indices) : req.kv_len].to(torch.int64)
+            self.allocator.free(own)
+            self.tree.dec_lock_ref(req.last_node)
+            self.pool.free(row)
+            req.req_pool_idx = None
+        req.prefix_indices = req.prefix_indices[:0]
+        req.last_node = None
+        req.kv_len = 0
+
+    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
+        req.finished_reason = reason
+        self._release(req, cache=reason["type"] != "abort")
+        self.rids.pop(req.rid, None)
+        self.outbox.append(req)
+
+    def _flush_outbox(self) -> None:
+        if not self.outbox:
+            return
+        reqs, self.outbox = self.outbox, []
+        out = BatchTokenIDOutput([], [], [], [], [], [], [], [])
+        for r in reqs:
+            out.rids.append(r.rid)
+            out.new_ids.append(r.output_ids[r.sent_len :])
+            r.sent_len = len(r.output_ids)
+            out.finished_reasons.append(r.finished_reason)
+            out.prompt_tokens.append(len(r.origin_input_ids))
+            out.completion_tokens.append(len(r.output_ids))
+            out.cached_tokens.append(r.cached_tokens)
+            out.skip_special_tokens.append(r.sampling_params.skip_special_tokens)
+            out.spaces_between_special_tokens.append(r.sampling_params.spaces_between_special_tokens)
+        self.send.send(out)
+
+    # ---- accounting ------------------------------------------------------------
+
+    def _on_idle(self) -> None:
+        if self.checked_idle:
+            return
+        self.checked_idle = True
+        try:
+            self.tree.check_invariants(None)
+            if self.pool.available_size() != self.pool.size:
+                raise AssertionError(f"{self.pool.size - self.pool.available_size()} request rows held while idle")
+        except AssertionError as e:
+            self.invariant_violations += 1
+            self.log.error("KV accounting is broken", error=str(e))
+            if self.strict:
+                raise
+
+
+def _eos_ids(config: Any, model_path: str) -> set[int]:
+    ids: set[int] = set()
+    for src in (config, _generation_config(model_path)):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def _generation_config(model_path: str) -> Any:
+    try:
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,347 @@
+"""The public engines.
+
+`AsyncEngine` is for code already inside an event loop: its tokenizer manager
+runs on the caller's loop, no threads drive it. `Engine` is for scripts, REPLs
+and notebooks: it owns a private event loop on one background thread and runs
+the AsyncEngine there, so it works even where the caller's thread already has a
+running loop. Both start the scheduler and detokenizer roles (processes, or
+threads under inproc) and shut them down at exit."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import queue
+import shutil
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from sgl.launch import RoleHandle, Watchdog, start_roles, wait_all
+from sgl.log import configure, get_logger
+from sgl.protocol import ShutdownReq
+from sgl.roles import ChildConfig
+from sgl.server_args import ServerArgs
+from sgl.tokenizer_manager import EngineDeadError, TokenizerManager
+from sgl.transports.factory import make_addresses, open_receiver, open_sender
+
+__all__ = ["AsyncEngine", "Engine", "EngineDeadError"]
+
+
+def resolve_model_path(args: ServerArgs) -> str:
+    if args.model_path is not None:
+        if not os.path.exists(args.model_path):
+            raise FileNotFoundError(
+                f"model_path={args.model_path!r} does not exist: pass a Hugging Face model directory or a .gguf file"
+            )
+        return args.model_path
+    from sgl.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+class AsyncEngine:
+    """`async with AsyncEngine(model_path) as e: out = await e.generate("Hi")`."""
+
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        configure(self.args.log_level)
+        self.log = get_logger("engine")
+        self._closed = False
+        self._roles: list[RoleHandle] = []
+        self.model_path = resolve_model_path(self.args)
+        tokenizer_path = self.args.tokenizer_path or self.model_path
+        tokenizer = None
+        if not self.args.skip_tokenizer_init:
+            from sgl.hf import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer_path, self.args.trust_remote_code)
+        self.tokenizer = tokenizer
+        self.addresses = make_addresses(self.args.transport, self.args.host)
+        recv = open_receiver(self.addresses.to_tokenizer)
+        cfgs = [
+            ChildConfig(role, self.args, self.model_path, tokenizer_path, self.addresses)
+            for role in ("scheduler", "detokenizer")
+        ]
+        try:
+            self._roles, infos = start_roles(cfgs, in_threads=self.args.transport == "inproc")
+        except BaseException:
+            recv.close()
+            self._remove_ipc_dir()
+            raise
+        self.info = infos["scheduler"]
+        self.tm = TokenizerManager(tokenizer, open_sender(self.addresses.to_scheduler), recv,
+                                   self.info["context_length"], self.info["vocab_size"])
+        self._watchdog = Watchdog(self._roles, self.args.watchdog_interval, self._on_role_death)
+        self._watchdog.start()
+        atexit.register(self.shutdown)
+        self.log.info("engine ready", model=self.model_path, transport=self.args.transport)
+
+    # ---- generation ------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """One dict for one prompt; a list of dicts, in order, for a batch."""
+        items = _split_batch(prompt, input_ids, sampling_params, rid)
+        if items is None:
+            return await self._one(prompt, input_ids, sampling_params, rid)  # type: ignore[arg-type]
+        tasks = [asyncio.ensure_future(self._one(*it)) for it in items]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    async def _one(self, prompt: str | None, input_ids: list[int] | None, sp: Any, rid: str | None) -> dict[str, Any]:
+        self._check_open()
+        gen = self.tm.generate(prompt, input_ids, sp, rid, stream=False)
+        try:
+            return await gen.__anext__()
+        finally:
+            await gen.aclose()
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        input_ids: list[int] | None = None,
+        rid: str | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Delta chunks: each holds the new text and ids; the last has a finish_reason.
+        Leaving the loop early aborts the request."""
+        self._check_open()
+        gen = self.tm.generate(prompt, input_ids, sampling_params, rid, stream=True)
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:
+            await gen.aclose()
+
+    async def abort(self, rid: str) -> None:
+        self.tm.abort(rid)
+
+    async def flush_cache(self) -> dict[str, Any]:
+        out = await self.tm.flush_cache()
+        return {"success": out.success, "message": out.message}
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self.tm.server_info()
+
+    async def health(self) -> bool:
+        return await self.tm.health()
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine has been shut down")
+
+    def _on_role_death(self, handle: RoleHandle) -> None:
+        err = EngineDeadError(
+            f"the {handle.name} {handle.exit_description()}; every pending request failed. "
+            "Check the log above for its error, then start a new engine."
+        )
+        self.log.error("role died", role=handle.name, how=handle.exit_description())
+        self.tm.fail_all(err)
+        for h in self._roles:  # the engine is unusable now: leave no orphan behind
+            if h is not handle and hasattr(h, "proc") and h.alive():
+                h.proc.kill()
+
+    def _remove_ipc_dir(self) -> None:
+        if self.addresses.ipc_dir:
+            shutil.rmtree(self.addresses.ipc_dir, ignore_errors=True)
+
+    def shutdown(self) -> None:
+        """Stop the roles and free every resource; safe to call twice and at exit."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watchdog.stop()
+        try:
+            if self.tm.dead is None:
+                self.tm.send.send(ShutdownReq())
+        finally:
+            wait_all(self._roles, timeout=10)
+            self.tm.fail_all(EngineDeadError("the engine was shut down"))
+            self.tm.send.close()
+            self.tm.recv.close()
+            self._remove_ipc_dir()
+            atexit.unregister(self.shutdown)
+
+    async def aclose(self) -> None:
+        await self.tm.close()
+        self.shutdown()
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[Any, Any, Any, Any]] | None:
+    """Per-item arguments when the call is a batch, None when it is one request."""
+    if isinstance(prompt, list):
+        n, prompts, ids = len(prompt), prompt, [None] * len(prompt)
+    elif isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        n, prompts, ids = len(input_ids), [None] * len(input_ids), input_ids
+    else:
+        return None
+    if n == 0:
+        raise ValueError("prompt: an empty batch")
+    sps = sp if isinstance(sp, list) else [sp] * n
+    rids = rid if isinstance(rid, list) else [None] * n if rid is None else None
+    if rids is None:
+        raise ValueError("rid: a batch needs a list of rids, one per prompt")
+    if len(sps) != n or len(rids) != n:
+        raise ValueError(f"sampling_params/rid: a batch of {n} needs {n} of each")
+    return list(zip(prompts, ids, sps, rids))
+
+
+class _Done:
+    pass
+
+
+class Engine:
+    """The synchronous engine for scripts, REPLs and notebooks.
+
+    `Engine(model_path=None, transport="ipc", **server_args)`; `generate` returns a
+    dict (a list for a batch) or, with `stream=True`, an iterator of delta chunks."""
+
+    def __init__(self, model_path: str | None = None, transport: str = "ipc", **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sgl-engine-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self._engine = AsyncEngine(model_path, transport=transport, **kwargs)
+        except BaseException:
+            self._stop_loop()
+            raise
+        atexit.register(self.shutdown)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    @property
+    def server_args(self) -> ServerArgs:
+        return self._engine.args
+
+    def _run(self, coro: Any) -> Any:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("this engine has been shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> Any:
+        if stream:
+            return self._stream(prompt, sampling_params, input_ids, rid)
+        return self._run(self._engine.generate(prompt, sampling_params, input_ids, rid))
+
+    def _stream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any) -> Iterator[dict[str, Any]]:
+        q: queue.Queue[Any] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for chunk in self._engine.stream(prompt, sp, input_ids, rid):
+                    q.put(chunk)
+            except BaseException as e:  # noqa: BLE001 - handed to the consuming thread
+                q.put(e)
+            finally:
+                q.put(_Done)
+
+        if self._closed:
+            raise RuntimeError("this engine has been shut down")
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := q.get()) is not _Done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not fut.done():
+                self._loop.call_soon_threadsafe(fut.cancel)
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> Any:
+        """The awaitable twin of `generate`; with `stream=True` it returns an async iterator."""
+        if stream:
+            return self._astream(prompt, sampling_params, input_ids, rid)
+        fut = asyncio.run_coroutine_threadsafe(
+            self._engine.generate(prompt, sampling_params, input_ids, rid), self._loop
+        )
+        return await asyncio.wrap_future(fut)
+
+    async def _astream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any) -> AsyncIterator[dict[str, Any]]:
+        caller = asyncio.get_running_loop()
+        q: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for chunk in self._engine.stream(prompt, sp, input_ids, rid):
+                    caller.call_soon_threadsafe(q.put_nowait, chunk)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's loop
+                caller.call_soon_threadsafe(q.put_nowait, e)
+            finally:
+                caller.call_soon_threadsafe(q.put_nowait, _Done)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := await q.get()) is not _Done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not fut.done():
+                self._loop.call_soon_threadsafe(fut.cancel)
+
+    def abort(self, rid: str) -> None:
+        self._run(self._engine.abort(rid))
+
+    def flush_cache(self) -> dict[str, Any]:
+        return self._run(self._engine.flush_cache())
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self._run(self._engine.get_server_info())
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._run(self._engine.aclose())
+        finally:
+            self._closed = True
+            self._stop_loop()
+            atexit.unregister(self.shutdown)
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

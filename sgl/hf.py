@@ -1,0 +1,18 @@
+"""Loading Hugging Face tokenizers from a model directory or a .gguf file, offline."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if path.endswith(".gguf"):
+        d, name = os.path.split(os.path.abspath(path))
+        return AutoTokenizer.from_pretrained(d, gguf_file=name)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} is not a directory: pass a Hugging Face model directory or a .gguf file")
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

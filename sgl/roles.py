@@ -1,0 +1,61 @@
+"""What a child role runs: build the scheduler or the detokenizer from a
+ChildConfig, report readiness (or the startup error) once, then loop.
+
+The same function runs in a child process (`python -m sgl.child`) and, for the
+inproc transport, on a thread of the caller's process."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any, Literal
+
+import msgspec
+
+from sgl.log import get_logger
+from sgl.server_args import ServerArgs
+from sgl.transports.factory import Addresses, open_receiver, open_sender
+
+Role = Literal["scheduler", "detokenizer"]
+
+
+class ChildConfig(msgspec.Struct, frozen=True):
+    role: Role
+    server_args: ServerArgs
+    model_path: str
+    tokenizer_path: str | None
+    addresses: Addresses
+
+
+def run_role(cfg: ChildConfig, report: Callable[[dict[str, Any]], None]) -> None:
+    """Build the role, report {"status": "ready", "info": ...} or {"status": "error", ...}, then run."""
+    log = get_logger(cfg.role)
+    try:
+        role = _build(cfg)
+    except BaseException as e:
+        report({"status": "error", "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()})
+        return
+    report({"status": "ready", "info": role.info() if hasattr(role, "info") else {}})
+    try:
+        role.run()
+    except Exception:
+        log.exception("role crashed")
+        raise
+    finally:
+        role.recv.close()
+        role.send.close()
+
+
+def _build(cfg: ChildConfig) -> Any:
+    a = cfg.addresses
+    if cfg.role == "scheduler":
+        from sgl.sched.scheduler import Scheduler
+
+        recv = open_receiver(a.to_scheduler)
+        return Scheduler(cfg.server_args, cfg.model_path, recv, open_sender(a.to_detokenizer))
+    from sgl.detokenizer import Detokenizer
+    from sgl.hf import load_tokenizer
+
+    tok = None if cfg.server_args.skip_tokenizer_init else load_tokenizer(cfg.tokenizer_path or cfg.model_path)
+    recv = open_receiver(a.to_detokenizer)
+    return Detokenizer(tok, recv, open_sender(a.to_tokenizer))

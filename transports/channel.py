@@ -1,0 +1,43 @@
+"""The channel interface: a one-directional, typed pipe of protocol messages.
+
+A Sender and a Receiver are made from one address by `open_sender` /
+`open_receiver`; the receiving end binds, the sending end connects. Receivers
+drop malformed frames (logged) and keep working."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from sgl.protocol import Message
+
+
+class Sender(ABC):
+    @abstractmethod
+    def send(self, msg: Message) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Receiver(ABC):
+    @abstractmethod
+    def recv(self, timeout: float | None = None) -> Message | None:
+        """The next message; None when `timeout` seconds pass first (None: wait forever)."""
+
+    def recv_all_nowait(self) -> list[Message]:
+        """Every message already waiting, without blocking."""
+        out: list[Message] = []
+        while (msg := self.recv(0)) is not None:
+            out.append(msg)
+        return out
+
+    @abstractmethod
+    async def recv_async(self) -> Message:
+        """The next message, awaited on the running event loop (no thread hops)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class ChannelClosed(RuntimeError):
+    """The channel was closed while a receiver waited on it."""

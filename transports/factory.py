@@ -1,0 +1,69 @@
+"""Addresses and channel construction for the three transports.
+
+`make_addresses` picks the three channel addresses of one engine; `open_sender`
+and `open_receiver` turn an address into a channel by its scheme
+(inproc://, ipc://, tcp://)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import uuid
+
+import msgspec
+
+from sgl.transports.channel import Receiver, Sender
+
+
+class Addresses(msgspec.Struct, frozen=True):
+    to_scheduler: str  # tokenizer manager -> scheduler
+    to_detokenizer: str  # scheduler -> detokenizer
+    to_tokenizer: str  # detokenizer -> tokenizer manager
+    ipc_dir: str | None = None  # private socket folder to remove at shutdown
+
+
+def _free_tcp_ports(host: str, n: int) -> list[int]:
+    """n distinct free ports: all held open until each is picked."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def make_addresses(transport: str, host: str = "127.0.0.1") -> Addresses:
+    if transport == "inproc":
+        tag = uuid.uuid4().hex
+        return Addresses(f"inproc://{tag}/sched", f"inproc://{tag}/detok", f"inproc://{tag}/tok")
+    if transport == "ipc":
+        d = tempfile.mkdtemp(prefix="sgl-")
+        os.chmod(d, 0o700)
+        return Addresses(f"ipc://{d}/sched", f"ipc://{d}/detok", f"ipc://{d}/tok", ipc_dir=d)
+    if transport == "tcp":
+        ports = _free_tcp_ports(host, 3)
+        return Addresses(*(f"tcp://{host}:{p}" for p in ports))
+    raise ValueError(f"transport={transport!r} is invalid: must be 'inproc', 'ipc' or 'tcp'")
+
+
+def open_sender(address: str) -> Sender:
+    if address.startswith("inproc://"):
+        from sgl.transports.inproc import InprocSender
+
+        return InprocSender(address)
+    from sgl.transports.zmq_channel import ZmqSender
+
+    return ZmqSender(address)
+
+
+def open_receiver(address: str) -> Receiver:
+    if address.startswith("inproc://"):
+        from sgl.transports.inproc import InprocReceiver
+
+        return InprocReceiver(address)
+    from sgl.transports.zmq_channel import ZmqReceiver
+
+    return ZmqReceiver(address)

@@ -1,0 +1,79 @@
+"""ZMQ channels: PUSH/PULL over `ipc://` (one machine) or `tcp://` (across hosts).
+
+The receiver binds and the sender connects. A frame that fails to decode is
+logged and dropped; the socket keeps working. Async receive shadows the same
+socket with zmq.asyncio, so it runs on the caller's loop without threads."""
+
+from __future__ import annotations
+
+import zmq
+import zmq.asyncio
+
+import structlog
+
+from sgl.protocol import Message
+from sgl.transports.channel import Receiver, Sender
+from sgl.transports.codec import MAX_FRAME_BYTES, Codec, DecodeError
+
+log = structlog.get_logger("sgl.transport")
+
+
+class ZmqSender(Sender):
+    def __init__(self, address: str) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.LINGER, 1000)  # let a final shutdown message out
+        self._sock.connect(address)
+        self._codec = Codec()
+
+    def send(self, msg: Message) -> None:
+        self._sock.send(self._codec.encode(msg), copy=False)
+
+    def send_raw(self, frame: bytes) -> None:
+        """Send bytes as they are (tests of malformed frames)."""
+        self._sock.send(frame)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class ZmqReceiver(Receiver):
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(address)
+        if address.endswith(":0") or address.endswith(":*"):
+            self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._async: zmq.asyncio.Socket | None = None
+        self._codec = Codec()
+
+    def _decode(self, frame: bytes) -> Message | None:
+        try:
+            return self._codec.decode(frame)
+        except DecodeError as e:
+            log.warning("dropped malformed frame", address=self.address, error=str(e))
+            return None
+
+    def recv(self, timeout: float | None = None) -> Message | None:
+        while True:
+            if timeout is not None and not self._sock.poll(int(timeout * 1000)):
+                return None
+            msg = self._decode(self._sock.recv())
+            if msg is not None:
+                return msg
+            if timeout == 0:
+                return None
+
+    async def recv_async(self) -> Message:
+        if self._async is None:
+            self._async = zmq.asyncio.Socket.from_socket(self._sock)
+        while True:
+            msg = self._decode(await self._async.recv())
+            if msg is not None:
+                return msg
+
+    def close(self) -> None:
+        self._sock.close()
