@@ -276,7 +276,7 @@ class Scheduler:
             return None
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.stats["decode_steps"] += 1
-        return ScheduleBatch.decode(self.running, loc, self.pool)
+        return ScheduleBatch.decode(list(self.running), loc, self.pool)
 
     def _retract_one(self) -> None:
         """Out of KV in decode: send the request with the least progress back to the queue."""

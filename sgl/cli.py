@@ -1,0 +1,65 @@
+"""The `sgl` command line. `sgl generate "PROMPT"` runs one request on an engine
+and prints the answer (the chat template applied when the model has one)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from sgl.engine import Engine
+
+    kwargs: dict[str, Any] = {"transport": ns.transport, "log_level": ns.log_level}
+    if ns.load_format:
+        kwargs["load_format"] = ns.load_format
+    if ns.dtype:
+        kwargs["dtype"] = ns.dtype
+    with Engine(ns.model_path, **kwargs) as engine:
+        prompt = ns.prompt
+        tok = engine.tokenizer
+        if not ns.raw and tok is not None and getattr(tok, "chat_template", None):
+            prompt = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
+        if ns.stream:
+            for chunk in engine.generate(prompt, params, stream=True):
+                sys.stdout.write(chunk["text"])
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        else:
+            print(engine.generate(prompt, params)["text"])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sgl", description="sgl: a compact LLM serving engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("prompt")
+    g.add_argument("--model-path", default=None, help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--transport", choices=["inproc", "ipc", "tcp"], default="ipc")
+    g.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    g.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy", "null"], default=None)
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None)
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
+    g.set_defaults(func=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"sgl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

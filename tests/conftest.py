@@ -1,0 +1,70 @@
+"""Shared fixtures: strict KV accounting in every scheduler, offline Hugging Face,
+and small model directories made on the fly."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Inherited by every child role: the scheduler raises (and dies) on broken KV accounting.
+os.environ["SGL_STRICT_INVARIANTS"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TRANSPORTS = ["inproc", "ipc", "tcp"]
+NULL_VOCAB = 1000
+
+
+@pytest.fixture(scope="session")
+def null_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A config-only model directory for the null model (no tokenizer: input_ids only)."""
+    d = tmp_path_factory.mktemp("null-model")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": NULL_VOCAB,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "eos_token_id": NULL_VOCAB - 1,
+        "bos_token_id": 0,
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def assert_kv_balanced(info: dict[str, Any]) -> None:
+    """Idle scheduler: every KV slot is free or in the radix tree, nothing is locked."""
+    assert info["running"] == 0 and info["waiting"] == 0, info
+    assert info["kv_protected"] == 0, info
+    assert info["kv_free"] + info["kv_evictable"] == info["max_total_tokens"], info
+    assert info["invariant_violations"] == 0, info
+
+
+def null_continuation(last: int, n: int) -> list[int]:
+    from sgl.sched.models.null import null_next_token
+
+    out = []
+    for _ in range(n):
+        last = null_next_token(last, NULL_VOCAB)
+        out.append(last)
+    return out
+
+
+def tiny_model_dir(base: Path, arch: str, vocab: int, seed: int = 0, **overrides: Any) -> str:
+    """A tiny random Hugging Face model saved as safetensors (float32)."""
+    import torch
+    import transformers
+
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[arch]
+    kw: dict[str, Any] = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                              eos_token_id=vocab - 1, bos_token_id=0, tie_word_embeddings=False)
+    kw.update(overrides)
+    config = cfg_cls(**kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    d = base / f"{arch}-{seed}"
+    model.save_pretrained(d, safe_serialization=True)
+    return str(d)
