@@ -3,7 +3,9 @@ decode step) and the KV bookkeeping that goes with it.
 
 Allocation is decided by the scheduler before a batch is built: building a
 batch writes the new slots into req_to_token and advances each request's
-kv_len, never allocates behind the scheduler's back."""
+kv_len, never allocates behind the scheduler's back. Everything a forward reads
+of the request state is copied here at build time, so the overlap loop may
+mutate requests while the batch runs."""
 
 from __future__ import annotations
 
@@ -19,21 +21,24 @@ from sgl.sched.req import Req
 class ScheduleBatch:
     reqs: list[Req]
     is_decode: bool
-    input_ids: list[int]
+    input_ids: list[int] | None  # None for decode: each row's input is its last sampled token, on the device
+    rows: list[int]  # req_to_token rows
     positions: torch.Tensor  # [T] int64 (host)
     out_cache_loc: torch.Tensor  # [T] int64
     qo_lens: list[int]
     kv_lens: list[int]
+    epochs: list[int]  # each req's epoch at build time
+    partial: list[bool]  # prefill chunks that do not reach the end of the request: no token
 
     @property
     def num_tokens(self) -> int:
-        return len(self.input_ids)
+        return int(self.positions.shape[0])
 
     @classmethod
     def extend(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool) -> ScheduleBatch:
         """Prefill each req's next `extend_len` tokens on top of its `kv_len` written ones."""
         input_ids: list[int] = []
-        positions, qo_lens, kv_lens = [], [], []
+        positions, qo_lens, kv_lens, partial = [], [], [], []
         offset = 0
         for r in reqs:
             start, n = r.kv_len, r.extend_len
@@ -44,16 +49,18 @@ class ScheduleBatch:
             r.kv_len = start + n
             qo_lens.append(n)
             kv_lens.append(r.kv_len)
-        return cls(reqs, False, input_ids, torch.cat(positions), out_cache_loc, qo_lens, kv_lens)
+            partial.append(r.kv_len < r.seq_len)
+        return cls(reqs, False, input_ids, [r.req_pool_idx for r in reqs], torch.cat(positions), out_cache_loc,
+                   qo_lens, kv_lens, [r.epoch for r in reqs], partial)
 
     @classmethod
     def decode(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool) -> ScheduleBatch:
         """One step: each req's newest token is written at its own new slot."""
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        rows = [r.req_pool_idx for r in reqs]
         pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        pool.req_to_token[rows, pos] = out_cache_loc.to(pool.req_to_token.device, torch.int32)
+        pool.req_to_token[torch.tensor(rows), pos] = out_cache_loc.to(pool.req_to_token.device, torch.int32)
         for r in reqs:
             r.kv_len += 1
         n = len(reqs)
-        return cls(reqs, True, [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs],
-                   pos, out_cache_loc, [1] * n, (pos + 1).tolist())
+        return cls(reqs, True, None, rows, pos, out_cache_loc, [1] * n, (pos + 1).tolist(),
+                   [r.epoch for r in reqs], [False] * n)

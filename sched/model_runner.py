@@ -6,6 +6,7 @@ It decides nothing about which requests run: that is the scheduler's job."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -58,6 +59,8 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, self.device)
         self.attn_backend = TorchAttentionBackend()
+        # The future-token buffer: the last sampled token of each request row.
+        self.next_token = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(args.random_seed if args.random_seed is not None else 0)
         self.log.info(
@@ -86,9 +89,9 @@ class ModelRunner:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return max(1, min(DEFAULT_CPU_KV_TOKENS, int(ram * 0.2) // per_token))
 
-    @torch.inference_mode()
-    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Run one batch; returns the sampled next token of each request ([B] int64, on the host)."""
+    def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
+        """Host side, at build time: every tensor the forward needs, copied from the
+        request state so that the scheduler may change it while the batch runs."""
         dev = self.device
         qo = torch.tensor(batch.qo_lens, dtype=torch.int32)
         kv = torch.tensor(batch.kv_lens, dtype=torch.int32)
@@ -96,7 +99,7 @@ class ModelRunner:
         kv_indptr = torch.zeros(len(kv) + 1, dtype=torch.int32)
         torch.cumsum(qo, 0, out=qo_indptr[1:])
         torch.cumsum(kv, 0, out=kv_indptr[1:])
-        rows = torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64, device=dev)
+        rows = torch.tensor(batch.rows, dtype=torch.int64, device=dev)
         table = self.req_to_token_pool.req_to_token[rows, : max(batch.kv_lens)]
         kv_mask = torch.arange(table.shape[1], device=dev)[None, :] < kv.to(dev)[:, None]
         meta = AttnMetadata(
@@ -107,16 +110,45 @@ class ModelRunner:
             qo_lens=batch.qo_lens,
             kv_lens=batch.kv_lens,
         )
-        self.attn_backend.begin_forward(meta)
-        fb = ForwardBatch(
-            input_ids=torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
+        ids = None if batch.input_ids is None else torch.tensor(batch.input_ids, dtype=torch.int64, device=dev)
+        return PreparedBatch(
+            rows=rows,
+            input_ids=ids,
             positions=batch.positions.to(dev),
             out_cache_loc=batch.out_cache_loc.to(dev),
             logits_indices=(qo_indptr[1:] - 1).to(dev, torch.int64),
             attn=meta,
+            sampling=SamplingBatch.from_reqs(batch.reqs, self.vocab_size, dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, p: PreparedBatch) -> torch.Tensor:
+        """Run one prepared batch (on the overlap worker, or inline); returns the sampled
+        next token of each request as a host tensor, which is the loop's one sync."""
+        # Decode inputs are the tokens the previous step sampled, still on the device.
+        input_ids = self.next_token[p.rows] if p.input_ids is None else p.input_ids
+        self.attn_backend.begin_forward(p.attn)
+        fb = ForwardBatch(
+            input_ids=input_ids,
+            positions=p.positions,
+            out_cache_loc=p.out_cache_loc,
+            logits_indices=p.logits_indices,
+            attn=p.attn,
             attn_backend=self.attn_backend,
             kv_pool=self.kv_pool,
         )
         logits = self.model(fb)
-        sb = SamplingBatch.from_reqs(batch.reqs, self.vocab_size, dev)
-        return sample(logits, sb, self.generator).cpu()
+        next_ids = sample(logits, p.sampling, self.generator)
+        self.next_token[p.rows] = next_ids
+        return next_ids.cpu()
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    rows: torch.Tensor
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    logits_indices: torch.Tensor
+    attn: AttnMetadata
+    sampling: SamplingBatch

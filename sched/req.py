@@ -19,7 +19,7 @@ class Req:
     __slots__ = (
         "rid", "origin_input_ids", "sampling_params", "stream", "output_ids", "req_pool_idx",
         "prefix_indices", "last_node", "kv_len", "extend_len", "finished_reason", "sent_len",
-        "cached_tokens", "generator", "to_abort", "retractions",
+        "cached_tokens", "generator", "to_abort", "retractions", "inflight", "epoch",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool) -> None:
@@ -39,6 +39,8 @@ class Req:
         self.generator: torch.Generator | None = None
         self.to_abort: str | None = None
         self.retractions = 0
+        self.inflight = 0  # launched batches holding this request whose results are not processed yet
+        self.epoch = 0  # bumped on retraction: results launched before it are stale
 
     @property
     def all_ids(self) -> list[int]:

@@ -8,7 +8,7 @@ an abort reason; it never takes the loop down."""
 from __future__ import annotations
 
 import os
-import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -63,6 +63,7 @@ class Scheduler:
         self.strict = os.environ.get("SGL_STRICT_INVARIANTS") == "1"
         self.invariant_violations = 0
         self.checked_idle = False
+        self.worker = None if args.disable_overlap_schedule else ThreadPoolExecutor(1, thread_name_prefix="sgl-forward")
         self.stats = {"prefill_tokens": 0, "decode_steps": 0, "retractions": 0, "cached_tokens": 0}
 
     # ---- info ------------------------------------------------------------------
@@ -90,9 +91,11 @@ class Scheduler:
     # ---- the loop --------------------------------------------------------------
 
     def run(self) -> None:
+        """The loop. With overlap, batch N+1 is built and launched on the worker before
+        batch N's results are processed; without it, each batch is processed at once."""
+        pending: tuple[ScheduleBatch, Future[torch.Tensor]] | None = None
         while True:
-            busy = bool(self.waiting or self.running or self.chunked_req)
-            if busy:
+            if self.waiting or self.running or self.chunked_req or pending:
                 msgs = self.recv.recv_all_nowait()
             else:
                 self._on_idle()
@@ -100,20 +103,32 @@ class Scheduler:
                 msgs = [first, *self.recv.recv_all_nowait()] if first is not None else []
             for msg in msgs:
                 if isinstance(msg, ShutdownReq):
+                    if pending is not None:
+                        pending[1].result()
                     self.send.send(msg)
                     return
                 self.handle(msg)
-            self.step()
+            self._reap_aborts()
+            batch = self._next_batch()
+            launched: Future[torch.Tensor] | None = None
+            if batch is not None:
+                prepared = self.runner.prepare(batch)
+                for r in batch.reqs:
+                    r.inflight += 1
+                if self.worker is not None:
+                    launched = self.worker.submit(self.runner.execute, prepared)
+                else:
+                    self._process(batch, self.runner.execute(prepared))
+            if pending is not None:
+                self._process(pending[0], pending[1].result())
+            pending = (batch, launched) if launched is not None and batch is not None else None
             self._flush_outbox()
 
-    def step(self) -> None:
+    def _next_batch(self) -> ScheduleBatch | None:
         batch = self._prefill_batch()
         if batch is None and self.running:
             batch = self._decode_batch()
-        if batch is None:
-            return
-        next_ids = self.runner.forward(batch)
-        self._process(batch, next_ids.tolist())
+        return batch
 
     # ---- input -----------------------------------------------------------------
 
@@ -163,17 +178,18 @@ class Scheduler:
 
     def _abort(self, rid: str, message: str) -> None:
         req = self.rids.get(rid)
-        if req is None:
+        if req is None or req.finished:
             return
         if req in self.waiting:
             self.waiting.remove(req)
             self._finish(req, {"type": "abort", "message": message})
-            return
-        if req is self.chunked_req:
-            self.chunked_req = None
-        elif req in self.running:
-            self.running.remove(req)
-        self._finish(req, {"type": "abort", "message": message})
+        else:
+            req.to_abort = message  # finished once no launched batch holds it
+
+    def _reap_aborts(self) -> None:
+        for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
+            if req.to_abort is not None and req.inflight == 0 and not req.finished:
+                self._finish(req, {"type": "abort", "message": req.to_abort})
 
     def _flush_cache(self) -> FlushCacheReqOutput:
         if self.waiting or self.running or self.chunked_req:
@@ -201,6 +217,11 @@ class Scheduler:
         room = self._available() - self._reserved()
         admitted: list[Req] = []
         if (req := self.chunked_req) is not None:
+            if req.to_abort is not None:
+                return None  # finished by _reap_aborts once its last chunk is processed
+            # Hand the chunks written so far to the tree (their KV may still be in flight:
+            # the worker runs batches in order, so later readers see it written).
+            self.tree.cache_unfinished_req(req)
             n = min(req.seq_len - req.kv_len, chunk_left)
             if n > room:
                 return None
@@ -266,17 +287,26 @@ class Scheduler:
             self.tree.evict(short)
         return self.allocator.alloc(n)
 
+    def _can_step(self, r: Req) -> bool:
+        """Whether a running request takes part in the next decode step. Under overlap a
+        request whose in-flight token will surely end it (length or context) sits out."""
+        if r.to_abort is not None:
+            return False
+        return (len(r.output_ids) + r.inflight < r.sampling_params.max_new_tokens
+                and r.seq_len + r.inflight < self.runner.context_length)
+
     def _decode_batch(self) -> ScheduleBatch | None:
-        while self.running:
-            loc = self._alloc(len(self.running))
+        while True:
+            reqs = [r for r in self.running if self._can_step(r)]
+            if not reqs:
+                return None
+            loc = self._alloc(len(reqs))
             if loc is not None:
                 break
             self._retract_one()
-        else:
-            return None
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.stats["decode_steps"] += 1
-        return ScheduleBatch.decode(list(self.running), loc, self.pool)
+        return ScheduleBatch.decode(reqs, loc, self.pool)
 
     def _retract_one(self) -> None:
         """Out of KV in decode: send the request with the least progress back to the queue."""
@@ -289,23 +319,29 @@ class Scheduler:
             return
         self._release(victim, cache=False)
         victim.retractions += 1
+        victim.epoch += 1
         self.waiting.insert(0, victim)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
         self.log.info("retracted", rid=victim.rid, output_len=len(victim.output_ids))
 
     # ---- results ---------------------------------------------------------------
 
-    def _process(self, batch: ScheduleBatch, next_ids: list[int]) -> None:
-        for req, tok in zip(batch.reqs, next_ids):
-            if not batch.is_decode and req.kv_len < req.seq_len:
-                self.tree.cache_unfinished_req(req)  # a middle chunk: no token yet
+    def _process(self, batch: ScheduleBatch, next_ids: torch.Tensor) -> None:
+        for req, epoch, partial, tok in zip(batch.reqs, batch.epochs, batch.partial, next_ids.tolist()):
+            req.inflight -= 1
+            if req.finished or req.epoch != epoch:
+                continue  # ended or retracted after this batch was launched: the token is stale
+            if req.to_abort is not None:
+                if req.inflight == 0:
+                    self._finish(req, {"type": "abort", "message": req.to_abort})
                 continue
+            if partial:
+                continue  # a middle prefill chunk samples nothing
             req.output_ids.append(tok)
             reason = self._finish_reason(req, tok)
             if not batch.is_decode:
                 self.running.append(req)
             if reason is not None:
-                self.running.remove(req)
                 self._finish(req, reason)
             elif req.stream:
                 self.outbox.append(req)
@@ -338,7 +374,12 @@ class Scheduler:
         req.kv_len = 0
 
     def _finish(self, req: Req, reason: dict[str, Any]) -> None:
+        """End a request (not a waiting one: callers drop those first) and give back its KV."""
         req.finished_reason = reason
+        if req is self.chunked_req:
+            self.chunked_req = None
+        elif req in self.running:
+            self.running.remove(req)
         self._release(req, cache=reason["type"] != "abort")
         self.rids.pop(req.rid, None)
         self.outbox.append(req)

@@ -11,6 +11,7 @@ it builds in a temporary directory next to the target and renames it into place.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -100,3 +101,21 @@ def _convert(gguf_path: Path, out: Path) -> None:
     if not getattr(tok, "chat_template", None):
         raise DefaultModelError(f"{gguf_path} has no chat template; the default model needs one")
     tok.save_pretrained(str(out))
+    _portable_tokenizer_config(out / "tokenizer_config.json", str(tok.chat_template))
+    # mkdtemp makes a private directory; the cache entry should have the usual permissions.
+    umask = os.umask(0)
+    os.umask(umask)
+    out.chmod(0o777 & ~umask)
+    for f in out.iterdir():
+        f.chmod(0o666 & ~umask)
+
+
+def _portable_tokenizer_config(path: Path, chat_template: str) -> None:
+    """Keep the chat template in tokenizer_config.json too (transformers 4 reads it
+    only there) and name a tokenizer class that transformers 4 and 5 both know."""
+    cfg = json.loads(path.read_text())
+    for key in ("is_local", "local_files_only"):
+        cfg.pop(key, None)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = chat_template
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")

@@ -1,0 +1,33 @@
+"""Helpers shared by the benchmark scripts: random prompts and the result table."""
+
+from __future__ import annotations
+
+import platform
+import random
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0, low: int = 100) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    import os
+
+    return f"{platform.processor() or platform.machine()} x{os.cpu_count()} (CPU)"
+
+
+def table(rows: list[dict[str, object]]) -> str:
+    cols = list(rows[0])
+    width = {c: max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in cols}
+    lines = [" | ".join(c.ljust(width[c]) for c in cols), "-+-".join("-" * width[c] for c in cols)]
+    lines += [" | ".join(_fmt(r[c]).ljust(width[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(v: object) -> str:
+    return f"{v:,.1f}" if isinstance(v, float) else str(v)

@@ -1,0 +1,290 @@
+"""One decoder-only transformer for the Llama family (Llama 2/3, SmolLM2, Mistral),
+Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before rotary), running
+over the paged KV pool.
+
+Parameters are named like Hugging Face's, except that q/k/v are fused into
+`qkv_proj` and gate/up into `gate_up_proj`; `load_weights` takes Hugging Face
+names and does the fusing. This module computes; it never reads files, never
+allocates KV slots and never imports transformers' modelling code."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sgl.kernels.layers import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, silu_and_mul
+from sgl.sched.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+_SUPPORTED_ROPE = ("default", "llama3", "linear")
+
+
+def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
+    """(theta, scaling dict or None), from transformers 5's `rope_parameters` or
+    the older `rope_theta` / `rope_scaling` attributes."""
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0))
+    scaling = getattr(config, "rope_scaling", None) or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type not in _SUPPORTED_ROPE:
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(_SUPPORTED_ROPE)})")
+    return theta, (dict(scaling) if rope_type != "default" else None)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_id: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        hidden = config.hidden_size
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device)
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, fb.positions, cos, sin)
+        fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
+        o = fb.attn_backend.forward(
+            q, fb.kv_pool.k_buffer[self.layer_id], fb.kv_pool.v_buffer[self.layer_id], self.scale
+        )
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias, dtype, device)
+        self.down_proj = Linear(inter, hidden, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_id: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = Attention(config, layer_id, qkv_bias, o_bias, qk_norm, dtype, device)
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, mlp_bias, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ln = self.input_layernorm
+        if residual is None:
+            residual, x = h, ln(h)
+        else:
+            x, residual = add_rms_norm(h, residual, ln.weight, ln.eps)
+        h = self.self_attn(x, fb, cos, sin)
+        ln = self.post_attention_layernorm
+        x, residual = add_rms_norm(h, residual, ln.weight, ln.eps)
+        return self.mlp(x), residual
+
+
+class Backbone(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype: torch.dtype, device: torch.device
+    ):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, qkv_bias, o_bias, qk_norm, dtype, device) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / SmolLM2 / Mistral. Subclasses only change the three flags below."""
+
+    qkv_bias_default = False  # Qwen2 always has q/k/v bias; the others follow config.attention_bias
+    qk_norm = False
+    o_bias_follows_config = True
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        layer_types = getattr(config, "layer_types", None) or []
+        if "sliding_attention" in layer_types:
+            raise ValueError("sliding-window attention layers are not supported by sgl's attention backends")
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = self.qkv_bias_default or attn_bias
+        o_bias = attn_bias and self.o_bias_follows_config
+        self.model = Backbone(config, qkv_bias, o_bias, self.qk_norm, dtype, device)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+
+        attn = self.model.layers[0].self_attn
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = attn.num_kv_heads
+        self.head_dim: int = attn.head_dim
+        self.vocab_size: int = config.vocab_size
+        self.dtype = dtype
+        # Mistral v0.1 attends within a window; up to the window that equals full attention.
+        window = getattr(config, "sliding_window", None) if not layer_types else None
+        self.context_len: int = min(config.max_position_embeddings, window or config.max_position_embeddings)
+        theta, scaling = rope_settings(config)
+        cos, sin = rope_cos_sin(self.head_dim, config.max_position_embeddings, theta, scaling, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """float32 logits [B, vocab] for the rows `fb.logits_indices` of the packed batch."""
+        h = self.model.embed_tokens(fb.input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.model.layers:
+            h, residual = layer(h, residual, fb, self.rope_cos, self.rope_sin)
+        assert residual is not None
+        # Norm and LM head only on the rows that predict a token: prefill computes the others for the KV alone.
+        h = h[fb.logits_indices] + residual[fb.logits_indices]
+        h = self.model.norm(h)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, head).float()
+
+    # ---- weights ----
+
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def _shard_range(self, fused: str, shard: int, layer: DecoderLayer) -> tuple[int, int]:
+        if fused == "qkv_proj":
+            a = layer.self_attn
+            starts = (0, a.q_size, a.q_size + a.kv_size, a.q_size + 2 * a.kv_size)
+            return starts[shard], starts[shard + 1]
+        inter = self.config.intermediate_size
+        return shard * inter, (shard + 1) * inter
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face-named tensors in; returns the names of our parameters
+        (with `#shard` suffixes for fused parts) that were filled. Raises KeyError
+        naming an unexpected tensor and ValueError on a shape mismatch."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the copy anyway
+            parts = name.split(".")
+            target, shard = name, None
+            if len(parts) >= 2 and parts[-2] in self._FUSED:
+                fused, shard = self._FUSED[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+            if target not in params:
+                raise KeyError(f"unexpected weight {name!r}: no parameter {target!r} in {type(self).__name__}")
+            param = params[target]
+            if shard is None:
+                dst = param.data
+            else:
+                layer = self.model.layers[int(parts[2])]
+                lo, hi = self._shard_range(target.split(".")[-2], shard, layer)
+                dst = param.data[lo:hi]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        return loaded
+
+    def expected_weights(self) -> dict[str, str]:
+        """Our loaded-name (as `load_weights` returns them) -> the Hugging Face name that fills it."""
+        inverse = {fused_shard: hf for hf, fused_shard in self._FUSED.items()}
+        out: dict[str, str] = {}
+        for name, _ in self.named_parameters():
+            parts = name.split(".")
+            shards = sorted(shard for fused, shard in inverse if fused == parts[-2]) if len(parts) >= 2 else []
+            if not shards:
+                out[name] = name
+            for shard in shards:
+                out[f"{name}#{shard}"] = ".".join(parts[:-2] + [inverse[(parts[-2], shard)], parts[-1]])
+        return out
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True
+    o_bias_follows_config = False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,286 @@
+"""Builds a model and fills its weights: from a Hugging Face directory (config.json
++ safetensors, one file or sharded), from a GGUF file (dequantized, llama.cpp
+names mapped to Hugging Face's, llama.cpp's Q/K rotary permutation undone), or
+with seeded random weights ("dummy").
+
+It reads local files only: it never downloads, never imports transformers'
+modelling code and never allocates KV memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from sgl.sched.models.registry import model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+# GGUF architecture -> (transformers model_type, architecture class name)
+_GGUF_ARCHS = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def load_model(
+    model_path: str | None,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    seed: int = 0,
+) -> tuple[nn.Module, PretrainedConfig]:
+    """The model (eval mode, on `device`, in `dtype`) and its config."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+    if model_path is None:
+        raise ValueError(
+            "no model path: pass a Hugging Face model directory or a .gguf file "
+            "(the engine resolves its default model before calling the loader)"
+        )
+    device = torch.device(device)
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist; sgl never downloads models: "
+            "pass a local Hugging Face model directory or a .gguf file"
+        )
+    gguf_file = _gguf_file(path, load_format)
+    gguf_ckpt = GGUFCheckpoint(gguf_file) if gguf_file is not None else None
+    config = gguf_ckpt.config if gguf_ckpt is not None else _hf_config(path)
+
+    cls = model_class(getattr(config, "architectures", None))
+    model = cls(config, dtype=dtype, device=device)
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    elif gguf_ckpt is not None:
+        _fill(model, iter(gguf_ckpt), len(gguf_ckpt), str(gguf_file))
+    else:
+        files = safetensors_files(path)
+        _fill(model, _iter_safetensors(files), _count_safetensors(files), str(path))
+    return model.eval(), config
+
+
+def _gguf_file(path: Path, load_format: str) -> Path | None:
+    if path.is_file():
+        if path.suffix == ".gguf" or load_format == "gguf":
+            if load_format == "safetensors":
+                raise ValueError(f"load_format='safetensors' but {str(path)!r} is a GGUF file: use 'auto' or 'gguf'")
+            return path
+        raise ValueError(f"{str(path)!r} is a file but not a .gguf file: pass a Hugging Face model directory or a .gguf file")
+    if load_format != "gguf":
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) != 1:
+        raise ValueError(
+            f"load_format='gguf' needs exactly one .gguf file in {str(path)!r}, found {len(found)}: pass the file itself"
+        )
+    return found[0]
+
+
+def _hf_config(path: Path) -> PretrainedConfig:
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {str(path)!r}: pass a Hugging Face model directory or a .gguf file")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+# ---- filling weights ----
+
+
+def _fill(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], total: int, source: str) -> None:
+    bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", disable=not sys.stderr.isatty())
+    try:
+        loaded = model.load_weights(bar)
+    except KeyError as e:
+        raise KeyError(f"{e.args[0]} (in {source})") from None
+    finally:
+        bar.close()
+    missing = sorted(hf for ours, hf in model.expected_weights().items() if ours not in loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"missing weights in {source}: {shown}; is the checkpoint complete and for this architecture?")
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Normal(0, 0.02) for matrices and biases, ones for norm weights: random but
+    numerically tame, so benchmarks see realistic magnitudes."""
+    params = list(model.named_parameters())
+    gen = torch.Generator(device=params[0][1].device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in params:
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} lists shards that are missing: {', '.join(absent)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors files in {str(path)!r}: sgl reads safetensors checkpoints or .gguf files only"
+        )
+    return files
+
+
+def _count_safetensors(files: list[Path]) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            n += len(list(fh.keys()))
+    return n
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+# ---- GGUF ----
+
+
+class GGUFCheckpoint:
+    """A GGUF file read once: `.config` (a transformers config built from the
+    metadata) and iteration over (Hugging Face name, float32 tensor)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        self.reader = GGUFReader(str(self.path))
+        self.arch = str(self.field("general.architecture"))
+        if self.arch not in _GGUF_ARCHS:
+            raise ValueError(
+                f"GGUF architecture {self.arch!r} in {str(self.path)!r} is not supported; "
+                f"supported: {', '.join(sorted(_GGUF_ARCHS))}"
+            )
+        names = {t.name for t in self.reader.tensors}
+        if "rope_freqs.weight" in names:
+            raise ValueError(
+                f"{str(self.path)!r} stores per-frequency rope factors (Llama 3.1-style scaling), which sgl's "
+                "GGUF reader does not support: load the Hugging Face directory of this model instead"
+            )
+        self.config = self._build_config(tie=("output.weight" not in names))
+
+    def field(self, key: str, default: object = None) -> object:
+        f = self.reader.get_field(key)
+        if f is None:
+            return default
+        if hasattr(f, "contents"):
+            return f.contents()
+        vals = [f.parts[i] for i in f.data]
+        decoded = [bytes(v).decode() if v.dtype == np.uint8 else v.tolist()[0] for v in vals]
+        return decoded[0] if len(decoded) == 1 else decoded
+
+    def _build_config(self, tie: bool) -> PretrainedConfig:
+        a = self.arch
+        model_type, arch_name = _GGUF_ARCHS[a]
+        heads = int(self.field(f"{a}.attention.head_count"))
+        hidden = int(self.field(f"{a}.embedding_length"))
+        vocab = self.field(f"{a}.vocab_size") or len(self.field("tokenizer.ggml.tokens") or [])
+        kw: dict[str, object] = {
+            "architectures": [arch_name],
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(self.field(f"{a}.feed_forward_length")),
+            "num_hidden_layers": int(self.field(f"{a}.block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.field(f"{a}.attention.head_count_kv", heads)),
+            "head_dim": int(self.field(f"{a}.attention.key_length", hidden // heads)),
+            "max_position_embeddings": int(self.field(f"{a}.context_length", 2048)),
+            "rms_norm_eps": float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            "tie_word_embeddings": tie,
+        }
+        scaling_type = self.field(f"{a}.rope.scaling.type")
+        if scaling_type not in (None, "none"):
+            if scaling_type != "linear":
+                raise ValueError(f"GGUF rope scaling {scaling_type!r} in {str(self.path)!r} is not supported")
+            kw["rope_scaling"] = {"rope_type": "linear", "factor": float(self.field(f"{a}.rope.scaling.factor"))}
+        for key, attr in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
+            tok = self.field(f"tokenizer.ggml.{key}_token_id")
+            if tok is not None:
+                kw[attr] = int(tok)
+        return AutoConfig.for_model(model_type, **kw)
+
+    def __len__(self) -> int:
+        return len(self.reader.tensors)
+
+    def hf_name(self, gguf_name: str) -> str:
+        if gguf_name in _GGUF_GLOBAL_NAMES:
+            return _GGUF_GLOBAL_NAMES[gguf_name]
+        m = _BLOCK_RE.match(gguf_name)
+        if m is None or m.group(2) not in _GGUF_BLOCK_NAMES:
+            raise KeyError(f"unexpected GGUF tensor {gguf_name!r}: sgl has no mapping for it")
+        return f"model.layers.{m.group(1)}.{_GGUF_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf.quants import dequantize
+
+        heads = self.config.num_attention_heads
+        kv_heads = self.config.num_key_value_heads
+        for t in self.reader.tensors:
+            name = self.hf_name(t.name)
+            arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            # GGUF lists dimensions fastest-first; torch wants them slowest-first.
+            arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
+            # Only llama.cpp's "llama" converter permutes Q/K (weights and biases) for its rotary layout.
+            if self.arch == "llama" and ".q_proj." in name:
+                arr = unpermute_qk(arr, heads)
+            elif self.arch == "llama" and ".k_proj." in name:
+                arr = unpermute_qk(arr, kv_heads)
+            yield name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's permutation, which regroups each head's rows from
+    (half, pair) order into (pair, half) order: rows [h, 2, d/2] became [h, d/2, 2]."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
