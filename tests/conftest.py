@@ -16,6 +16,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TRANSPORTS = ["inproc", "ipc", "tcp"]
+# End-to-end engines: every transport with the overlap loop, and the plain loop once.
+ENGINE_VARIANTS = [
+    pytest.param({"transport": t}, id=t) for t in TRANSPORTS
+] + [pytest.param({"transport": "inproc", "disable_overlap_schedule": True}, id="inproc-no-overlap")]
 NULL_VOCAB = 1000
 
 

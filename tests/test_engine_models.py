@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import sgl
-from tests.conftest import TRANSPORTS, assert_kv_balanced, tiny_model_dir
+from tests.conftest import ENGINE_VARIANTS, TRANSPORTS, assert_kv_balanced, tiny_model_dir
 
 PROMPTS = [
     "The capital of France is",
@@ -49,9 +49,9 @@ def hf_greedy(smollm_dir: str) -> list[list[int]]:
     return outs
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+@pytest.fixture(scope="module", params=ENGINE_VARIANTS)
 def engine(request: pytest.FixtureRequest, smollm_dir: str) -> Iterator[sgl.Engine]:
-    e = sgl.Engine(smollm_dir, transport=request.param, dtype="float32", max_total_tokens=4096,
+    e = sgl.Engine(smollm_dir, **request.param, dtype="float32", max_total_tokens=4096,
                    max_running_requests=8)
     yield e
     assert_kv_balanced(e.get_server_info())

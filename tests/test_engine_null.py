@@ -10,12 +10,12 @@ from collections.abc import Iterator
 import pytest
 
 import sgl
-from tests.conftest import TRANSPORTS, assert_kv_balanced, null_continuation
+from tests.conftest import ENGINE_VARIANTS, TRANSPORTS, assert_kv_balanced, null_continuation
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+@pytest.fixture(scope="module", params=ENGINE_VARIANTS)
 def engine(request: pytest.FixtureRequest, null_model_dir: str) -> Iterator[sgl.Engine]:
-    e = sgl.Engine(null_model_dir, transport=request.param, load_format="null", skip_tokenizer_init=True,
+    e = sgl.Engine(null_model_dir, **request.param, load_format="null", skip_tokenizer_init=True,
                    max_total_tokens=600, max_running_requests=16)
     yield e
     e.shutdown()
