@@ -1,0 +1,139 @@
+"""The scheduler on a real (tiny) model: prefix reuse through the radix cache,
+chunked prefill, schedule policies, flush refusal, and a soak under memory
+pressure with random aborts and streams that must end with exact outputs and no
+leaked KV slot."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import sgl
+from tests.conftest import ENGINE_VARIANTS, assert_kv_balanced, tiny_model_dir
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-sched"), "llama", vocab=512, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir: str) -> Iterator[sgl.Engine]:
+    """The plain path: no radix cache, no chunking, no overlap."""
+    e = sgl.Engine(tiny_dir, transport="inproc", skip_tokenizer_init=True, disable_radix_cache=True,
+                   disable_overlap_schedule=True, max_total_tokens=8192)
+    yield e
+    e.shutdown()
+
+
+def _gen(e: sgl.Engine, ids: list[int], n: int) -> dict[str, Any]:
+    return e.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": n})
+
+
+@pytest.mark.parametrize("variant", ENGINE_VARIANTS)
+def test_shared_prefix_is_reused_and_output_unchanged(tiny_dir: str, reference: sgl.Engine, variant: Any) -> None:
+    rng = random.Random(1)
+    prefix = [rng.randrange(1, 500) for _ in range(120)]
+    a, b = prefix + [7, 8, 9], prefix + [10, 11]
+    with sgl.Engine(tiny_dir, **variant, skip_tokenizer_init=True, max_total_tokens=4096) as e:
+        out_a = _gen(e, a, 8)
+        out_b = _gen(e, b, 8)
+        assert out_a["meta_info"]["cached_tokens"] == 0
+        assert out_b["meta_info"]["cached_tokens"] >= len(prefix) - 1
+        # The whole prompt is cached now; a request matches at most len - 1 tokens.
+        again = _gen(e, b, 8)
+        assert again["meta_info"]["cached_tokens"] == len(b) - 1
+        assert again["output_ids"] == out_b["output_ids"]
+        assert_kv_balanced(e.get_server_info())
+    assert out_a["output_ids"] == _gen(reference, a, 8)["output_ids"]
+    assert out_b["output_ids"] == _gen(reference, b, 8)["output_ids"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+@pytest.mark.parametrize("radix", [True, False])
+def test_chunked_prefill_and_policies_keep_outputs(tiny_dir: str, reference: sgl.Engine, policy: str, radix: bool) -> None:
+    rng = random.Random(2)
+    base = [rng.randrange(1, 500) for _ in range(90)]
+    prompts = [base[: 30 + 7 * i] + [rng.randrange(1, 500) for _ in range(i % 3)] for i in range(8)]
+    expected = [_gen(reference, p, 6)["output_ids"] for p in prompts]
+    with sgl.Engine(tiny_dir, transport="inproc", skip_tokenizer_init=True, chunked_prefill_size=16,
+                    max_prefill_tokens=40, schedule_policy=policy, disable_radix_cache=not radix,
+                    max_total_tokens=4096) as e:
+        outs = e.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 6})
+        assert [o["output_ids"] for o in outs] == expected
+        assert_kv_balanced(e.get_server_info())
+
+
+def test_flush_cache_is_refused_while_requests_run(null_model_dir: str) -> None:
+    async def main() -> None:
+        async with sgl.AsyncEngine(null_model_dir, transport="inproc", load_format="null", skip_tokenizer_init=True,
+                                   max_total_tokens=2000) as e:
+            stream = e.stream(input_ids=[1, 2], sampling_params={**GREEDY, "max_new_tokens": 300}, rid="long")
+            await stream.__anext__()
+            res = await e.flush_cache()
+            assert res["success"] is False and "running" in res["message"]
+            await e.abort("long")
+            chunks = [c async for c in stream]
+            assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert (await e.flush_cache())["success"] is True
+            assert_kv_balanced(await e.get_server_info())
+
+    asyncio.run(main())
+
+
+def test_soak_eviction_retraction_aborts_streams(tiny_dir: str, reference: sgl.Engine) -> None:
+    """~1000 requests over ipc with a KV pool far smaller than the load: every request
+    ends (finished or aborted), finished outputs are exact, nothing leaks."""
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(1, 500) for _ in range(rng.randint(5, 60))] for _ in range(4)]
+    suffixes = [[rng.randrange(1, 500) for _ in range(rng.randint(1, 12))] for _ in range(8)]
+    prompts = [p + s for p in prefixes for s in suffixes]
+    max_new = 20
+    expected = {tuple(p): _gen(reference, p, max_new)["output_ids"] for p in prompts}
+
+    async def one(e: sgl.AsyncEngine, i: int) -> tuple[list[int], list[int], dict[str, Any]]:
+        ids = prompts[rng.randrange(len(prompts))]
+        n = rng.randint(1, max_new)
+        params = {**GREEDY, "max_new_tokens": n}
+        rid = f"soak-{i}"
+        if rng.random() < 0.1:
+            asyncio.get_running_loop().call_later(rng.random() * 0.5, lambda: asyncio.ensure_future(e.abort(rid)))
+        if rng.random() < 0.3:
+            got: list[int] = []
+            meta: dict[str, Any] = {}
+            async for c in e.stream(input_ids=ids, sampling_params=params, rid=rid):
+                got += c["output_ids"]
+                meta = c["meta_info"]
+            return ids, got, meta
+        out = await e.generate(input_ids=ids, sampling_params=params, rid=rid)
+        return ids, out["output_ids"], out["meta_info"]
+
+    async def main() -> list[tuple[list[int], list[int], dict[str, Any]]]:
+        async with sgl.AsyncEngine(tiny_dir, transport="ipc", skip_tokenizer_init=True, max_total_tokens=700,
+                                   max_running_requests=48, chunked_prefill_size=64) as e:
+            results = await asyncio.gather(*(one(e, i) for i in range(1000)))
+            info = await e.get_server_info()
+            assert_kv_balanced(info)
+            assert info["retractions"] > 0, "the pool was meant to force retraction"
+            assert info["cached_tokens"] >= 0
+            return results
+
+    results = asyncio.run(main())
+    aborted = 0
+    for ids, got, meta in results:
+        fin = meta["finish_reason"]
+        assert fin is not None
+        ref = expected[tuple(ids)]
+        if fin["type"] == "abort":
+            aborted += 1
+            assert got == ref[: len(got)]
+        else:
+            assert fin == {"type": "length", "length": len(got)}
+            assert got == ref[: len(got)]
+    assert aborted > 0
