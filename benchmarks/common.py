@@ -11,6 +11,19 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0, low: int = 10
     return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def dummy_model_dir(config_name: str = "qwen3-0.6b") -> str:
+    """A model directory holding only config.json, for load_format="dummy"."""
+    import os
+    import shutil
+    import tempfile
+
+    src = os.path.join(os.path.dirname(__file__), "configs", f"{config_name}.json")
+    d = os.path.join(tempfile.gettempdir(), f"sgl-bench-{config_name}")
+    os.makedirs(d, exist_ok=True)
+    shutil.copy(src, os.path.join(d, "config.json"))
+    return d
+
+
 def machine() -> str:
     import torch
 

@@ -39,6 +39,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 CLIP_MAX_NEW_TOKENS = 4096
+IN_BATCH_PREFIX_MIN = 32  # shared tokens beyond the tree's match that make a request wait for a sibling
 IDLE_POLL_S = 0.5
 
 
@@ -56,6 +57,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
+        self.prefilling: set[Req] = set()  # admitted, last prefill chunk not processed yet
         self.rids: dict[str, Req] = {}
         self.outbox: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -214,7 +216,12 @@ class Scheduler:
             return None
         budget = self.args.max_prefill_tokens
         chunk_left = self.chunk_size
-        room = self._available() - self._reserved()
+        reserved = self._reserved()
+        claimed = 0  # tokens admitted this round (allocated after the loop) plus their reserve
+
+        def room() -> int:  # live: locking a matched prefix takes it out of the evictable pool
+            return self._available() - reserved - claimed
+
         admitted: list[Req] = []
         if (req := self.chunked_req) is not None:
             if req.to_abort is not None:
@@ -223,13 +230,13 @@ class Scheduler:
             # the worker runs batches in order, so later readers see it written).
             self.tree.cache_unfinished_req(req)
             n = min(req.seq_len - req.kv_len, chunk_left)
-            if n > room:
+            if n > room():
                 return None
             req.extend_len = n
             admitted.append(req)
             chunk_left -= n
             budget -= n
-            room -= n
+            claimed += n
             self.chunked_req = None if req.kv_len + n == req.seq_len else req
         if self.chunked_req is None:
             n_running = len(self.running)
@@ -240,18 +247,22 @@ class Scheduler:
                     break
                 ids = req.all_ids
                 match = self.tree.match_prefix(ids[: len(ids) - 1])
-                prefix = match.indices
-                todo = len(ids) - len(prefix)
+                if self._prefix_in_flight(ids, len(match.indices), admitted):
+                    continue  # its prefix is being computed: wait a round and reuse it
+                todo = len(ids) - len(match.indices)
                 n = min(todo, chunk_left)
                 future = min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
                 need = n + (int(future * self.new_token_ratio) if n == todo else 0)
-                if need > room and (admitted or self.running):
-                    break  # waits until running requests finish or retract
-                if n > self._available():
-                    break  # alone: admitted with no reserve, as long as its tokens fit
+                # Lock the match first: a locked prefix is no longer evictable room.
+                self.tree.inc_lock_ref(match.last_node)
+                if (need > room() and (admitted or self.running)) or n > self._available() - claimed:
+                    # It waits until running requests finish or retract; alone, it goes
+                    # without a reserve as soon as its own tokens fit.
+                    self.tree.dec_lock_ref(match.last_node)
+                    break
                 self._admit(req, match, n)
                 admitted.append(req)
-                room -= need
+                claimed += need
                 budget -= n
                 chunk_left -= n
                 if n < todo:
@@ -262,22 +273,41 @@ class Scheduler:
                     self.waiting.remove(req)
         if not admitted:
             return None
+        self.prefilling.update(admitted)
         total = sum(r.extend_len for r in admitted)
         loc = self._alloc(total)
         if loc is None:  # cannot happen: admission kept within available + evictable
-            raise RuntimeError(f"KV allocation of {total} failed after admission")
+            raise RuntimeError(f"KV allocation of {total} failed after admission: free "
+                               f"{self.allocator.available_size()}, evictable {self.tree.evictable_size()}, "
+                               f"protected {self.tree.protected_size()}, reqs {admitted}")
         self.stats["prefill_tokens"] += total
         return ScheduleBatch.extend(admitted, loc, self.pool)
 
+    def _prefix_in_flight(self, ids: list[int], matched: int, admitted: list[Req]) -> bool:
+        """Whether a request being prefilled (this round or in flight) shares a longer
+        prefix with `ids` than the radix tree holds now: then waiting for it to be
+        cached beats computing the same prefix twice (in-batch prefix caching)."""
+        if self.tree.disable:
+            return False
+        limit = len(ids) - 1
+        for other in (*self.prefilling, *admitted):
+            o = other.origin_input_ids
+            n = min(limit, len(o))
+            if n - matched < IN_BATCH_PREFIX_MIN or ids[matched] != o[matched]:
+                continue
+            if ids[matched : matched + IN_BATCH_PREFIX_MIN] == o[matched : matched + IN_BATCH_PREFIX_MIN]:
+                return True
+        return False
+
     def _admit(self, req: Req, match: Any, n: int) -> None:
         req.req_pool_idx = self.pool.alloc()
-        prefix = match.indices
-        self.tree.inc_lock_ref(match.last_node)
+        prefix = match.indices  # locked by the caller
         req.prefix_indices = prefix
         req.last_node = match.last_node
         if len(prefix):
             self.pool.req_to_token[req.req_pool_idx, : len(prefix)] = prefix.to(torch.int32)
         req.kv_len = len(prefix)
+        self.stats["cached_tokens"] += len(prefix)
         req.cached_tokens = max(req.cached_tokens, len(prefix)) if req.retractions == 0 else req.cached_tokens
         req.extend_len = n
 
@@ -340,7 +370,10 @@ class Scheduler:
             req.output_ids.append(tok)
             reason = self._finish_reason(req, tok)
             if not batch.is_decode:
+                self.prefilling.discard(req)
                 self.running.append(req)
+                if reason is None:
+                    self.tree.cache_unfinished_req(req)  # its prompt is shareable while it decodes
             if reason is not None:
                 self._finish(req, reason)
             elif req.stream:
@@ -376,6 +409,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: dict[str, Any]) -> None:
         """End a request (not a waiting one: callers drop those first) and give back its KV."""
         req.finished_reason = reason
+        self.prefilling.discard(req)
         if req is self.chunked_req:
             self.chunked_req = None
         elif req in self.running:

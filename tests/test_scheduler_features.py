@@ -115,7 +115,7 @@ def test_soak_eviction_retraction_aborts_streams(tiny_dir: str, reference: sgl.E
         return ids, out["output_ids"], out["meta_info"]
 
     async def main() -> list[tuple[list[int], list[int], dict[str, Any]]]:
-        async with sgl.AsyncEngine(tiny_dir, transport="ipc", skip_tokenizer_init=True, max_total_tokens=700,
+        async with sgl.AsyncEngine(tiny_dir, transport="ipc", skip_tokenizer_init=True, max_total_tokens=300,
                                    max_running_requests=48, chunked_prefill_size=64) as e:
             results = await asyncio.gather(*(one(e, i) for i in range(1000)))
             info = await e.get_server_info()
