@@ -26,6 +26,9 @@ class MHATokenToKVPool:
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k_buffer, *self.v_buffer))
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -19,9 +19,15 @@ class AttnMetadata:
     is_decode: bool
     qo_indptr: torch.Tensor  # [B + 1] int32, on the model's device
     kv_indptr: torch.Tensor  # [B + 1] int32
-    kv_indices: torch.Tensor  # [kv_indptr[-1]] int64 KV slot ids
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32 KV slot ids
     qo_lens: list[int]  # host copies, for backends that plan on the host
     kv_lens: list[int]
+    kv_indptr_host: torch.Tensor | None = None  # [B + 1] int32 on the host (FlashInfer plans there)
+    qo_indptr_host: torch.Tensor | None = None
+    # The cached prefix alone (kv minus the new tokens), for extends that attend to it
+    # apart from the new tokens; None when no request of the batch has a prefix.
+    prefix_indptr_host: torch.Tensor | None = None
+    prefix_indices: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):
@@ -30,5 +36,9 @@ class AttentionBackend(ABC):
         """Prepare for one forward pass (once per batch, not per layer)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k_cache, v_cache: the layer's pool [slots, Hkv, D]. Returns [T, Hq, D]."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: the new tokens' [T, Hkv, D], already written to the pool;
+        k_cache, v_cache: the layer's pool [slots, Hkv, D]. Returns [T, Hq, D]."""

@@ -41,10 +41,13 @@ class TorchAttentionBackend(AttentionBackend):
         self._mask = mask[:, None]  # [B, 1, max_q, max_kv]
         self._valid = q_valid
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         assert self._q_idx is not None and self._kv_idx is not None
         qp = q[self._q_idx].transpose(1, 2)  # [B, Hq, max_q, D]
-        k = k_cache[self._kv_idx].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_kv, D]
+        k = k_cache[self._kv_idx].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_kv, D]: new tokens included
         v = v_cache[self._kv_idx].transpose(1, 2).to(q.dtype)
         if k.shape[1] != qp.shape[1]:
             rep = qp.shape[1] // k.shape[1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -14,7 +15,7 @@ from transformers import AutoConfig, PretrainedConfig
 from sgl.cache.kv_allocator import TokenToKVPoolAllocator
 from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.cache.req_to_token_pool import ReqToTokenPool
-from sgl.kernels.attention import AttnMetadata
+from sgl.kernels.attention import AttentionBackend, AttnMetadata
 from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.log import get_logger
 from sgl.sched.batch import ScheduleBatch
@@ -22,8 +23,12 @@ from sgl.sched.forward_batch import ForwardBatch
 from sgl.sched.sampler import SamplingBatch, sample
 from sgl.server_args import ServerArgs
 
+if TYPE_CHECKING:
+    from sgl.sched.cuda_graph import CudaGraphRunner
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_TOKENS = 65536
+DEFAULT_GPU_MEM_FRACTION = 0.8
 
 
 def resolve_device(args: ServerArgs) -> torch.device:
@@ -49,24 +54,50 @@ class ModelRunner:
             torch.manual_seed(args.random_seed)
         self.model, self.config = self._load(args, model_path)
         self.vocab_size: int = self.model.vocab_size
-        self.context_length = args.context_length or int(getattr(self.config, "max_position_embeddings", 4096))
-        self.max_total_tokens = args.max_total_tokens or self._default_kv_tokens()
+        model_ctx = int(getattr(self.model, "context_len", getattr(self.config, "max_position_embeddings", 4096)))
+        if args.context_length is not None and args.context_length > model_ctx:
+            raise ValueError(f"context_length={args.context_length} exceeds the model's {model_ctx}")
+        self.context_length = args.context_length or model_ctx
+        self.max_total_tokens = args.max_total_tokens or self._default_kv_tokens(args)
         self.max_running_requests = args.max_running_requests or min(256, self.max_total_tokens)
         m = self.model
         self.kv_pool = MHATokenToKVPool(
             self.max_total_tokens, m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device
         )
-        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, self.device)
-        self.attn_backend = TorchAttentionBackend()
+        # Slot bookkeeping lives on the host: the scheduler decides there, and the
+        # forward gets its KV indices as one pinned copy per batch, never a sync.
+        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, "cpu")
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, "cpu")
+        self.attn_backend = self._attention_backend(args)
         # The future-token buffer: the last sampled token of each request row.
         self.next_token = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(args.random_seed if args.random_seed is not None else 0)
+        self.graphs: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null":
+            from sgl.sched.cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self, min(args.cuda_graph_max_bs, self.max_running_requests))
         self.log.info(
             "model ready", device=str(self.device), dtype=str(self.dtype), kv_tokens=self.max_total_tokens,
+            kv_gib=round(self.kv_pool.nbytes() / 2**30, 2), attention=type(self.attn_backend).__name__,
             context_length=self.context_length, max_running_requests=self.max_running_requests,
+            cuda_graph_sizes=self.graphs.sizes if self.graphs else None,
         )
+
+    def _attention_backend(self, args: ServerArgs) -> AttentionBackend:
+        choice = args.attention_backend
+        if choice == "auto":
+            choice = "flashinfer" if self.device.type == "cuda" and self.dtype != torch.float32 else "torch"
+        if choice == "torch" or args.load_format == "null":
+            return TorchAttentionBackend()
+        if self.device.type != "cuda":
+            raise ValueError("attention_backend='flashinfer' needs a CUDA device: pass attention_backend='torch'")
+        from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+
+        m = self.model
+        return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
+                                          self.max_total_tokens + 1)
 
     def _load(self, args: ServerArgs, model_path: str) -> tuple[torch.nn.Module, PretrainedConfig]:
         if args.load_format == "null":
@@ -80,46 +111,62 @@ class ModelRunner:
                                    seed=args.random_seed or 0)
         return model.eval(), config
 
-    def _default_kv_tokens(self) -> int:
+    def _default_kv_tokens(self, args: ServerArgs) -> int:
         m = self.model
         per_token = MHATokenToKVPool.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
         if self.device.type == "cuda":
+            # SGLang's meaning: the KV pool takes this fraction of what the weights left free;
+            # the rest holds activations, logits and CUDA graphs.
             free, _ = torch.cuda.mem_get_info(self.device)
-            return max(1, int(free * 0.85) // per_token)
+            frac = args.mem_fraction_static or DEFAULT_GPU_MEM_FRACTION
+            return max(1, int(free * frac) // per_token)
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return max(1, min(DEFAULT_CPU_KV_TOKENS, int(ram * 0.2) // per_token))
 
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
         """Host side, at build time: every tensor the forward needs, copied from the
-        request state so that the scheduler may change it while the batch runs."""
+        request state so that the scheduler may change it while the batch runs.
+        Nothing here waits for the device."""
         dev = self.device
-        qo = torch.tensor(batch.qo_lens, dtype=torch.int32)
-        kv = torch.tensor(batch.kv_lens, dtype=torch.int32)
-        qo_indptr = torch.zeros(len(qo) + 1, dtype=torch.int32)
-        kv_indptr = torch.zeros(len(kv) + 1, dtype=torch.int32)
-        torch.cumsum(qo, 0, out=qo_indptr[1:])
-        torch.cumsum(kv, 0, out=kv_indptr[1:])
-        rows = torch.tensor(batch.rows, dtype=torch.int64, device=dev)
-        table = self.req_to_token_pool.req_to_token[rows, : max(batch.kv_lens)]
-        kv_mask = torch.arange(table.shape[1], device=dev)[None, :] < kv.to(dev)[:, None]
+        qo_indptr = _indptr(batch.qo_lens)
+        kv_indptr = _indptr(batch.kv_lens)
+        rows = torch.tensor(batch.rows, dtype=torch.int64)
+        kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
+        table = self.req_to_token_pool.req_to_token
         meta = AttnMetadata(
             is_decode=batch.is_decode,
-            qo_indptr=qo_indptr.to(dev),
-            kv_indptr=kv_indptr.to(dev),
-            kv_indices=table[kv_mask].to(torch.int64),
+            qo_indptr=self._dev(qo_indptr),
+            kv_indptr=self._dev(kv_indptr),
+            kv_indices=self._dev(gather_kv_indices(table, rows, torch.zeros_like(kv_lens), kv_lens, int(kv_indptr[-1]))),
             qo_lens=batch.qo_lens,
             kv_lens=batch.kv_lens,
+            kv_indptr_host=kv_indptr,
+            qo_indptr_host=qo_indptr,
         )
-        ids = None if batch.input_ids is None else torch.tensor(batch.input_ids, dtype=torch.int64, device=dev)
+        prefix_lens = [k - q for k, q in zip(batch.kv_lens, batch.qo_lens)]
+        if not batch.is_decode and any(prefix_lens):
+            prefix_indptr = _indptr(prefix_lens)
+            plens = torch.tensor(prefix_lens, dtype=torch.int64)
+            meta.prefix_indptr_host = prefix_indptr
+            meta.prefix_indices = self._dev(
+                gather_kv_indices(table, rows, torch.zeros_like(plens), plens, int(prefix_indptr[-1])))
+        ids = None if batch.input_ids is None else self._dev(torch.tensor(batch.input_ids, dtype=torch.int64))
         return PreparedBatch(
-            rows=rows,
+            rows=self._dev(rows),
             input_ids=ids,
-            positions=batch.positions.to(dev),
-            out_cache_loc=batch.out_cache_loc.to(dev),
-            logits_indices=(qo_indptr[1:] - 1).to(dev, torch.int64),
+            positions=self._dev(batch.positions),
+            out_cache_loc=self._dev(batch.out_cache_loc),
+            logits_indices=self._dev((qo_indptr[1:] - 1).to(torch.int64)),
             attn=meta,
             sampling=SamplingBatch.from_reqs(batch.reqs, self.vocab_size, dev),
         )
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        """Host tensor to the model's device; pinned and asynchronous on CUDA, so that
+        preparing batch N+1 never waits for batch N."""
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, p: PreparedBatch) -> torch.Tensor:
@@ -127,20 +174,41 @@ class ModelRunner:
         next token of each request as a host tensor, which is the loop's one sync."""
         # Decode inputs are the tokens the previous step sampled, still on the device.
         input_ids = self.next_token[p.rows] if p.input_ids is None else p.input_ids
-        self.attn_backend.begin_forward(p.attn)
-        fb = ForwardBatch(
-            input_ids=input_ids,
-            positions=p.positions,
-            out_cache_loc=p.out_cache_loc,
-            logits_indices=p.logits_indices,
-            attn=p.attn,
-            attn_backend=self.attn_backend,
-            kv_pool=self.kv_pool,
-        )
-        logits = self.model(fb)
+        if p.attn.is_decode and self.graphs is not None and self.graphs.can_run(len(p.attn.qo_lens)):
+            logits = self.graphs.replay(p, input_ids)
+        else:
+            self.attn_backend.begin_forward(p.attn)
+            fb = ForwardBatch(
+                input_ids=input_ids,
+                positions=p.positions,
+                out_cache_loc=p.out_cache_loc,
+                logits_indices=p.logits_indices,
+                attn=p.attn,
+                attn_backend=self.attn_backend,
+                kv_pool=self.kv_pool,
+            )
+            logits = self.model(fb)
         next_ids = sample(logits, p.sampling, self.generator)
         self.next_token[p.rows] = next_ids
         return next_ids.cpu()
+
+
+def _indptr(lens: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
+    return out
+
+
+def gather_kv_indices(
+    req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, total: int
+) -> torch.Tensor:
+    """Concatenate req_to_token[rows[i], starts[i]:starts[i] + lens[i]] over i (int32),
+    on the table's device, without a host sync (the total is known on the host)."""
+    dev = req_to_token.device
+    row_of = torch.repeat_interleave(rows, lens, output_size=total)
+    first = torch.cumsum(lens, 0) - lens  # each request's offset in the output
+    pos = torch.arange(total, device=dev) - torch.repeat_interleave(first - starts, lens, output_size=total)
+    return req_to_token[row_of, pos]
 
 
 @dataclass(slots=True)

@@ -35,13 +35,23 @@ class SamplingBatch:
         ps = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in ps]
         top_k = [vocab_size if (p.top_k < 1 or p.top_k > vocab_size) else p.top_k for p in ps]
+        all_greedy = all(greedy)
+
+        def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.tensor(values, dtype=dtype)
+            # Pinned and asynchronous: building a batch must not wait for the running one.
+            return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+        if all_greedy:  # the fast path reads none of the tensors
+            empty = torch.empty(0, device=device)
+            return cls(True, empty, empty, empty, empty, empty, False, False, False, [])
         return cls(
-            all_greedy=all(greedy),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(ps, greedy)], device=device)[:, None],
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
+            all_greedy=False,
+            greedy=dev(greedy, torch.bool),
+            temperature=dev([1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32)[:, None],
+            top_k=dev(top_k, torch.int64),
+            top_p=dev([p.top_p for p in ps], torch.float32),
+            min_p=dev([p.min_p for p in ps], torch.float32),
             need_top_k=any(k < vocab_size for k in top_k),
             need_top_p=any(p.top_p < 1.0 for p in ps),
             need_min_p=any(p.min_p > 0.0 for p in ps),

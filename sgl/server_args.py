@@ -32,13 +32,16 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     disable_overlap_schedule: bool = False
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     skip_tokenizer_init: bool = False
+    cuda_graph_max_bs: int = 256
+    disable_cuda_graph: bool = False
 
     random_seed: int | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
     watchdog_interval: float = 0.5  # seconds between child liveness checks
 
     def __post_init__(self) -> None:
-        _positive(self, "max_total_tokens", "context_length", "max_running_requests", "chunked_prefill_size")
+        _positive(self, "max_total_tokens", "context_length", "max_running_requests", "chunked_prefill_size",
+                  "cuda_graph_max_bs")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} is invalid: must be >= 1")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:

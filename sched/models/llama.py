@@ -105,7 +105,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, k, fb.positions, cos, sin)
         fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
         o = fb.attn_backend.forward(
-            q, fb.kv_pool.k_buffer[self.layer_id], fb.kv_pool.v_buffer[self.layer_id], self.scale
+            q, k, v, fb.kv_pool.k_buffer[self.layer_id], fb.kv_pool.v_buffer[self.layer_id], self.scale
         )
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -188,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
 
         attn = self.model.layers[0].self_attn
         self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = attn.num_heads
         self.num_kv_heads: int = attn.num_kv_heads
         self.head_dim: int = attn.head_dim
         self.vocab_size: int = config.vocab_size

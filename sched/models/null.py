@@ -19,6 +19,7 @@ class NullModel(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.num_layers = 1
+        self.num_heads = 1
         self.num_kv_heads = 1
         self.head_dim = 1
         self.device = device

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One call on the lent H200 (see ../shared/gpu/README.md): install the carried
+# wheels, restore FlashInfer kernels built by an earlier call (.ficache), run the
+# given steps, and hand the kernel cache back under $OUT for the next call.
+# Usage: bash benchmarks/gpu_session.sh tests|w1|w1w2|w3|all
+set -uo pipefail
+eval "$(bash .whl/install-wheels.sh)"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
+ws=$FLASHINFER_WORKSPACE_BASE
+if ls .ficache/part.* >/dev/null 2>&1; then mkdir -p "$ws" && cat .ficache/part.* | tar x -C "$ws" && echo "kernel cache restored"; fi
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+for step in "$@"; do
+  echo "=== $step"
+  case $step in
+    tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 ;;
+    w1) timeout 300 python3 -m benchmarks.w1_w2_gpu --workloads W1 --no-hf 2>&1 | tail -8 ;;
+    w1hf) timeout 400 python3 -m benchmarks.w1_w2_gpu --workloads W1 --overlap-off 2>&1 | tail -8 ;;
+    w2) timeout 400 python3 -m benchmarks.w1_w2_gpu --workloads W2 --no-hf 2>&1 | tail -8 ;;
+    w2hf) timeout 500 python3 -m benchmarks.w1_w2_gpu --workloads W2 2>&1 | tail -8 ;;
+    w3) timeout 300 python3 -m benchmarks.w3_shared_prefix 2>&1 | tail -8 ;;
+  esac
+done
+if [ -d "$ws/.cache" ]; then tar c -C "$ws" .cache | split -b 15M - "$OUT/ficache.part."; ls -la "$OUT"; fi
