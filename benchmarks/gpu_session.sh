@@ -8,7 +8,7 @@ eval "$(bash .whl/install-wheels.sh)"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
 ws=$FLASHINFER_WORKSPACE_BASE
-if ls .ficache/part.* >/dev/null 2>&1; then mkdir -p "$ws" && cat .ficache/part.* | tar x -C "$ws" && echo "kernel cache restored"; fi
+if [ -f .ficache/cache.tar.gz ]; then mkdir -p "$ws" && tar xzf .ficache/cache.tar.gz -C "$ws" && echo "kernel cache restored"; fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for step in "$@"; do
   echo "=== $step"
@@ -21,4 +21,4 @@ for step in "$@"; do
     w3) timeout 300 python3 -m benchmarks.w3_shared_prefix 2>&1 | tail -8 ;;
   esac
 done
-if [ -d "$ws/.cache" ]; then tar c -C "$ws" .cache | split -b 15M - "$OUT/ficache.part."; ls -la "$OUT"; fi
+if [ -d "$ws/.cache" ]; then tar cz -C "$ws" .cache | split -b 15M - "$OUT/ficache.part."; ls -la "$OUT"; fi

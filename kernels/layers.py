@@ -1,14 +1,36 @@
-"""Small layer kernels in pure torch: RMSNorm (with fused residual add), rotary
-embedding (Hugging Face's rotate-half layout), SiLU-and-mul. GPU versions plug in
-behind these same functions."""
+"""Small layer kernels: RMSNorm (with fused residual add), rotary embedding (Hugging
+Face's rotate-half layout), SiLU-and-mul. Each function is the one dispatch point
+for its op: FlashInfer's fused kernel for CUDA tensors when FlashInfer is
+installed, pure torch otherwise (CPU, and the reference the tests compare with)."""
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
+@functools.cache
+def _flashinfer() -> Any:
+    try:
+        import flashinfer
+
+        return flashinfer
+    except ImportError:
+        return None
+
+
+def _gpu(x: torch.Tensor) -> Any:
+    """FlashInfer when x lives on a GPU and FlashInfer is there, else None."""
+    return _flashinfer() if x.is_cuda and x.dtype != torch.float32 else None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if (fi := _gpu(x)) is not None:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        return fi.norm.rmsnorm(flat, weight, eps).view(x.shape)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -18,12 +40,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (rms_norm(x + residual), x + residual)."""
+    """Returns (rms_norm(x + residual), x + residual). On GPU both are computed in
+    place: x becomes the normalised sum and residual the sum."""
+    if (fi := _gpu(x)) is not None:
+        fi.norm.fused_add_rmsnorm(x, residual, weight, eps)
+        return x, residual
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if (fi := _gpu(gate_up)) is not None:
+        return fi.activation.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -61,6 +89,12 @@ def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]."""
+    if (fi := _gpu(q)) is not None:
+        q, k = q.contiguous(), k.contiguous()
+        d = q.shape[-1]
+        fi.rope.apply_rope_with_cos_sin_cache_inplace(
+            positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), d, _cos_sin_cache(cos, sin), is_neox=True)
+        return q, k
     c = cos[positions].unsqueeze(1)
     s = sin[positions].unsqueeze(1)
 
@@ -71,3 +105,17 @@ def apply_rope(
         return (xf * c + rotated * s).to(x.dtype)
 
     return rot(q), rot(k)
+
+
+_COS_SIN: dict[int, torch.Tensor] = {}
+
+
+def _cos_sin_cache(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's [positions, head_dim] float32 table: cos halves, then sin halves.
+    Built once per model (first forward, before any CUDA graph capture)."""
+    key = cos.data_ptr()
+    table = _COS_SIN.get(key)
+    if table is None:
+        half = cos.shape[-1] // 2
+        table = _COS_SIN[key] = torch.cat([cos[:, :half], sin[:, :half]], dim=-1).float().contiguous()
+    return table

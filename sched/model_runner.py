@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -49,6 +50,9 @@ class ModelRunner:
     def __init__(self, args: ServerArgs, model_path: str) -> None:
         self.log = get_logger("scheduler")
         self.device = resolve_device(args)
+        # The CPU overlap loop runs each forward on this thread; CUDA queues kernels instead.
+        self.worker = (ThreadPoolExecutor(1, thread_name_prefix="sgl-forward")
+                       if self.device.type == "cpu" and not args.disable_overlap_schedule else None)
         self.dtype = resolve_dtype(args, self.device)
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
@@ -168,10 +172,29 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
+    def launch(self, p: PreparedBatch) -> Launched:
+        """Start a prepared batch; `.result()` of the returned handle gives the sampled
+        ids on the host. On CUDA the kernels are queued and the ids come back through a
+        pinned buffer and an event, so the caller works on while the GPU runs (the
+        overlap loop needs no thread there). On CPU the forward runs on the worker
+        thread when there is one, else right away."""
+        if self.device.type == "cuda":
+            ids = self._forward(p)
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return _CudaLaunched(host, done)
+        if self.worker is not None:
+            return self.worker.submit(self.execute, p)
+        return _Ready(self.execute(p))
+
     def execute(self, p: PreparedBatch) -> torch.Tensor:
-        """Run one prepared batch (on the overlap worker, or inline); returns the sampled
-        next token of each request as a host tensor, which is the loop's one sync."""
+        """Run one prepared batch to completion; the sampled ids on the host."""
+        return self._forward(p).cpu()
+
+    @torch.inference_mode()
+    def _forward(self, p: PreparedBatch) -> torch.Tensor:
         # Decode inputs are the tokens the previous step sampled, still on the device.
         input_ids = self.next_token[p.rows] if p.input_ids is None else p.input_ids
         if p.attn.is_decode and self.graphs is not None and self.graphs.can_run(len(p.attn.qo_lens)):
@@ -190,7 +213,33 @@ class ModelRunner:
             logits = self.model(fb)
         next_ids = sample(logits, p.sampling, self.generator)
         self.next_token[p.rows] = next_ids
-        return next_ids.cpu()
+        return next_ids
+
+
+class Launched(Protocol):
+    def result(self) -> torch.Tensor: ...
+
+
+class _Ready:
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def result(self) -> torch.Tensor:
+        return self.ids
+
+
+class _CudaLaunched:
+    __slots__ = ("host", "done")
+
+    def __init__(self, host: torch.Tensor, done: torch.cuda.Event) -> None:
+        self.host = host
+        self.done = done
+
+    def result(self) -> torch.Tensor:
+        self.done.synchronize()
+        return self.host
 
 
 def _indptr(lens: list[int]) -> torch.Tensor:

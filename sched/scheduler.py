@@ -8,7 +8,7 @@ an abort reason; it never takes the loop down."""
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from sgl.protocol import (
     ShutdownReq,
 )
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.model_runner import ModelRunner
+from sgl.sched.model_runner import Launched, ModelRunner
 from sgl.sched.policy import order_waiting
 from sgl.sched.req import Req
 from sgl.server_args import ServerArgs
@@ -65,8 +65,10 @@ class Scheduler:
         self.strict = os.environ.get("SGL_STRICT_INVARIANTS") == "1"
         self.invariant_violations = 0
         self.checked_idle = False
-        self.worker = None if args.disable_overlap_schedule else ThreadPoolExecutor(1, thread_name_prefix="sgl-forward")
-        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "retractions": 0, "cached_tokens": 0}
+        self.overlap = not args.disable_overlap_schedule
+        # Loop time split: building and launching batches, waiting for results, processing them.
+        self.stats: dict[str, float] = {"prefill_tokens": 0, "decode_steps": 0, "retractions": 0, "cached_tokens": 0,
+                                        "build_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
 
     # ---- info ------------------------------------------------------------------
 
@@ -95,7 +97,7 @@ class Scheduler:
     def run(self) -> None:
         """The loop. With overlap, batch N+1 is built and launched on the worker before
         batch N's results are processed; without it, each batch is processed at once."""
-        pending: tuple[ScheduleBatch, Future[torch.Tensor]] | None = None
+        pending: tuple[ScheduleBatch, Launched] | None = None
         while True:
             if self.waiting or self.running or self.chunked_req or pending:
                 msgs = self.recv.recv_all_nowait()
@@ -111,20 +113,29 @@ class Scheduler:
                     return
                 self.handle(msg)
             self._reap_aborts()
+            t0 = time.perf_counter()
             batch = self._next_batch()
-            launched: Future[torch.Tensor] | None = None
+            launched: Launched | None = None
             if batch is not None:
                 prepared = self.runner.prepare(batch)
                 for r in batch.reqs:
                     r.inflight += 1
-                if self.worker is not None:
-                    launched = self.worker.submit(self.runner.execute, prepared)
-                else:
-                    self._process(batch, self.runner.execute(prepared))
+                launched = self.runner.launch(prepared)
+            t1 = time.perf_counter()
+            if batch is not None and launched is not None and not self.overlap:
+                pending, launched = (batch, launched), None
+            t2 = t1
             if pending is not None:
-                self._process(pending[0], pending[1].result())
+                ids = pending[1].result()
+                t2 = time.perf_counter()
+                self._process(pending[0], ids)
             pending = (batch, launched) if launched is not None and batch is not None else None
             self._flush_outbox()
+            t3 = time.perf_counter()
+            st = self.stats
+            st["build_s"] += t1 - t0
+            st["wait_s"] += t2 - t1
+            st["process_s"] += t3 - t2
 
     def _next_batch(self) -> ScheduleBatch | None:
         batch = self._prefill_batch()

@@ -90,12 +90,24 @@ def test_cuda_graph_replay_equals_eager(qwen3_dir: str) -> None:
     assert graphs == eager
 
 
-def test_flashinfer_engine_matches_torch_engine(qwen3_dir: str) -> None:
-    rng = random.Random(1)
-    prompts = [[rng.randrange(2000) for _ in range(rng.randint(3, 80))] for _ in range(5)]
-    fi = _run(qwen3_dir, prompts, attention_backend="flashinfer", cuda_graph_max_bs=8)
-    ref = _run(qwen3_dir, prompts, attention_backend="torch", disable_cuda_graph=True)
-    # bf16 kernels differ in rounding; greedy paths agree at the start and nearly everywhere.
-    same = sum(a == b for x, y in zip(fi, ref) for a, b in zip(x, y))
-    assert all(x[:4] == y[:4] for x, y in zip(fi, ref)), (fi, ref)
-    assert same >= 0.9 * sum(len(x) for x in ref), (fi, ref)
+def test_flashinfer_layer_kernels_match_torch() -> None:
+    from sgl.kernels import layers
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    x = torch.randn(37, 1024, device=dev)
+    res = torch.randn(37, 1024, device=dev)
+    w = torch.rand(1024, device=dev) + 0.5
+    # float32 tensors take the torch path; bfloat16 ones the FlashInfer kernels.
+    assert _rel_err(layers.rms_norm(x.bfloat16(), w.bfloat16(), 1e-6), layers.rms_norm(x, w, 1e-6)) < 1e-2
+    n_ref, r_ref = layers.add_rms_norm(x, res, w, 1e-6)
+    n_fi, r_fi = layers.add_rms_norm(x.bfloat16(), res.bfloat16(), w.bfloat16(), 1e-6)
+    assert _rel_err(n_fi, n_ref) < 1e-2 and _rel_err(r_fi, r_ref) < 1e-2
+    gu = torch.randn(37, 2 * 3072, device=dev)
+    assert _rel_err(layers.silu_and_mul(gu.bfloat16()), layers.silu_and_mul(gu)) < 1e-2
+    cos, sin = layers.rope_cos_sin(128, 4096, 1e6, None, dev)
+    q, k = torch.randn(37, 16, 128, device=dev), torch.randn(37, 8, 128, device=dev)
+    pos = torch.randint(0, 4096, (37,), device=dev)
+    q_ref, k_ref = layers.apply_rope(q, k, pos, cos, sin)
+    q_fi, k_fi = layers.apply_rope(q.bfloat16(), k.bfloat16(), pos, cos, sin)
+    assert _rel_err(q_fi, q_ref) < 1e-2 and _rel_err(k_fi, k_ref) < 1e-2
