@@ -44,7 +44,8 @@ def run_sgl(model_dir: str, prompts: list[list[int]], outs: list[int], temp: flo
         res = e.generate(input_ids=prompts, sampling_params=params)
         dt = time.perf_counter() - t0
         i1 = e.get_server_info()
-    split = {k: round(i1[k] - i0[k], 3) for k in ("decode_steps", "prefill_tokens", "build_s", "wait_s", "process_s")}
+    split = {k: round(i1[k] - i0[k], 3) for k in ("decode_steps", "prefill_tokens", "build_s", "wait_s", "process_s",
+                                                      "gpu_busy_s", "gpu_idle_s")}
     print(f"sgl {kw or ''}: {dt:.2f} s, scheduler loop {split}", flush=True)
     assert [len(r["output_ids"]) for r in res] == outs
     return dt

@@ -77,6 +77,7 @@ class ModelRunner:
         self.next_token = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(args.random_seed if args.random_seed is not None else 0)
+        self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null":
             from sgl.sched.cuda_graph import CudaGraphRunner
@@ -179,12 +180,14 @@ class ModelRunner:
         overlap loop needs no thread there). On CPU the forward runs on the worker
         thread when there is one, else right away."""
         if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
             ids = self._forward(p)
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             host.copy_(ids, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record()
-            return _CudaLaunched(host, done)
+            return _CudaLaunched(host, start, done, self.gpu_timeline)
         if self.worker is not None:
             return self.worker.submit(self.execute, p)
         return _Ready(self.execute(p))
@@ -216,6 +219,28 @@ class ModelRunner:
         return next_ids
 
 
+class GpuTimeline:
+    """GPU busy and idle time between consecutive batches, from event pairs read once
+    each batch's result is in: idle is the gap between one batch's end and the next
+    one's start on the GPU, i.e. time the GPU waited for the host."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self._prev_done: torch.cuda.Event | None = None
+
+    def record(self, start: torch.cuda.Event, done: torch.cuda.Event) -> None:
+        """Both events have completed (the caller synchronised on `done`)."""
+        self.busy_s += start.elapsed_time(done) / 1000
+        if self._prev_done is not None:
+            self.idle_s += max(0.0, self._prev_done.elapsed_time(start) / 1000)
+        self._prev_done = done
+
+    def reset_gap(self) -> None:
+        """The scheduler went idle on purpose: the next gap is not the host's lateness."""
+        self._prev_done = None
+
+
 class Launched(Protocol):
     def result(self) -> torch.Tensor: ...
 
@@ -231,14 +256,15 @@ class _Ready:
 
 
 class _CudaLaunched:
-    __slots__ = ("host", "done")
+    __slots__ = ("host", "start", "done", "timeline")
 
-    def __init__(self, host: torch.Tensor, done: torch.cuda.Event) -> None:
-        self.host = host
-        self.done = done
+    def __init__(self, host: torch.Tensor, start: torch.cuda.Event, done: torch.cuda.Event,
+                 timeline: GpuTimeline) -> None:
+        self.host, self.start, self.done, self.timeline = host, start, done, timeline
 
     def result(self) -> torch.Tensor:
         self.done.synchronize()
+        self.timeline.record(self.start, self.done)
         return self.host
 
 

@@ -90,6 +90,8 @@ class Scheduler:
             "waiting": len(self.waiting),
             "invariant_violations": self.invariant_violations,
             **self.stats,
+            "gpu_busy_s": r.gpu_timeline.busy_s,
+            "gpu_idle_s": r.gpu_timeline.idle_s,
         }
 
     # ---- the loop --------------------------------------------------------------
@@ -449,6 +451,7 @@ class Scheduler:
     # ---- accounting ------------------------------------------------------------
 
     def _on_idle(self) -> None:
+        self.runner.gpu_timeline.reset_gap()
         if self.checked_idle:
             return
         self.checked_idle = True
