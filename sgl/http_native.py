@@ -117,7 +117,8 @@ async def server_info(state: ServerState) -> Response:
     e = state.engine
     info = await e.get_server_info()
     return json_response({**redacted(e.args), **info, "model_path": e.model_path,
-                          "scheduler_address": e.addresses.to_scheduler if e.args.transport == "tcp" else None,
+                          "scheduler_address": e.addresses.to_scheduler,
+                          "role_pids": {h.name: h.pid for h in e._roles if hasattr(h, "pid")},
                           "uptime_s": time.monotonic() - state.started})
 
 
