@@ -20,12 +20,13 @@ START_TIMEOUT_S = 120
 
 
 class ServerProc:
-    def __init__(self, *flags: str, api_key: str | None = None) -> None:
+    def __init__(self, *flags: str, api_key: str | None = None, stderr_path: str | None = None) -> None:
         cmd = [sys.executable, "-m", "sgl.launch_server", "--host", "127.0.0.1", "--port", "0", *flags]
         if api_key is not None:
             cmd += ["--api-key", api_key]
         self.api_key = api_key
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+        self._stderr = open(stderr_path, "wb") if stderr_path else None  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr)
         self.scheduler_address: str | None = None
         self.url = self._wait_ready()
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -88,6 +89,8 @@ class ServerProc:
                 self.proc.wait()
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
+            if self._stderr is not None:
+                self._stderr.close()
 
 
 def alive(pid: int) -> bool:

@@ -17,7 +17,7 @@ import structlog
 
 from sgl.protocol import Message
 from sgl.transports.channel import Receiver, Sender
-from sgl.transports.auth import AuthError, is_loopback, sign, verify
+from sgl.transports.auth import TAG_BYTES, AuthError, is_loopback, sign, verify
 from sgl.transports.codec import MAX_FRAME_BYTES, Codec, DecodeError
 
 log = structlog.get_logger("sgl.transport")
@@ -53,7 +53,9 @@ class ZmqReceiver(Receiver):
                              "only loopback addresses may go unauthenticated")
         self._sock = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 64)
+        # Frames up to twice the limit arrive and are dropped with a log line; larger
+        # ones make ZMQ drop the sending peer's connection (it reconnects).
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_FRAME_BYTES)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
         if address.endswith(":0") or address.endswith(":*"):
@@ -62,6 +64,9 @@ class ZmqReceiver(Receiver):
         self._codec = Codec()
 
     def _decode(self, frame: bytes) -> Message | None:
+        if len(frame) > MAX_FRAME_BYTES + TAG_BYTES:
+            log.warning("dropped oversized frame", address=self.address, size=len(frame), limit=MAX_FRAME_BYTES)
+            return None
         try:
             return self._codec.decode(frame if self._key is None else verify(self._key, frame))
         except AuthError as e:
