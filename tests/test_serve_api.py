@@ -139,6 +139,8 @@ def test_client_generate_stream_abort(server: ServerProc) -> None:
 
 
 def test_disconnect_mid_stream_aborts(server: ServerProc) -> None:
+    steps_before = server.info()["decode_steps"]
+
     async def main() -> None:
         async with sgl.Client(server.url, api_key=API_KEY) as c:
             stream = c.stream(input_ids=[3], sampling_params={"max_new_tokens": 7000, "ignore_eos": True})
@@ -149,6 +151,7 @@ def test_disconnect_mid_stream_aborts(server: ServerProc) -> None:
     asyncio.run(main())
     info = server.wait_idle(timeout=5)
     assert info["running"] == 0
+    assert info["decode_steps"] - steps_before < 6000  # it did not run on to its 7000 tokens
 
 
 def test_attached_engine_over_tcp(server: ServerProc) -> None:
