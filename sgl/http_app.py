@@ -6,6 +6,7 @@ Every path but /health needs the API key when one is set."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,7 +38,9 @@ def build_app(engine: Any, model_name: str | None = None) -> Starlette:
                 if not public:
                     check_api_key(request, args.api_key)
                 body = await read_body(request, args.max_request_bytes) if request.method == "POST" else b""
-                return await handler(state, request, body)
+                return await _unless_disconnected(request, handler(state, request, body))
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it: the connection is gone
             except Exception as e:  # noqa: BLE001 - every failure becomes a JSON error, never a crash
                 err = api_error_of(e)
                 if err.status >= 500:
@@ -74,3 +77,29 @@ def build_app(engine: Any, model_name: str | None = None) -> Starlette:
 
 async def _now(resp: Response) -> Response:
     return resp
+
+
+class ClientGone(Exception):
+    """The client hung up before its response was ready."""
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Run the handler, cancelling it (and so aborting its requests) if the client
+    disconnects first. Once the handler returns a response, the response itself
+    (a stream) watches the connection."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone("the client disconnected")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

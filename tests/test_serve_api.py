@@ -154,6 +154,16 @@ def test_disconnect_mid_stream_aborts(server: ServerProc) -> None:
     assert info["decode_steps"] - steps_before < 6000  # it did not run on to its 7000 tokens
 
 
+def test_disconnect_while_waiting_for_a_plain_response_aborts(server: ServerProc) -> None:
+    steps_before = server.info()["decode_steps"]
+    body = {"input_ids": [4], "sampling_params": {"max_new_tokens": 7000, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/generate", json=body, headers=server.headers, timeout=1.0)
+    info = server.wait_idle(timeout=5)
+    assert info["running"] == 0
+    assert info["decode_steps"] - steps_before < 6000
+
+
 def test_attached_engine_over_tcp(server: ServerProc) -> None:
     assert server.scheduler_address is not None
 
