@@ -101,11 +101,14 @@ class AsyncEngine:
         skip_tokenizer_init: bool = False,
         host: str = "127.0.0.1",
         timeout: float = 10.0,
+        heartbeat_interval: float = 1.0,
     ) -> AsyncEngine:
         """Attach to the scheduler of a running engine (`sgl serve --transport tcp`).
 
         `transport_key` is that engine's key (hex; `SGL_TRANSPORT_KEY` if None).
-        Outputs come back to a socket bound on `host` at a free port."""
+        Outputs come back to a socket bound on `host` at a free port. A health
+        check every `heartbeat_interval` seconds stands in for the watchdog: a
+        scheduler silent for `timeout` seconds fails every pending request."""
         key = transport_key if transport_key is not None else os.environ.get("SGL_TRANSPORT_KEY")
         if not scheduler_address.startswith("tcp://"):
             raise ValueError(f"scheduler_address={scheduler_address!r} is invalid: must be a tcp:// address")
@@ -139,8 +142,22 @@ class AsyncEngine:
 
             self.tm.tokenizer = load_tokenizer(tokenizer_path or self.model_path, False)
         self.tokenizer = self.tm.tokenizer
+        self._heartbeat = asyncio.ensure_future(self._beat(scheduler_address, heartbeat_interval, timeout))
         atexit.register(self.shutdown)
         return self
+
+    async def _beat(self, address: str, interval: float, timeout: float) -> None:
+        while self.tm.dead is None:
+            await asyncio.sleep(interval)
+            try:
+                await asyncio.wait_for(self.tm.health(), timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                self.log.error("attached scheduler stopped answering", address=address)
+                self.tm.fail_all(EngineDeadError(
+                    f"the scheduler at {address} did not answer a health check within {timeout}s; "
+                    "every pending request failed"))
+            except EngineDeadError:
+                return
 
     # ---- generation ------------------------------------------------------------
 
@@ -241,6 +258,9 @@ class AsyncEngine:
             atexit.unregister(self.shutdown)
 
     async def aclose(self) -> None:
+        beat = getattr(self, "_heartbeat", None)
+        if beat is not None:
+            beat.cancel()
         await self.tm.close()
         self.shutdown()
 

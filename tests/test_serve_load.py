@@ -1,8 +1,9 @@
-"""`sgl serve` under load and under failure, on loopback with the null model:
-500 concurrent streaming HTTP requests arrive whole and in order while random
-clients hang up mid-stream (leaking no KV slot); a scheduler killed under load
-turns every open request into an error within 5 seconds, and the server still
-shuts down cleanly."""
+"""`sgl serve` under load and under failure, on loopback with the null model over
+the tcp transport: 500 concurrent streaming HTTP requests arrive whole and in
+order while random clients hang up mid-stream (leaking no KV slot); a scheduler
+killed under load turns every open request, over HTTP and on an attached
+AsyncEngine, into an error within 5 seconds, and the server still shuts down
+cleanly."""
 
 from __future__ import annotations
 
@@ -18,17 +19,21 @@ from typing import Any
 import httpx
 import pytest
 
+import sgl
+from sgl.tokenizer_manager import EngineDeadError
 from tests.conftest import null_continuation
 from tests.serve_util import ServerProc, alive
 
 N_STREAMS = 500
 N_DISCONNECTS = 100
 NEW_TOKENS = 12
+TRANSPORT_KEY = "9a" * 32
 
 
 @pytest.fixture
 def server(null_model_dir: str) -> Iterator[ServerProc]:
     s = ServerProc("--model-path", null_model_dir, "--load-format", "null", "--skip-tokenizer-init",
+                   "--transport", "tcp", "--transport-key", TRANSPORT_KEY,
                    "--max-total-tokens", "30000", "--max-running-requests", "256", "--context-length", "8192")
     yield s
     assert s.stop(signal.SIGTERM) == 0
@@ -122,13 +127,22 @@ def test_killing_the_scheduler_under_load_fails_every_request(server: ServerProc
         assert r.status_code == 503 and "scheduler" in r.json()["error"]["message"], r.text[:300]
         return time.monotonic()
 
+    async def attached_until_error(engine: sgl.AsyncEngine) -> float:
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.stream(input_ids=[7], sampling_params=params):
+                pass
+        return time.monotonic()
+
     async def main() -> None:
         started = asyncio.Event()
         n_started = [0]
         limits = httpx.Limits(max_connections=None)
+        engine = await sgl.AsyncEngine.connect(server.scheduler_address, transport_key=TRANSPORT_KEY,
+                                               skip_tokenizer_init=True, timeout=3.0, heartbeat_interval=0.5)
         async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:
             streams = [asyncio.create_task(stream_until_error(client, i, started, n_started)) for i in range(30)]
             plains = [asyncio.create_task(plain(client, 100 + i)) for i in range(20)]
+            attached = asyncio.create_task(attached_until_error(engine))
             await asyncio.wait_for(started.wait(), 60)
             os.kill(pids["scheduler"], signal.SIGKILL)
             t0 = time.monotonic()
@@ -136,6 +150,9 @@ def test_killing_the_scheduler_under_load_fails_every_request(server: ServerProc
             assert max(ends) - t0 < 5.0, max(ends) - t0
             health = await client.get("/health")
             assert health.status_code == 503
+            # The attached engine has no watchdog: its heartbeat (timeout 3 s) notices.
+            assert await asyncio.wait_for(attached, 30) - t0 < 5.0
+        await engine.aclose()
 
     asyncio.run(main())
     deadline = time.monotonic() + 10
