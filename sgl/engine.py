@@ -20,10 +20,12 @@ import os
 import queue
 import secrets
 import shutil
-import uuid
 import threading
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
+
+import msgspec
 
 from sgl.launch import RoleHandle, Watchdog, start_roles, wait_all
 from sgl.log import configure, get_logger
@@ -56,7 +58,8 @@ class AsyncEngine:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         if self.args.transport == "tcp" and self.args.transport_key is None:
             # Every tcp frame is signed; the children get this key through their config.
-            self.args.transport_key = secrets.token_hex(32)
+            key = os.environ.get("SGL_TRANSPORT_KEY") or secrets.token_hex(32)
+            self.args = ServerArgs.from_kwargs(**{**msgspec.structs.asdict(self.args), "transport_key": key})
         configure(self.args.log_level)
         self.log = get_logger("engine")
         self._closed = False

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-import sys
 from types import FrameType
 
 import msgspec
@@ -33,7 +32,6 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 
@@ -44,6 +42,9 @@ async def _serve(args: ServerArgs) -> None:
     from sgl.http_app import build_app
 
     sock = _listen(args.host, args.port)
+    # While the roles start, SIGTERM unwinds like Ctrl-C: started children are
+    # killed and the socket folder removed on the way out.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         engine = AsyncEngine(**msgspec.structs.asdict(args))
     except BaseException:
@@ -73,12 +74,13 @@ async def _serve(args: ServerArgs) -> None:
     print("sgl serve: stopped", flush=True)
 
 
+def _exit_on_sigterm(sig: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + sig)
+
+
 def serve(args: ServerArgs) -> int:
-    asyncio.run(_serve(args))
+    try:
+        asyncio.run(_serve(args))
+    except KeyboardInterrupt:  # Ctrl-C before the server was up: the engine cleaned up already
+        return 130
     return 0
-
-
-if __name__ == "__main__":
-    from sgl.cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))
