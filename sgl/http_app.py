@@ -20,8 +20,8 @@ from starlette.routing import Route
 from sgl import http_native as native
 from sgl import http_openai as openai
 from sgl.http_common import ApiError, api_error_of, check_api_key, error_response, read_body
-from sgl.log import get_logger
 from sgl.http_native import ServerState
+from sgl.log import get_logger
 
 Handler = Callable[[ServerState, Request, bytes], Awaitable[Response]]
 log = get_logger("http")
