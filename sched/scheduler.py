@@ -17,6 +17,8 @@ from sgl.cache.radix_cache import RadixCache
 from sgl.log import get_logger
 from sgl.protocol import (
     AbortReq,
+    AttachReq,
+    DetachReq,
     BatchTokenIDOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -153,11 +155,15 @@ class Scheduler:
         elif isinstance(msg, AbortReq):
             self._abort(msg.rid, "aborted by the client")
         elif isinstance(msg, FlushCacheReq):
-            self.send.send(self._flush_cache())
+            out = self._flush_cache()
+            out.origin = msg.origin
+            self.send.send(out)
         elif isinstance(msg, GetServerInfoReq):
-            self.send.send(GetServerInfoReqOutput(info=self.info()))
+            self.send.send(GetServerInfoReqOutput(info=self.info(), origin=msg.origin))
         elif isinstance(msg, HealthCheckReq):
-            self.send.send(HealthCheckOutput(ok=True))
+            self.send.send(HealthCheckOutput(ok=True, origin=msg.origin))
+        elif isinstance(msg, (AttachReq, DetachReq)):
+            self.send.send(msg)  # routing is the detokenizer's business
         else:
             self.log.warning("ignored unexpected message", type=type(msg).__name__)
 

@@ -15,9 +15,10 @@ from sgl.sampling_params import SamplingParams
 from sgl.server_args import ServerArgs
 
 if TYPE_CHECKING:
+    from sgl.client import Client
     from sgl.engine import AsyncEngine, Engine
 
-__all__ = ["AsyncEngine", "Engine", "SamplingParams", "ServerArgs"]
+__all__ = ["AsyncEngine", "Client", "Engine", "SamplingParams", "ServerArgs"]
 __version__ = "0.1.0"
 
 
@@ -26,4 +27,8 @@ def __getattr__(name: str) -> Any:
         from sgl import engine
 
         return getattr(engine, name)
+    if name == "Client":
+        from sgl.client import Client
+
+        return Client
     raise AttributeError(f"module 'sgl' has no attribute {name!r}")

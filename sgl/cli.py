@@ -1,11 +1,14 @@
 """The `sgl` command line. `sgl generate "PROMPT"` runs one request on an engine
-and prints the answer (the chat template applied when the model has one)."""
+and prints the answer (the chat template applied when the model has one);
+`sgl serve [FLAGS]` runs the HTTP server, its flags generated from ServerArgs."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Any
+
+from sgl.cli_args import add_server_args, server_args_from
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -49,7 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None)
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
     g.set_defaults(func=_generate)
+    s = sub.add_parser("serve", help="serve the model over HTTP (OpenAI-compatible and SGLang's native API)")
+    add_server_args(s)
+    s.set_defaults(func=_serve)
     return p
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from sgl.serve import serve
+
+    return serve(server_args_from(ns))
 
 
 def main(argv: list[str] | None = None) -> int:

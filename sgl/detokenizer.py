@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgl.log import get_logger
-from sgl.protocol import CONTROL_REPLIES, BatchStrOutput, BatchTokenIDOutput, ShutdownReq
+from sgl.protocol import CONTROL_REPLIES, AttachReq, BatchStrOutput, BatchTokenIDOutput, DetachReq, ShutdownReq
 from sgl.transports.channel import Receiver, Sender
 
 
@@ -38,8 +38,8 @@ class Detokenizer:
                 return
             if isinstance(msg, BatchTokenIDOutput):
                 self.send.send(self.process(msg))
-            elif isinstance(msg, CONTROL_REPLIES):
-                self.send.send(msg)
+            elif isinstance(msg, (*CONTROL_REPLIES, AttachReq, DetachReq)):
+                self.send.send(msg)  # the sender (an OutputRouter) routes these
             else:
                 self.log.warning("ignored unexpected message", type=type(msg).__name__)
 

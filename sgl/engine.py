@@ -5,7 +5,12 @@ runs on the caller's loop, no threads drive it. `Engine` is for scripts, REPLs
 and notebooks: it owns a private event loop on one background thread and runs
 the AsyncEngine there, so it works even where the caller's thread already has a
 running loop. Both start the scheduler and detokenizer roles (processes, or
-threads under inproc) and shut them down at exit."""
+threads under inproc) and shut them down at exit.
+
+`AsyncEngine.connect(scheduler_address, ...)` attaches to the scheduler of an
+engine running in another process (tcp transport): it binds its own receive
+socket, registers it with that engine's detokenizer, and stops nothing but its
+own sockets when closed."""
 
 from __future__ import annotations
 
@@ -13,14 +18,19 @@ import asyncio
 import atexit
 import os
 import queue
+import secrets
 import shutil
 import threading
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import msgspec
+
 from sgl.launch import RoleHandle, Watchdog, start_roles, wait_all
 from sgl.log import configure, get_logger
-from sgl.protocol import ShutdownReq
+from sgl.metrics import Metrics
+from sgl.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
 from sgl.roles import ChildConfig
 from sgl.server_args import ServerArgs
 from sgl.tokenizer_manager import EngineDeadError, TokenizerManager
@@ -46,10 +56,16 @@ class AsyncEngine:
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        if self.args.transport == "tcp" and self.args.transport_key is None:
+            # Every tcp frame is signed; the children get this key through their config.
+            key = os.environ.get("SGL_TRANSPORT_KEY") or secrets.token_hex(32)
+            self.args = ServerArgs.from_kwargs(**{**msgspec.structs.asdict(self.args), "transport_key": key})
         configure(self.args.log_level)
         self.log = get_logger("engine")
         self._closed = False
+        self._attached = False
         self._roles: list[RoleHandle] = []
+        self.metrics = Metrics()
         self.model_path = resolve_model_path(self.args)
         tokenizer_path = self.args.tokenizer_path or self.model_path
         tokenizer = None
@@ -59,7 +75,8 @@ class AsyncEngine:
             tokenizer = load_tokenizer(tokenizer_path, self.args.trust_remote_code)
         self.tokenizer = tokenizer
         self.addresses = make_addresses(self.args.transport, self.args.host)
-        recv = open_receiver(self.addresses.to_tokenizer)
+        key = self.args.transport_key
+        recv = open_receiver(self.addresses.to_tokenizer, key)
         cfgs = [
             ChildConfig(role, self.args, self.model_path, tokenizer_path, self.addresses)
             for role in ("scheduler", "detokenizer")
@@ -71,12 +88,79 @@ class AsyncEngine:
             self._remove_ipc_dir()
             raise
         self.info = infos["scheduler"]
-        self.tm = TokenizerManager(tokenizer, open_sender(self.addresses.to_scheduler), recv,
-                                   self.info["context_length"], self.info["vocab_size"])
+        self.tm = TokenizerManager(tokenizer, open_sender(self.addresses.to_scheduler, key), recv,
+                                   self.info["context_length"], self.info["vocab_size"], metrics=self.metrics)
         self._watchdog = Watchdog(self._roles, self.args.watchdog_interval, self._on_role_death)
         self._watchdog.start()
         atexit.register(self.shutdown)
         self.log.info("engine ready", model=self.model_path, transport=self.args.transport)
+
+    @classmethod
+    async def connect(
+        cls,
+        scheduler_address: str,
+        transport_key: str | None = None,
+        tokenizer_path: str | None = None,
+        skip_tokenizer_init: bool = False,
+        host: str = "127.0.0.1",
+        timeout: float = 10.0,
+        heartbeat_interval: float = 1.0,
+    ) -> AsyncEngine:
+        """Attach to the scheduler of a running engine (`sgl serve --transport tcp`).
+
+        `transport_key` is that engine's key (hex; `SGL_TRANSPORT_KEY` if None).
+        Outputs come back to a socket bound on `host` at a free port. A health
+        check every `heartbeat_interval` seconds stands in for the watchdog: a
+        scheduler silent for `timeout` seconds fails every pending request."""
+        key = transport_key if transport_key is not None else os.environ.get("SGL_TRANSPORT_KEY")
+        if not scheduler_address.startswith("tcp://"):
+            raise ValueError(f"scheduler_address={scheduler_address!r} is invalid: must be a tcp:// address")
+        self = cls.__new__(cls)
+        self.args = ServerArgs.from_kwargs(transport="tcp", host=host, transport_key=key,
+                                           skip_tokenizer_init=skip_tokenizer_init)
+        self.log = get_logger("engine")
+        self._closed = False
+        self._attached = True
+        self._roles = []
+        self._watchdog = Watchdog([], 1.0, lambda h: None)
+        self.metrics = Metrics()
+        self.addresses = make_addresses("inproc")  # unused: no roles of our own
+        recv = open_receiver(f"tcp://{host}:0", key)
+        client_id = "c" + uuid.uuid4().hex[:16]
+        self.tm = TokenizerManager(None, open_sender(scheduler_address, key), recv, 0, 0, client_id=client_id,
+                                   metrics=self.metrics)
+        try:
+            await asyncio.wait_for(self.tm.control_call(AttachReq(client_id, recv.address), AttachReqOutput), timeout)  # type: ignore[attr-defined]
+            self.info = await asyncio.wait_for(self.tm.server_info(), timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            await self.tm.close()
+            self.tm.send.close()
+            self.tm.recv.close()
+            raise ConnectionError(f"no scheduler answered at {scheduler_address} within {timeout}s "
+                                  "(is it running with the tcp transport, and is the transport_key right?)") from None
+        self.tm.context_length, self.tm.vocab_size = self.info["context_length"], self.info["vocab_size"]
+        self.model_path = self.info["model_path"] or resolve_model_path(self.args)
+        if not skip_tokenizer_init:
+            from sgl.hf import load_tokenizer
+
+            self.tm.tokenizer = load_tokenizer(tokenizer_path or self.model_path, False)
+        self.tokenizer = self.tm.tokenizer
+        self._heartbeat = asyncio.ensure_future(self._beat(scheduler_address, heartbeat_interval, timeout))
+        atexit.register(self.shutdown)
+        return self
+
+    async def _beat(self, address: str, interval: float, timeout: float) -> None:
+        while self.tm.dead is None:
+            await asyncio.sleep(interval)
+            try:
+                await asyncio.wait_for(self.tm.health(), timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                self.log.error("attached scheduler stopped answering", address=address)
+                self.tm.fail_all(EngineDeadError(
+                    f"the scheduler at {address} did not answer a health check within {timeout}s; "
+                    "every pending request failed"))
+            except EngineDeadError:
+                return
 
     # ---- generation ------------------------------------------------------------
 
@@ -166,7 +250,8 @@ class AsyncEngine:
         self._watchdog.stop()
         try:
             if self.tm.dead is None:
-                self.tm.send.send(ShutdownReq())
+                # An attached engine leaves the scheduler running: it only stops its route.
+                self.tm.send.send(DetachReq(self.tm.client_id) if self._attached else ShutdownReq())
         finally:
             wait_all(self._roles, timeout=10)
             self.tm.fail_all(EngineDeadError("the engine was shut down"))
@@ -176,6 +261,9 @@ class AsyncEngine:
             atexit.unregister(self.shutdown)
 
     async def aclose(self) -> None:
+        beat = getattr(self, "_heartbeat", None)
+        if beat is not None:
+            beat.cancel()
         await self.tm.close()
         self.shutdown()
 

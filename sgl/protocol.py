@@ -59,28 +59,52 @@ class BatchStrOutput(msgspec.Struct, tag="batch_str", forbid_unknown_fields=True
 
 
 class FlushCacheReq(msgspec.Struct, tag="flush_cache", forbid_unknown_fields=True):
-    pass
+    origin: str = ""  # the asking tokenizer manager's client id ("": the engine's own)
 
 
 class FlushCacheReqOutput(msgspec.Struct, tag="flush_cache_out", forbid_unknown_fields=True):
     success: bool
     message: str = ""
+    origin: str = ""
 
 
 class GetServerInfoReq(msgspec.Struct, tag="server_info", forbid_unknown_fields=True):
-    pass
+    origin: str = ""  # the asking tokenizer manager's client id ("": the engine's own)
 
 
 class GetServerInfoReqOutput(msgspec.Struct, tag="server_info_out", forbid_unknown_fields=True):
     info: dict[str, Any]
+    origin: str = ""
 
 
 class HealthCheckReq(msgspec.Struct, tag="health", forbid_unknown_fields=True):
-    pass
+    origin: str = ""  # the asking tokenizer manager's client id ("": the engine's own)
 
 
 class HealthCheckOutput(msgspec.Struct, tag="health_out", forbid_unknown_fields=True):
     ok: bool
+    origin: str = ""
+
+
+class AttachReq(msgspec.Struct, tag="attach", forbid_unknown_fields=True):
+    """A tokenizer manager in another process asks for its outputs at `address`.
+
+    Sent to the scheduler, which passes it on to the detokenizer. From then on the
+    detokenizer routes outputs of rids that start with `client_id + ":"`, and
+    control replies whose origin is `client_id`, to `address`."""
+
+    client_id: str
+    address: str
+
+
+class AttachReqOutput(msgspec.Struct, tag="attach_out", forbid_unknown_fields=True):
+    client_id: str
+    ok: bool
+    message: str = ""
+
+
+class DetachReq(msgspec.Struct, tag="detach", forbid_unknown_fields=True):
+    client_id: str
 
 
 class ShutdownReq(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
@@ -98,6 +122,9 @@ Message = Union[
     GetServerInfoReqOutput,
     HealthCheckReq,
     HealthCheckOutput,
+    AttachReq,
+    AttachReqOutput,
+    DetachReq,
     ShutdownReq,
 ]
 

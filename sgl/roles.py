@@ -47,15 +47,16 @@ def run_role(cfg: ChildConfig, report: Callable[[dict[str, Any]], None]) -> None
 
 
 def _build(cfg: ChildConfig) -> Any:
-    a = cfg.addresses
+    a, key = cfg.addresses, cfg.server_args.transport_key
     if cfg.role == "scheduler":
         from sgl.sched.scheduler import Scheduler
 
-        recv = open_receiver(a.to_scheduler)
-        return Scheduler(cfg.server_args, cfg.model_path, recv, open_sender(a.to_detokenizer))
+        recv = open_receiver(a.to_scheduler, key)
+        return Scheduler(cfg.server_args, cfg.model_path, recv, open_sender(a.to_detokenizer, key))
     from sgl.detokenizer import Detokenizer
     from sgl.hf import load_tokenizer
+    from sgl.output_router import OutputRouter
 
     tok = None if cfg.server_args.skip_tokenizer_init else load_tokenizer(cfg.tokenizer_path or cfg.model_path)
-    recv = open_receiver(a.to_detokenizer)
-    return Detokenizer(tok, recv, open_sender(a.to_tokenizer))
+    recv = open_receiver(a.to_detokenizer, key)
+    return Detokenizer(tok, recv, OutputRouter(open_sender(a.to_tokenizer, key), key))

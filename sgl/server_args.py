@@ -20,7 +20,12 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     context_length: int | None = None
 
     transport: Transport = "ipc"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the HTTP server's address, and the tcp transport's
+    port: int = 30000  # the HTTP server's port (0: any free port)
+    api_key: str | None = None  # Bearer token guarding every HTTP endpoint but /health
+    transport_key: str | None = None  # tcp transport HMAC secret (hex); None: generated per engine
+    served_model_name: str | None = None  # the model's name on /v1 (default: the model path)
+    max_request_bytes: int = 4 * 1024 * 1024  # largest HTTP request body accepted
 
     max_total_tokens: int | None = None  # KV slots; None: sized from memory
     mem_fraction_static: float | None = None
@@ -46,6 +51,19 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} is invalid: must be >= 1")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} is invalid: must be in (0, 1)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} is invalid: must be in [0, 65535]")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes={self.max_request_bytes} is invalid: must be >= 1")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key is invalid: must be a non-empty string (or None for no key)")
+        if self.transport_key is not None:
+            try:
+                key = bytes.fromhex(self.transport_key)
+            except ValueError:
+                raise ValueError("transport_key is invalid: must be a hex string") from None
+            if len(key) < 16:
+                raise ValueError("transport_key is invalid: must hold at least 16 bytes (32 hex digits)")
         if self.watchdog_interval <= 0:
             raise ValueError(f"watchdog_interval={self.watchdog_interval} is invalid: must be > 0")
 
@@ -56,6 +74,18 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return msgspec.convert(kwargs, cls, strict=True)
         except msgspec.ValidationError as e:
             raise ValueError(f"server args: {e}") from None
+
+
+SECRET_FIELDS = ("api_key", "transport_key")
+
+
+def redacted(args: ServerArgs) -> dict[str, Any]:
+    """The args as a dict with secrets hidden (what /get_server_info shows)."""
+    out = msgspec.structs.asdict(args)
+    for name in SECRET_FIELDS:
+        if out[name] is not None:
+            out[name] = "<redacted>"
+    return out
 
 
 def _positive(args: ServerArgs, *names: str) -> None:

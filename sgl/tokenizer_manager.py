@@ -4,7 +4,12 @@ output back to each request's awaiting coroutine.
 
 It runs no threads of its own: its receive task runs on the loop of the first
 request. `fail_all` may be called from any thread (the watchdog) and hops onto
-that loop."""
+that loop.
+
+A tokenizer manager attached from another process (`AsyncEngine.connect`) has a
+client id: its rids go on the wire as "<client_id>:<rid>" and its control
+requests carry `origin=client_id`, so the detokenizer can route replies to it.
+Callers only ever see their own rids."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sgl.log import get_logger
+from sgl.metrics import Metrics
 from sgl.protocol import (
     AbortReq,
     BatchStrOutput,
@@ -40,17 +46,23 @@ class EngineDeadError(RuntimeError):
 class _ReqState:
     queue: asyncio.Queue[dict[str, Any] | BaseException]
     created: float
+    stream: bool = False
+    last_at: float | None = None  # when the previous streamed tokens arrived
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any | None, send: Sender, recv: Receiver, context_length: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any | None, send: Sender, recv: Receiver, context_length: int, vocab_size: int,
+                 client_id: str = "", metrics: Metrics | None = None) -> None:
         self.tokenizer = tokenizer
         self.send = send
         self.recv = recv
         self.context_length = context_length
         self.vocab_size = vocab_size
+        self.client_id = client_id
+        self.rid_prefix = f"{client_id}:" if client_id else ""
+        self.metrics = metrics
         self.states: dict[str, _ReqState] = {}
         self.control: dict[type, list[asyncio.Future[Any]]] = {}
         self.dead: BaseException | None = None
@@ -89,13 +101,13 @@ class TokenizerManager:
         ids = self.tokenize(prompt, input_ids)
         if rid is not None and not isinstance(rid, str):
             raise ValueError(f"rid must be a str, got {type(rid).__name__}")
-        rid = rid or uuid.uuid4().hex
+        rid = self.rid_prefix + (rid or uuid.uuid4().hex)
         if rid in self.states:
-            raise ValueError(f"rid={rid!r} is already in use by a running request")
+            raise ValueError(f"rid={rid[len(self.rid_prefix):]!r} is already in use by a running request")
         self._ensure_started()
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        st = _ReqState(asyncio.Queue(), time.monotonic())
+        st = _ReqState(asyncio.Queue(), time.monotonic(), stream)
         self.states[rid] = st
         finished = False
         try:
@@ -119,7 +131,7 @@ class TokenizerManager:
 
     def abort(self, rid: str) -> None:
         if self.dead is None:
-            self.send.send(AbortReq(rid))
+            self.send.send(AbortReq(self.rid_prefix + rid))
 
     async def control_call(self, req: Message, reply_type: type) -> Any:
         self._ensure_started()
@@ -131,13 +143,13 @@ class TokenizerManager:
         return await fut
 
     async def flush_cache(self) -> FlushCacheReqOutput:
-        return await self.control_call(FlushCacheReq(), FlushCacheReqOutput)
+        return await self.control_call(FlushCacheReq(origin=self.client_id), FlushCacheReqOutput)
 
     async def server_info(self) -> dict[str, Any]:
-        return (await self.control_call(GetServerInfoReq(), GetServerInfoReqOutput)).info
+        return (await self.control_call(GetServerInfoReq(origin=self.client_id), GetServerInfoReqOutput)).info
 
     async def health(self) -> bool:
-        return (await self.control_call(HealthCheckReq(), HealthCheckOutput)).ok
+        return (await self.control_call(HealthCheckReq(origin=self.client_id), HealthCheckOutput)).ok
 
     # ---- receive loop ----------------------------------------------------------
 
@@ -176,8 +188,10 @@ class TokenizerManager:
             st.text += b.texts[i]
             st.output_ids.extend(b.new_ids[i])
             fin = b.finished_reasons[i]
+            if self.metrics is not None:
+                self._observe(st, b, i, now)
             meta: dict[str, Any] = {
-                "id": rid,
+                "id": rid[len(self.rid_prefix):],
                 "prompt_tokens": b.prompt_tokens[i],
                 "completion_tokens": b.completion_tokens[i],
                 "cached_tokens": b.cached_tokens[i],
@@ -186,6 +200,20 @@ class TokenizerManager:
             if fin is not None:
                 meta["e2e_latency"] = now - st.created
             st.queue.put_nowait({"text": b.texts[i], "output_ids": b.new_ids[i], "meta_info": meta})
+
+    def _observe(self, st: _ReqState, b: BatchStrOutput, i: int, now: float) -> None:
+        assert self.metrics is not None
+        n = len(b.new_ids[i])
+        if st.stream and n:
+            if st.last_at is None:
+                self.metrics.first_token(now - st.created)
+            else:
+                self.metrics.inter_token(now - st.last_at, n)
+            st.last_at = now
+        fin = b.finished_reasons[i]
+        if fin is not None:
+            self.metrics.finished(b.prompt_tokens[i], b.completion_tokens[i], b.cached_tokens[i],
+                                  now - st.created, fin.get("type") == "abort")
 
     # ---- failure ---------------------------------------------------------------
 

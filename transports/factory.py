@@ -13,6 +13,7 @@ import uuid
 
 import msgspec
 
+from sgl.transports.auth import key_bytes
 from sgl.transports.channel import Receiver, Sender
 
 
@@ -49,21 +50,23 @@ def make_addresses(transport: str, host: str = "127.0.0.1") -> Addresses:
     raise ValueError(f"transport={transport!r} is invalid: must be 'inproc', 'ipc' or 'tcp'")
 
 
-def open_sender(address: str) -> Sender:
+def open_sender(address: str, key: str | None = None) -> Sender:
+    """`key` (hex) signs every frame on tcp://; the other schemes ignore it."""
     if address.startswith("inproc://"):
         from sgl.transports.inproc import InprocSender
 
         return InprocSender(address)
     from sgl.transports.zmq_channel import ZmqSender
 
-    return ZmqSender(address)
+    return ZmqSender(address, key_bytes(key))
 
 
-def open_receiver(address: str) -> Receiver:
+def open_receiver(address: str, key: str | None = None) -> Receiver:
+    """`key` (hex) is required of every frame on tcp://; the other schemes ignore it."""
     if address.startswith("inproc://"):
         from sgl.transports.inproc import InprocReceiver
 
         return InprocReceiver(address)
     from sgl.transports.zmq_channel import ZmqReceiver
 
-    return ZmqReceiver(address)
+    return ZmqReceiver(address, key_bytes(key))

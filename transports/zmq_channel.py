@@ -2,7 +2,11 @@
 
 The receiver binds and the sender connects. A frame that fails to decode is
 logged and dropped; the socket keeps working. Async receive shadows the same
-socket with zmq.asyncio, so it runs on the caller's loop without threads."""
+socket with zmq.asyncio, so it runs on the caller's loop without threads.
+
+Over tcp every frame is signed with the engine's shared key (HMAC-SHA256, see
+auth.py) and a receiver drops frames that fail the check; a tcp receiver without
+a key refuses any address but loopback."""
 
 from __future__ import annotations
 
@@ -13,13 +17,15 @@ import structlog
 
 from sgl.protocol import Message
 from sgl.transports.channel import Receiver, Sender
+from sgl.transports.auth import TAG_BYTES, AuthError, is_loopback, sign, verify
 from sgl.transports.codec import MAX_FRAME_BYTES, Codec, DecodeError
 
 log = structlog.get_logger("sgl.transport")
 
 
 class ZmqSender(Sender):
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, key: bytes | None = None) -> None:
+        self._key = key if address.startswith("tcp://") else None
         self._sock = zmq.Context.instance().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 1000)  # let a final shutdown message out
@@ -27,7 +33,8 @@ class ZmqSender(Sender):
         self._codec = Codec()
 
     def send(self, msg: Message) -> None:
-        self._sock.send(self._codec.encode(msg), copy=False)
+        frame = self._codec.encode(msg)
+        self._sock.send(frame if self._key is None else sign(self._key, frame), copy=False)
 
     def send_raw(self, frame: bytes) -> None:
         """Send bytes as they are (tests of malformed frames)."""
@@ -38,11 +45,17 @@ class ZmqSender(Sender):
 
 
 class ZmqReceiver(Receiver):
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, key: bytes | None = None) -> None:
         self.address = address
+        self._key = key if address.startswith("tcp://") else None
+        if address.startswith("tcp://") and key is None and not is_loopback(address):
+            raise ValueError(f"refusing to listen on {address} without a transport_key: "
+                             "only loopback addresses may go unauthenticated")
         self._sock = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        # Frames up to twice the limit arrive and are dropped with a log line; larger
+        # ones make ZMQ drop the sending peer's connection (it reconnects).
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_FRAME_BYTES)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
         if address.endswith(":0") or address.endswith(":*"):
@@ -51,8 +64,14 @@ class ZmqReceiver(Receiver):
         self._codec = Codec()
 
     def _decode(self, frame: bytes) -> Message | None:
+        if len(frame) > MAX_FRAME_BYTES + TAG_BYTES:
+            log.warning("dropped oversized frame", address=self.address, size=len(frame), limit=MAX_FRAME_BYTES)
+            return None
         try:
-            return self._codec.decode(frame)
+            return self._codec.decode(frame if self._key is None else verify(self._key, frame))
+        except AuthError as e:
+            log.warning("dropped unauthenticated frame", address=self.address, error=str(e))
+            return None
         except DecodeError as e:
             log.warning("dropped malformed frame", address=self.address, error=str(e))
             return None

@@ -1,0 +1,134 @@
+"""`sgl.Client`: an asyncio client of a running `sgl serve`, over httpx.
+
+    async with sgl.Client("http://127.0.0.1:30000", api_key=None) as c:
+        out = await c.generate("Hello", {"max_new_tokens": 8})
+        async for chunk in c.stream("Hello", {"max_new_tokens": 8}, rid="r1"):
+            ...
+        await c.abort("r1")
+
+It speaks the native API (/generate) and returns the same dicts as the engines:
+{"text", "output_ids", "meta_info"}, streams as delta chunks. A 400 from the
+server is raised as ValueError, a missing or wrong key as PermissionError, any
+other failure as ServerError. It imports nothing of the engine."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+
+class ServerError(RuntimeError):
+    """The server failed the request (5xx, or an error event in a stream)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+def _raise_for(status: int, body: Any) -> None:
+    err = body.get("error") if isinstance(body, dict) else None
+    message = err.get("message", str(err)) if isinstance(err, dict) else str(body)
+    code = err.get("code") if isinstance(err, dict) else None
+    status = code if isinstance(code, int) else status
+    if status in (400, 413):
+        raise ValueError(message)
+    if status == 401:
+        raise PermissionError(message)
+    raise ServerError(status, message)
+
+
+class Client:
+    def __init__(self, url: str, api_key: str | None = None, timeout: float | None = 600.0,
+                 max_connections: int | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
+        self._http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout,
+                                       limits=httpx.Limits(max_connections=max_connections,
+                                                           max_keepalive_connections=64))
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> Any:
+        r = await self._http.post(path, json=payload)
+        return self._json(r)
+
+    async def _get(self, path: str) -> Any:
+        return self._json(await self._http.get(path))
+
+    @staticmethod
+    def _json(r: httpx.Response) -> Any:
+        try:
+            body = r.json() if r.content else None
+        except ValueError:
+            body = r.text
+        if r.status_code >= 400:
+            _raise_for(r.status_code, body)
+        return body
+
+    async def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """One dict for one prompt; a list of dicts, in order, for a batch."""
+        return await self._post("/generate", _payload(prompt, sampling_params, input_ids, rid, stream=False))
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        input_ids: list[int] | None = None,
+        rid: str | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Delta chunks; the last has a finish_reason. Leaving early aborts the request
+        (the server sees the connection close)."""
+        payload = _payload(prompt, sampling_params, input_ids, rid, stream=True)
+        async with self._http.stream("POST", "/generate", json=payload) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                self._json(r)
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                item = json.loads(data)
+                if "error" in item:
+                    _raise_for(503, item)
+                yield item
+
+    async def abort(self, rid: str) -> None:
+        await self._post("/abort_request", {"rid": rid})
+
+    async def health(self) -> bool:
+        r = await self._http.get("/health")
+        return r.status_code == 200
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self._get("/get_server_info")
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self._get("/get_model_info")
+
+    async def flush_cache(self) -> dict[str, Any]:
+        return await self._post("/flush_cache", {})
+
+
+def _payload(prompt: Any, sp: Any, input_ids: Any, rid: Any, stream: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"stream": stream}
+    for name, value in (("text", prompt), ("sampling_params", sp), ("input_ids", input_ids), ("rid", rid)):
+        if value is not None:
+            out[name] = value
+    return out

@@ -1,0 +1,105 @@
+"""The HTTP application: routes of http_native and http_openai behind one guard
+that checks the API key, reads the body within its limit, and turns every
+failure into a JSON error. It only wires; handlers live in those modules.
+
+Every path but /health needs the API key when one is set."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from sgl import http_native as native
+from sgl import http_openai as openai
+from sgl.http_common import ApiError, api_error_of, check_api_key, error_response, read_body
+from sgl.http_native import ServerState
+from sgl.log import get_logger
+
+Handler = Callable[[ServerState, Request, bytes], Awaitable[Response]]
+log = get_logger("http")
+
+
+def build_app(engine: Any, model_name: str | None = None) -> Starlette:
+    args = engine.args
+    state = ServerState(engine, model_name or args.served_model_name or engine.model_path,
+                        time.monotonic(), time.time())
+
+    def guarded(handler: Handler, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                if not public:
+                    check_api_key(request, args.api_key)
+                body = await read_body(request, args.max_request_bytes) if request.method == "POST" else b""
+                return await _unless_disconnected(request, handler(state, request, body))
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it: the connection is gone
+            except Exception as e:  # noqa: BLE001 - every failure becomes a JSON error, never a crash
+                err = api_error_of(e)
+                if err.status >= 500:
+                    log.warning("request failed", path=request.url.path, status=err.status, error=err.message)
+                return error_response(err)
+
+        return endpoint
+
+    def route(path: str, handler: Handler, methods: tuple[str, ...], public: bool = False) -> Route:
+        return Route(path, guarded(handler, public), methods=list(methods))
+
+    routes = [
+        route("/health", lambda s, r, b: native.health(s), ("GET",), public=True),
+        route("/health_generate", lambda s, r, b: native.health_generate(s), ("GET",)),
+        route("/generate", native.generate, ("POST",)),
+        route("/get_model_info", lambda s, r, b: _now(native.model_info(s)), ("GET",)),
+        route("/get_server_info", lambda s, r, b: native.server_info(s), ("GET",)),
+        route("/flush_cache", lambda s, r, b: native.flush_cache(s), ("GET", "POST")),
+        route("/abort_request", lambda s, r, b: native.abort_request(s, b), ("POST",)),
+        route("/metrics", lambda s, r, b: native.metrics(s), ("GET",)),
+        route("/v1/models", lambda s, r, b: _now(openai.models(s)), ("GET",)),
+        route("/v1/completions", lambda s, r, b: openai.completions(s, b), ("POST",)),
+        route("/v1/chat/completions", lambda s, r, b: openai.chat_completions(s, b), ("POST",)),
+    ]
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.sgl = state
+    return app
+
+
+async def _now(resp: Response) -> Response:
+    return resp
+
+
+class ClientGone(Exception):
+    """The client hung up before its response was ready."""
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Run the handler, cancelling it (and so aborting its requests) if the client
+    disconnects first. Once the handler returns a response, the response itself
+    (a stream) watches the connection."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone("the client disconnected")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,143 @@
+"""SGLang's native HTTP routes: /generate, /health, /health_generate,
+/get_model_info, /get_server_info, /flush_cache, /abort_request, /metrics.
+
+Handlers turn HTTP into AsyncEngine calls and back; they hold no request state of
+their own, and never let bad input reach the scheduler unchecked."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from sgl.http_common import SSE_HEADERS, ApiError, decode_body, json_response, read_body, sse_stream
+from sgl.server_args import redacted
+
+HEALTH_TIMEOUT_S = 5.0
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: Any  # an AsyncEngine (or one attached with AsyncEngine.connect)
+    model_name: str
+    started: float  # time.monotonic() at start
+    started_wall: float  # time.time() at start
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None  # one list of ids, or a batch of them
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
+class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
+    rid: str
+
+
+def is_batch(req: GenerateRequest) -> bool:
+    return isinstance(req.text, list) or bool(req.input_ids and isinstance(req.input_ids[0], list))
+
+
+async def primed(gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """Await the first chunk now, so that a bad request fails before any byte of a
+    200 stream is sent; the returned iterator yields it and the rest, and closing
+    it closes (and so aborts) the underlying stream."""
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await gen.aclose()  # type: ignore[attr-defined]
+        raise
+
+    async def rest() -> AsyncIterator[dict[str, Any]]:
+        try:
+            if first is not None:
+                yield first
+                async for chunk in gen:
+                    yield chunk
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+
+    return rest()
+
+
+async def generate(state: ServerState, request: Request, body: bytes) -> Response:
+    req = decode_body(body, GenerateRequest)
+    if req.stream:
+        if is_batch(req):
+            raise ApiError(400, "stream: a batch of prompts cannot be streamed; send one request per prompt", "stream")
+        if isinstance(req.sampling_params, list) or isinstance(req.rid, list):
+            raise ApiError(400, "sampling_params/rid: a single streamed request takes one of each", "sampling_params")
+        chunks = await primed(state.engine.stream(req.text, req.sampling_params, req.input_ids, req.rid))
+        return StreamingResponse(sse_stream(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+    out = await state.engine.generate(req.text, req.sampling_params, req.input_ids, req.rid)
+    return json_response(out)
+
+
+async def health(state: ServerState) -> Response:
+    if state.engine.tm.dead is not None:
+        raise ApiError(503, f"the engine is dead: {state.engine.tm.dead}")
+    try:
+        await asyncio.wait_for(state.engine.health(), HEALTH_TIMEOUT_S)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise ApiError(503, f"the scheduler did not answer within {HEALTH_TIMEOUT_S}s") from None
+    return Response(status_code=200)
+
+
+async def health_generate(state: ServerState) -> Response:
+    """Healthy only if a one-token generation completes."""
+    params = {"max_new_tokens": 1, "temperature": 0.0}
+    try:
+        await asyncio.wait_for(
+            state.engine.generate(None, params, [0], f"health-{uuid.uuid4().hex}"), HEALTH_GENERATE_TIMEOUT_S)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise ApiError(503, f"a one-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S}s") from None
+    return Response(status_code=200)
+
+
+def model_info(state: ServerState) -> Response:
+    e = state.engine
+    return json_response({"model_path": e.model_path, "tokenizer_path": e.args.tokenizer_path or e.model_path,
+                          "served_model_name": state.model_name, "is_generation": True,
+                          "context_length": e.info["context_length"], "vocab_size": e.info["vocab_size"]})
+
+
+async def server_info(state: ServerState) -> Response:
+    e = state.engine
+    info = await e.get_server_info()
+    return json_response({**redacted(e.args), **info, "model_path": e.model_path,
+                          "scheduler_address": e.addresses.to_scheduler,
+                          "role_pids": {h.name: h.pid for h in e._roles if hasattr(h, "pid")},
+                          "uptime_s": time.monotonic() - state.started})
+
+
+async def flush_cache(state: ServerState) -> Response:
+    out = await state.engine.flush_cache()
+    if not out["success"]:
+        raise ApiError(400, f"cache not flushed: {out['message']}")
+    return json_response(out)
+
+
+async def abort_request(state: ServerState, body: bytes) -> Response:
+    req = decode_body(body, AbortRequest)
+    await state.engine.abort(req.rid)
+    return json_response({"success": True})
+
+
+async def metrics(state: ServerState) -> Response:
+    try:
+        info = await asyncio.wait_for(state.engine.get_server_info(), HEALTH_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - a dead or slow scheduler still yields the counters
+        info = None
+    return Response(state.engine.metrics.render(info), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,242 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Requests are msgspec Structs (unknown fields are a 400); sampling fields, OpenAI's
+and SGLang's extras, are passed to the engine as a plain dict, so SamplingParams
+alone decides what is valid. Streams are server-sent events ending in an
+optional usage chunk and `data: [DONE]`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import msgspec
+from starlette.responses import Response, StreamingResponse
+
+from sgl.http_common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
+from sgl.http_native import ServerState, primed
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The sampling fields both endpoints take: OpenAI's, then SGLang's extras."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    rid: str | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+# A field that equals its neutral value is left out, so a client sending OpenAI's
+# defaults never trips on a field the sampler does not know.
+_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
+_PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+           "spaces_between_special_tokens", "no_stop_trim", *_NEUTRAL)
+
+
+def sampling_dict(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
+    if req.n != 1:
+        raise ApiError(400, f"n={req.n} is not supported: only n=1", "n")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", "logit_bias")
+    sp: dict[str, Any] = {}
+    for name in _PASSED:
+        v = getattr(req, name)
+        if v is not None and _NEUTRAL.get(name, object()) != v:
+            sp[name] = v
+    if max_tokens is not None:
+        sp["max_new_tokens"] = max_tokens
+    if req.stop is not None and req.stop != []:
+        sp["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    return sp
+
+
+def finish_reason(fin: dict[str, Any] | None) -> str | None:
+    return None if fin is None else fin["type"]
+
+
+def usage(meta: dict[str, Any]) -> dict[str, Any]:
+    p, c = meta["prompt_tokens"], meta["completion_tokens"]
+    out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if meta.get("cached_tokens"):
+        out["prompt_tokens_details"] = {"cached_tokens": meta["cached_tokens"]}
+    return out
+
+
+def _prompts(prompt: str | list[Any]) -> list[tuple[str | None, list[int] | None]]:
+    """(text, ids) per prompt: a string, a list of ids, or a batch of either."""
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if not prompt:
+        raise ApiError(400, "prompt is empty", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [(p, None) for p in prompt]
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [(None, prompt)]
+    if all(isinstance(p, list) for p in prompt):
+        return [(None, p) for p in prompt]
+    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of those", "prompt")
+
+
+async def completions(state: ServerState, body: bytes) -> Response:
+    req = decode_body(body, CompletionRequest)
+    for name in ("echo", "suffix", "best_of", "logprobs"):
+        if getattr(req, name) not in (None, False, 1 if name == "best_of" else None):
+            raise ApiError(400, f"{name} is not supported", name)
+    sp = sampling_dict(req, req.max_tokens)
+    prompts = _prompts(req.prompt)
+    created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+    if req.stream:
+        if len(prompts) != 1:
+            raise ApiError(400, "stream: a batch of prompts cannot be streamed", "stream")
+        text, ids = prompts[0]
+        chunks = await primed(state.engine.stream(text, sp, ids, req.rid))
+
+        def chunk(c: dict[str, Any]) -> dict[str, Any]:
+            choice = {"index": 0, "text": c["text"], "logprobs": None,
+                      "finish_reason": finish_reason(c["meta_info"]["finish_reason"])}
+            return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
+                    "choices": [choice]}
+
+        return _sse(_openai_stream(chunks, chunk, req, cid, "text_completion", created, state.model_name))
+    if len(prompts) == 1:
+        outs = [await state.engine.generate(prompts[0][0], sp, prompts[0][1], req.rid)]
+    else:
+        if req.rid is not None:
+            raise ApiError(400, "rid: a batch of prompts takes no rid", "rid")
+        outs = await asyncio.gather(*(state.engine.generate(t, sp, i) for t, i in prompts))
+    choices = [{"index": k, "text": o["text"], "logprobs": None,
+                "finish_reason": finish_reason(o["meta_info"]["finish_reason"])} for k, o in enumerate(outs)]
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for o in outs:
+        for k, v in usage(o["meta_info"]).items():
+            if k in total:
+                total[k] += v
+    return json_response({"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
+                          "choices": choices, "usage": total})
+
+
+def chat_prompt_ids(state: ServerState, messages: list[ChatMessage]) -> list[int]:
+    tok = state.engine.tokenizer
+    if tok is None:
+        raise ApiError(400, "chat needs a tokenizer, and this server runs with skip_tokenizer_init", "messages")
+    if not getattr(tok, "chat_template", None):
+        raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
+    if not messages:
+        raise ApiError(400, "messages is empty", "messages")
+    conv = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, "messages: only text content parts are supported", "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        conv.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    try:
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - a template that rejects this conversation
+        raise ApiError(400, f"messages: the chat template rejected them: {e}", "messages") from None
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+async def chat_completions(state: ServerState, body: bytes) -> Response:
+    req = decode_body(body, ChatRequest)
+    if req.logprobs or req.top_logprobs:
+        raise ApiError(400, "logprobs is not supported", "logprobs")
+    sp = sampling_dict(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
+    ids = chat_prompt_ids(state, req.messages)
+    created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+    if req.stream:
+        chunks = await primed(state.engine.stream(None, sp, ids, req.rid))
+        first = [True]
+
+        def chunk(c: dict[str, Any]) -> dict[str, Any]:
+            delta: dict[str, Any] = {"content": c["text"]}
+            if first[0]:
+                delta["role"], first[0] = "assistant", False
+            choice = {"index": 0, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason(c["meta_info"]["finish_reason"])}
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                    "choices": [choice]}
+
+        return _sse(_openai_stream(chunks, chunk, req, cid, "chat.completion.chunk", created, state.model_name))
+    out = await state.engine.generate(None, sp, ids, req.rid)
+    choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
+              "finish_reason": finish_reason(out["meta_info"]["finish_reason"])}
+    return json_response({"id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
+                          "choices": [choice], "usage": usage(out["meta_info"])})
+
+
+async def _openai_stream(chunks: AsyncIterator[dict[str, Any]], shape: Any, req: _Sampling, cid: str, obj: str,
+                         created: int, model: str) -> AsyncIterator[dict[str, Any]]:
+    meta: dict[str, Any] | None = None
+    async for c in chunks:
+        meta = c["meta_info"]
+        out = shape(c)
+        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+            out["usage"] = usage(meta)
+        yield out
+    if meta is not None and req.stream_options is not None and req.stream_options.include_usage:
+        yield {"id": cid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(meta)}
+
+
+def _sse(events: AsyncIterator[dict[str, Any]]) -> Response:
+    return StreamingResponse(sse_stream(events), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def models(state: ServerState) -> Response:
+    e = state.engine
+    return json_response({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": int(state.started_wall), "owned_by": "sgl",
+        "root": e.model_path, "max_model_len": e.info["context_length"]}]})

@@ -1,0 +1,82 @@
+"""Where the detokenizer's outputs go: to the engine's own tokenizer manager, or to
+a tokenizer manager in another process that attached over the tcp transport.
+
+An attached client is known by its client id: its rids travel as
+"<client_id>:<rid>" and its control requests carry `origin=client_id`. The
+router is a Sender, so the detokenizer sends through it unchanged. It never
+decodes text and never drops an output of a known client."""
+
+from __future__ import annotations
+
+from sgl.log import get_logger
+from sgl.protocol import (
+    CONTROL_REPLIES,
+    AttachReq,
+    AttachReqOutput,
+    BatchStrOutput,
+    DetachReq,
+    Message,
+)
+from sgl.transports.channel import Sender
+from sgl.transports.factory import open_sender
+
+RID_SEP = ":"
+
+
+def client_of(rid: str) -> str:
+    """The client id a wire rid belongs to ("" when it has none)."""
+    head, sep, _ = rid.partition(RID_SEP)
+    return head if sep else ""
+
+
+class OutputRouter(Sender):
+    def __init__(self, default: Sender, key: str | None) -> None:
+        self.default = default
+        self.key = key
+        self.routes: dict[str, Sender] = {}
+        self.log = get_logger("output_router")
+
+    def send(self, msg: Message) -> None:
+        if isinstance(msg, AttachReq):
+            self._attach(msg)
+        elif isinstance(msg, DetachReq):
+            route = self.routes.pop(msg.client_id, None)
+            if route is not None:
+                route.close()
+        elif isinstance(msg, BatchStrOutput) and self.routes:
+            self._split(msg)
+        elif isinstance(msg, CONTROL_REPLIES) and msg.origin:
+            route = self.routes.get(msg.origin)
+            if route is not None:
+                route.send(msg)
+        else:
+            self.default.send(msg)
+
+    def _attach(self, msg: AttachReq) -> None:
+        if not msg.address.startswith("tcp://") or not msg.client_id or RID_SEP in msg.client_id:
+            self.log.warning("refused attach", client_id=msg.client_id, address=msg.address)
+            return
+        old = self.routes.pop(msg.client_id, None)
+        if old is not None:
+            old.close()
+        route = self.routes[msg.client_id] = open_sender(msg.address, self.key)
+        route.send(AttachReqOutput(msg.client_id, True))
+        self.log.info("client attached", client_id=msg.client_id, address=msg.address)
+
+    def _split(self, b: BatchStrOutput) -> None:
+        groups: dict[str, list[int]] = {}
+        for i, rid in enumerate(b.rids):
+            c = client_of(rid)
+            groups.setdefault(c if c in self.routes else "", []).append(i)
+        for client, idx in groups.items():
+            part = b if len(idx) == len(b.rids) else BatchStrOutput(
+                [b.rids[i] for i in idx], [b.texts[i] for i in idx], [b.new_ids[i] for i in idx],
+                [b.finished_reasons[i] for i in idx], [b.prompt_tokens[i] for i in idx],
+                [b.completion_tokens[i] for i in idx], [b.cached_tokens[i] for i in idx])
+            (self.routes[client] if client else self.default).send(part)
+
+    def close(self) -> None:
+        for route in self.routes.values():
+            route.close()
+        self.routes.clear()
+        self.default.close()

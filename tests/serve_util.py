@@ -1,0 +1,108 @@
+"""A real `sgl serve` process on 127.0.0.1 for tests: started with
+`python -m sgl.launch_server --port 0`, ready once it prints its address, stopped
+with a signal; plus small helpers to wait on its state without sleeping blind."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from tests.conftest import assert_kv_balanced
+
+START_TIMEOUT_S = 120
+
+
+class ServerProc:
+    def __init__(self, *flags: str, api_key: str | None = None, stderr_path: str | None = None) -> None:
+        cmd = [sys.executable, "-m", "sgl.launch_server", "--host", "127.0.0.1", "--port", "0", *flags]
+        if api_key is not None:
+            cmd += ["--api-key", api_key]
+        self.api_key = api_key
+        self._stderr = open(stderr_path, "wb") if stderr_path else None  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr)
+        self.scheduler_address: str | None = None
+        self.url = self._wait_ready()
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def _wait_ready(self) -> str:
+        """Read stdout (raw, unbuffered: select sees exactly what is unread) up to the ready line."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        buf = b""
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if not ready:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+            for line in buf.decode().splitlines():
+                if "scheduler at " in line:
+                    self.scheduler_address = line.rsplit(" ", 1)[1].strip()
+                if "ready on " in line:
+                    return line.rsplit(" ", 1)[1].strip()
+        self.proc.kill()
+        raise RuntimeError(f"sgl serve did not start (exit {self.proc.poll()})")
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers, timeout=30, **kw)
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.post(self.url + path, headers={**self.headers, **kw.pop("headers", {})}, timeout=30, **kw)
+
+    def info(self) -> dict[str, Any]:
+        r = self.get("/get_server_info")
+        r.raise_for_status()
+        return r.json()
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The server info once nothing runs or waits (aborts travel asynchronously)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.info()
+            if (info["running"] == 0 and info["waiting"] == 0) or time.monotonic() > deadline:
+                return info
+            time.sleep(0.05)
+
+    def assert_balanced(self) -> None:
+        assert_kv_balanced(self.wait_idle())
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+            if self._stderr is not None:
+                self._stderr.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,205 @@
+"""`sgl serve` as a user meets it: the official openai client (completions and
+chat, streamed and not), the native routes, the API key, sgl.Client, an
+AsyncEngine attached over tcp, client disconnects, and a clean Ctrl-C.
+
+One real server process on 127.0.0.1 (null model over SmolLM2's tokenizer and
+chat template, tcp transport with a fixed key); KV balanced after every test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+import sgl
+from tests.serve_util import ServerProc, alive
+
+API_KEY = "sk-test-123"
+TRANSPORT_KEY = "ab" * 32
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProc]:
+    from sgl.default_model import default_model_dir
+
+    s = ServerProc("--model-path", default_model_dir(), "--load-format", "null", "--transport", "tcp",
+                   "--transport-key", TRANSPORT_KEY, "--max-total-tokens", "4000", "--served-model-name", "smol",
+                   api_key=API_KEY)
+    yield s
+    s.stop(signal.SIGTERM)
+
+
+@pytest.fixture(autouse=True)
+def balanced(server: ServerProc) -> Iterator[None]:
+    yield
+    server.assert_balanced()
+
+
+@pytest.fixture
+def oai(server: ServerProc) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+    yield c
+    c.close()
+
+
+def test_openai_completions(oai: openai.OpenAI) -> None:
+    r = oai.completions.create(model="smol", prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    again = oai.completions.create(model="smol", prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert again.choices[0].text == r.choices[0].text
+
+    chunks = list(oai.completions.create(model="smol", prompt="The capital of France is", max_tokens=5,
+                                         temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_openai_chat(oai: openai.OpenAI) -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    r = oai.chat.completions.create(model="smol", messages=msgs, max_tokens=6, temperature=0,
+                                    extra_body={"top_k": 5, "min_p": 0.0, "ignore_eos": True})
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens == 6
+    stream = oai.chat.completions.create(model="smol", messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+    assert [m.id for m in oai.models.list().data] == ["smol"]
+
+
+def test_openai_errors(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="smol", prompt="x", max_tokens=5, temperature=-2)
+    assert e.value.status_code == 400 and "temperature" in str(e.value)
+    bad = openai.OpenAI(base_url=oai.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    bad.close()
+
+
+def test_native_routes(server: ServerProc) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+    assert httpx.get(server.url + "/get_model_info").status_code == 401
+    assert server.get("/health_generate").status_code == 200
+    info = server.get("/get_model_info").json()
+    assert info["served_model_name"] == "smol" and info["is_generation"]
+    si = server.info()
+    assert si["api_key"] == "<redacted>" and si["transport_key"] == "<redacted>"
+    assert si["scheduler_address"] == server.scheduler_address
+    out = server.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert out.status_code == 200 and out.json()["meta_info"]["completion_tokens"] == 4
+    batch = server.post("/generate", json={"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 2}})
+    assert [len(o["output_ids"]) for o in batch.json()] == [2, 2]
+    with httpx.stream("POST", server.url + "/generate", headers=server.headers,
+                      json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
+    assert lines[-1] == "data: [DONE]" and len(lines) == 4
+    server.wait_idle()
+    assert server.post("/flush_cache").json()["success"]
+    m = server.get("/metrics")
+    assert m.headers["content-type"].startswith("text/plain")
+    for name in ("sgl_prompt_tokens_total", "sgl_generation_tokens_total", "sgl_num_running_reqs",
+                 "sgl_num_queue_reqs", "sgl_token_usage", "sgl_cache_hit_rate",
+                 "sgl_time_to_first_token_seconds_bucket", "sgl_inter_token_latency_seconds_count",
+                 "sgl_e2e_request_latency_seconds_sum"):
+        assert name in m.text, name
+
+
+def test_client_generate_stream_abort(server: ServerProc) -> None:
+    async def main() -> None:
+        async with sgl.Client(server.url, api_key=API_KEY) as c:
+            out = await c.generate(input_ids=[7, 8], sampling_params={"max_new_tokens": 5, "temperature": 0})
+            assert isinstance(out, dict) and len(out["output_ids"]) == 5
+            chunks = [ch async for ch in c.stream(input_ids=[7, 8], sampling_params={"max_new_tokens": 5,
+                                                                                    "temperature": 0})]
+            assert [t for ch in chunks for t in ch["output_ids"]] == out["output_ids"]
+            params = {"max_new_tokens": 5000, "ignore_eos": True}
+            stream = c.stream(input_ids=[1], sampling_params=params, rid="abort-me")
+            first = await stream.__anext__()
+            assert first["meta_info"]["id"] == "abort-me"
+            await c.abort("abort-me")
+            rest = [ch async for ch in stream]
+            assert rest[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+            with pytest.raises(ValueError, match="temperature"):
+                await c.generate("x", {"temperature": -1})
+        async with sgl.Client(server.url, api_key="nope") as c:
+            with pytest.raises(PermissionError):
+                await c.generate("x")
+
+    asyncio.run(main())
+
+
+def test_disconnect_mid_stream_aborts(server: ServerProc) -> None:
+    steps_before = server.info()["decode_steps"]
+
+    async def main() -> None:
+        async with sgl.Client(server.url, api_key=API_KEY) as c:
+            stream = c.stream(input_ids=[3], sampling_params={"max_new_tokens": 7000, "ignore_eos": True})
+            await stream.__anext__()
+            assert server.info()["running"] == 1
+            await stream.aclose()  # drops the connection
+
+    asyncio.run(main())
+    info = server.wait_idle(timeout=5)
+    assert info["running"] == 0
+    assert info["decode_steps"] - steps_before < 6000  # it did not run on to its 7000 tokens
+
+
+def test_disconnect_while_waiting_for_a_plain_response_aborts(server: ServerProc) -> None:
+    steps_before = server.info()["decode_steps"]
+    body = {"input_ids": [4], "sampling_params": {"max_new_tokens": 7000, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/generate", json=body, headers=server.headers, timeout=1.0)
+    info = server.wait_idle(timeout=5)
+    assert info["running"] == 0
+    assert info["decode_steps"] - steps_before < 6000
+
+
+def test_attached_engine_over_tcp(server: ServerProc) -> None:
+    assert server.scheduler_address is not None
+
+    async def main() -> None:
+        e = await sgl.AsyncEngine.connect(server.scheduler_address, transport_key=TRANSPORT_KEY)
+        try:
+            out = await e.generate("Hello", {"max_new_tokens": 4, "temperature": 0}, rid="mine")
+            assert out["meta_info"]["id"] == "mine" and len(out["output_ids"]) == 4
+            over_http = server.post("/generate", json={"text": "Hello",
+                                                       "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+            assert over_http.json()["output_ids"] == out["output_ids"]
+            both = await asyncio.gather(
+                e.generate(input_ids=[9], sampling_params={"max_new_tokens": 3, "temperature": 0}),
+                asyncio.to_thread(server.post, "/generate", json={"input_ids": [9], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}))
+            assert both[0]["output_ids"] == both[1].json()["output_ids"]
+            chunks = [c async for c in e.stream(input_ids=[9], sampling_params={"max_new_tokens": 3, "temperature": 0})]
+            assert [t for c in chunks for t in c["output_ids"]] == both[0]["output_ids"]
+            assert await e.health()
+        finally:
+            await e.aclose()
+        with pytest.raises(ConnectionError, match="transport_key"):
+            await sgl.AsyncEngine.connect(server.scheduler_address, transport_key="cd" * 32, timeout=1.0)
+
+    asyncio.run(main())
+
+
+def test_sigint_shuts_down_cleanly(server: ServerProc) -> None:
+    s = ServerProc("--load-format", "null", "--skip-tokenizer-init", "--max-total-tokens", "2000")
+    info = s.info()
+    pids = list(info["role_pids"].values())
+    ipc_dir = os.path.dirname(info["scheduler_address"].removeprefix("ipc://"))
+    with httpx.stream("POST", s.url + "/generate", json={"input_ids": [1], "stream": True,
+                                                         "sampling_params": {"max_new_tokens": 7000,
+                                                                             "ignore_eos": True}}) as r:
+        next(r.iter_lines())
+        assert s.stop(signal.SIGINT) == 0
+    assert not any(alive(p) for p in pids)
+    assert not os.path.exists(ipc_dir)
+

@@ -1,0 +1,236 @@
+"""Bad input, table-driven, across HTTP (native and OpenAI routes), the Python API
+(an AsyncEngine attached over tcp, ServerArgs) and the tcp transport (unsigned,
+wrongly signed, short, malformed, oversized frames). Each case gets a clear
+error naming what is wrong; after each the server still answers a request and
+its KV accounting balances."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+import sgl
+from sgl.protocol import GenerateReqInput
+from sgl.sampling_params import SamplingParams
+from tests.serve_util import ServerProc
+
+API_KEY = "sk-bad-inputs"
+TRANSPORT_KEY = "5e" * 32
+BODY_LIMIT = 100_000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    from sgl.default_model import default_model_dir
+
+    log = tmp_path_factory.mktemp("bad-inputs") / "server.log"
+    s = ServerProc("--model-path", default_model_dir(), "--load-format", "null", "--transport", "tcp",
+                   "--transport-key", TRANSPORT_KEY, "--max-total-tokens", "4000",
+                   "--max-request-bytes", str(BODY_LIMIT), "--log-level", "warning",
+                   api_key=API_KEY, stderr_path=str(log))
+    s.log_path = log  # type: ignore[attr-defined]
+    yield s
+    assert s.stop(signal.SIGTERM) == 0
+
+
+@pytest.fixture(scope="module")
+def attached(server: ServerProc) -> Iterator[tuple[asyncio.AbstractEventLoop, sgl.AsyncEngine]]:
+    loop = asyncio.new_event_loop()
+    engine = loop.run_until_complete(sgl.AsyncEngine.connect(server.scheduler_address, transport_key=TRANSPORT_KEY))
+    yield loop, engine
+    loop.run_until_complete(engine.aclose())
+    loop.close()
+
+
+@dataclass(frozen=True)
+class Http:
+    path: str
+    body: Any  # bytes are sent raw, anything else as JSON
+    status: int
+    says: str  # a piece of the error message
+    method: str = "POST"
+    auth: str | None = API_KEY
+
+
+@dataclass(frozen=True)
+class Py:
+    call: Callable[[sgl.AsyncEngine], Any]  # sync (raises at once) or returns a coroutine
+    says: str
+
+
+@dataclass(frozen=True)
+class Frame:
+    make: Callable[[], bytes]
+    log_says: str
+
+
+def _signed(payload: bytes, key: str = TRANSPORT_KEY) -> bytes:
+    k = bytes.fromhex(key)
+    return hmac.new(k, payload, hashlib.sha256).digest() + payload
+
+
+def _msg(**kw: Any) -> bytes:
+    return msgspec.msgpack.encode(GenerateReqInput(kw.pop("rid", "raw"), kw.pop("input_ids", [1]),
+                                                   SamplingParams(max_new_tokens=2), **kw))
+
+
+G = "/generate"
+C = "/v1/completions"
+CH = "/v1/chat/completions"
+SP = {"max_new_tokens": 2}
+USER = [{"role": "user", "content": "hi"}]
+
+CASES: dict[str, Http | Py | Frame] = {
+    # ---- HTTP: the body itself
+    "bad-json": Http(G, b'{"text": "hi"', 400, "not valid JSON"),
+    "empty-body": Http(G, b"", 400, "empty"),
+    "json-array": Http(G, [1, 2], 400, "Expected `object`"),
+    "invalid-utf8": Http(G, b'{"text": "\xff\xfe"}', 400, "not valid JSON"),
+    "unknown-field": Http(G, {"text": "hi", "foo": 1}, 400, "unknown field `foo`"),
+    "nan-literal": Http(G, b'{"text": "hi", "sampling_params": {"temperature": NaN}}', 400, "not valid JSON"),
+    "body-too-large": Http(G, {"text": "x" * (BODY_LIMIT + 10)}, 413, "exceeds the limit"),
+    "no-api-key": Http(G, {"text": "hi"}, 401, "API key", auth=None),
+    "wrong-api-key": Http(G, {"text": "hi"}, 401, "API key", auth="sk-wrong"),
+    "wrong-method": Http(G, None, 405, "Method Not Allowed", method="GET"),
+    "unknown-path": Http("/no/such/route", None, 404, "Not Found", method="GET"),
+    # ---- HTTP: /generate fields
+    "text-wrong-type": Http(G, {"text": 5}, 400, "text"),
+    "text-and-ids": Http(G, {"text": "hi", "input_ids": [1]}, 400, "exactly one"),
+    "no-prompt": Http(G, {"sampling_params": SP}, 400, "exactly one"),
+    "empty-text": Http(G, {"text": ""}, 400, "empty"),
+    "empty-ids": Http(G, {"input_ids": []}, 400, "empty"),
+    "ids-not-ints": Http(G, {"input_ids": ["a"]}, 400, "input_ids"),
+    "ids-out-of-vocab": Http(G, {"input_ids": [10**9]}, 400, "input_ids"),
+    "ids-negative": Http(G, {"input_ids": [-1]}, 400, "input_ids"),
+    "ids-too-long": Http(G, {"input_ids": [1] * 9000}, 400, "context length"),
+    "text-too-long": Http(G, {"text": "hello " * 9000}, 400, "context length"),
+    "sp-not-object": Http(G, {"text": "hi", "sampling_params": "hot"}, 400, "sampling_params"),
+    "temperature-negative": Http(G, {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
+    "top-p-zero": Http(G, {"text": "hi", "sampling_params": {"top_p": 0}}, 400, "top_p"),
+    "top-p-above-one": Http(G, {"text": "hi", "sampling_params": {"top_p": 1.5}}, 400, "top_p"),
+    "top-k-zero": Http(G, {"text": "hi", "sampling_params": {"top_k": 0}}, 400, "top_k"),
+    "min-p-two": Http(G, {"text": "hi", "sampling_params": {"min_p": 2}}, 400, "min_p"),
+    "max-new-tokens-negative": Http(G, {"text": "hi", "sampling_params": {"max_new_tokens": -5}}, 400,
+                                    "max_new_tokens"),
+    "max-new-tokens-string": Http(G, {"text": "hi", "sampling_params": {"max_new_tokens": "ten"}}, 400,
+                                  "max_new_tokens"),
+    "sp-unknown-field": Http(G, {"text": "hi", "sampling_params": {"bogus": 1}}, 400, "bogus"),
+    "stop-token-negative": Http(G, {"text": "hi", "sampling_params": {"stop_token_ids": [-3]}}, 400,
+                                "stop_token_ids"),
+    "seed-string": Http(G, {"text": "hi", "sampling_params": {"seed": "abc"}}, 400, "seed"),
+    "rid-wrong-type": Http(G, {"text": "hi", "rid": 5}, 400, "rid"),
+    "stream-wrong-type": Http(G, {"text": "hi", "stream": "yes"}, 400, "stream"),
+    "stream-a-batch": Http(G, {"text": ["a", "b"], "stream": True}, 400, "batch"),
+    "abort-without-rid": Http("/abort_request", {}, 400, "rid"),
+    # ---- HTTP: OpenAI routes
+    "completion-no-prompt": Http(C, {"model": "m"}, 400, "prompt"),
+    "completion-n-2": Http(C, {"model": "m", "prompt": "hi", "n": 2}, 400, "n=2"),
+    "completion-max-tokens-negative": Http(C, {"model": "m", "prompt": "hi", "max_tokens": -1}, 400,
+                                           "max_new_tokens"),
+    "completion-temperature-string": Http(C, {"model": "m", "prompt": "hi", "temperature": "hot"}, 400,
+                                          "temperature"),
+    "completion-unknown-field": Http(C, {"model": "m", "prompt": "hi", "frobnicate": True}, 400, "frobnicate"),
+    "completion-empty-prompt-list": Http(C, {"model": "m", "prompt": []}, 400, "prompt"),
+    "completion-mixed-prompt": Http(C, {"model": "m", "prompt": [1, "a"]}, 400, "prompt"),
+    "completion-logprobs": Http(C, {"model": "m", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    "completion-empty-string": Http(C, {"model": "m", "prompt": ""}, 400, "empty"),
+    "chat-no-messages": Http(CH, {"model": "m", "messages": []}, 400, "messages"),
+    "chat-missing-messages": Http(CH, {"model": "m"}, 400, "messages"),
+    "chat-bad-role": Http(CH, {"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    "chat-image-part": Http(CH, {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text content"),
+    "chat-bad-stream-options": Http(CH, {"model": "m", "messages": USER, "stream": True,
+                                         "stream_options": {"include_usage": True, "extra": 1}}, 400, "extra"),
+    "chat-top-p-zero": Http(CH, {"model": "m", "messages": USER, "top_p": 0}, 400, "top_p"),
+    "chat-min-p-negative": Http(CH, {"model": "m", "messages": USER, "min_p": -0.5}, 400, "min_p"),
+    # ---- Python API (an AsyncEngine attached over tcp; ServerArgs)
+    "py-prompt-int": Py(lambda e: e.generate(5), "prompt must be a str"),
+    "py-empty-ids": Py(lambda e: e.generate(input_ids=[]), "empty"),
+    "py-temperature-string": Py(lambda e: e.generate("hi", {"temperature": "x"}), "temperature"),
+    "py-prompt-and-ids": Py(lambda e: e.generate("hi", input_ids=[1]), "exactly one"),
+    "py-batch-one-rid": Py(lambda e: e.generate(input_ids=[[1], [2]], rid="same"), "rid"),
+    "py-sp-list-for-one": Py(lambda e: e.generate("hi", [SP, SP]), "sampling_params"),
+    "py-ids-out-of-vocab": Py(lambda e: e.generate(input_ids=[1, 10**7]), "input_ids"),
+    "py-server-args-port": Py(lambda e: sgl.ServerArgs.from_kwargs(port=70000), "port"),
+    "py-server-args-key": Py(lambda e: sgl.ServerArgs.from_kwargs(transport_key="zz"), "transport_key"),
+    "py-server-args-type": Py(lambda e: sgl.ServerArgs.from_kwargs(max_total_tokens="many"), "max_total_tokens"),
+    "py-connect-not-tcp": Py(lambda e: sgl.AsyncEngine.connect("ipc:///tmp/x"), "scheduler_address"),
+    "py-listen-public-unkeyed": Py(lambda e: __import__("sgl.transports.factory", fromlist=["x"]).open_receiver(
+        "tcp://0.0.0.0:0"), "without a transport_key"),
+    # ---- tcp transport frames sent straight at the scheduler
+    "tcp-unsigned": Frame(lambda: _msg(), "dropped unauthenticated frame"),
+    "tcp-wrong-key": Frame(lambda: _signed(_msg(), "77" * 32), "dropped unauthenticated frame"),
+    "tcp-short": Frame(lambda: b"abc", "dropped unauthenticated frame"),
+    "tcp-signed-garbage": Frame(lambda: _signed(b"\xc1\xc1 not msgpack"), "dropped malformed frame"),
+    "tcp-signed-unknown-tag": Frame(lambda: _signed(msgspec.msgpack.encode({"type": "nope"})),
+                                    "dropped malformed frame"),
+    "tcp-signed-wrong-types": Frame(lambda: _signed(msgspec.msgpack.encode(
+        {"type": "generate", "rid": 1, "input_ids": "x", "sampling_params": {}})), "dropped malformed frame"),
+    "tcp-signed-out-of-vocab": Frame(lambda: _signed(_msg(rid="raw-oov", input_ids=[10**7])), ""),
+    "tcp-oversized": Frame(lambda: _signed(b"\x00" * (64 * 1024 * 1024 + 128)), "dropped oversized frame"),
+}
+
+
+def _check_serving(server: ServerProc) -> None:
+    r = server.post(G, json={"input_ids": [5], "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2, r.text
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input(name: str, server: ServerProc, attached: tuple[asyncio.AbstractEventLoop, sgl.AsyncEngine]) -> None:
+    case = CASES[name]
+    if isinstance(case, Http):
+        headers = {"Authorization": f"Bearer {case.auth}"} if case.auth else {}
+        import httpx
+
+        kw: dict[str, Any] = {"content": case.body} if isinstance(case.body, bytes) else (
+            {} if case.body is None else {"json": case.body})
+        r = httpx.request(case.method, server.url + case.path, headers=headers, timeout=30, **kw)
+        assert r.status_code == case.status, (r.status_code, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert case.says in err["message"], err
+    elif isinstance(case, Py):
+        loop, engine = attached
+        with pytest.raises(ValueError, match=case.says):
+            out = case.call(engine)
+            if asyncio.iscoroutine(out):
+                loop.run_until_complete(out)
+    else:
+        log_path: Path = server.log_path  # type: ignore[attr-defined]
+        before = log_path.read_text(errors="replace").count(case.log_says) if case.log_says else 0
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(server.scheduler_address)
+        sock.send(case.make())
+        sock.close()
+        if case.log_says:
+            _wait_for_log(log_path, case.log_says, before)
+    _check_serving(server)
+    server.assert_balanced()
+
+
+def _wait_for_log(path: Path, text: str, before: int, timeout: float = 10.0) -> None:
+    """Until the log holds one more `text` than it did before the frame was sent."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.read_text(errors="replace").count(text) > before:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server never logged {text!r}")
+
+
+def test_case_count() -> None:
+    assert len(CASES) >= 40
