@@ -58,10 +58,11 @@ class ModelRunner:
             torch.manual_seed(args.random_seed)
         self.model, self.config = self._load(args, model_path)
         self.vocab_size: int = self.model.vocab_size
-        model_ctx = int(getattr(self.model, "context_len", getattr(self.config, "max_position_embeddings", 4096)))
-        if args.context_length is not None and args.context_length > model_ctx:
-            raise ValueError(f"context_length={args.context_length} exceeds the model's {model_ctx}")
-        self.context_length = args.context_length or model_ctx
+        # The model's own limit (its rotary table); the null model has none.
+        limit: int | None = getattr(self.model, "context_len", None)
+        if args.context_length is not None and limit is not None and args.context_length > limit:
+            raise ValueError(f"context_length={args.context_length} exceeds the model's {limit}")
+        self.context_length = args.context_length or limit or int(getattr(self.config, "max_position_embeddings", 4096))
         self.max_total_tokens = args.max_total_tokens or self._default_kv_tokens(args)
         self.max_running_requests = args.max_running_requests or min(256, self.max_total_tokens)
         m = self.model
