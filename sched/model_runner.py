@@ -19,7 +19,8 @@ from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.log import get_logger
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.forward_batch import ForwardBatch
-from sgl.sched.sampler import SamplingBatch, sample
+from sgl.logit_processor import CustomLogitProcessor
+from sgl.sched.sampler import SamplingBatch, process_logits, sample
 from sgl.server_args import ServerArgs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,6 +62,11 @@ class ModelRunner:
         self.attn_backend = TorchAttentionBackend()
         # The future-token buffer: the last sampled token of each request row.
         self.next_token = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)
+        # Output-token counts per request row for penalties: allocated when first needed,
+        # each penalised row rewritten from the host at its (re-)prefill, advanced per step.
+        self.counts: torch.Tensor | None = None
+        self.eos_ids: frozenset[int] = frozenset()
+        self.processors: dict[str, CustomLogitProcessor] = {}
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(args.random_seed if args.random_seed is not None else 0)
         self.log.info(
@@ -111,20 +117,57 @@ class ModelRunner:
             kv_lens=batch.kv_lens,
         )
         ids = None if batch.input_ids is None else torch.tensor(batch.input_ids, dtype=torch.int64, device=dev)
+        reqs = batch.reqs
+        sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, dev, self.eos_ids, self.processors)
+        sample_rows = logits_rows = qo_indptr[1:] - 1
+        lp = None
+        if any(r.return_logprob for r in reqs):
+            idx: list[int] = []
+            targets: list[int] = []
+            for i, (r, (a, k)) in enumerate(zip(reqs, batch.lp_in)):
+                base = int(qo_indptr[i]) - (batch.kv_lens[i] - batch.qo_lens[i])  # packed row of position 0
+                idx.extend(range(base + a, base + a + k))
+                targets.extend(r.origin_input_ids[a + 1 : a + 1 + k])
+                idx.append(int(qo_indptr[i + 1]) - 1)
+                targets.append(0)  # the sampled token, filled in on the device
+            logits_rows = torch.tensor(idx, dtype=torch.int64)
+            sample_rows = torch.tensor([k for _, k in batch.lp_in], dtype=torch.int64).add_(1).cumsum_(0).sub_(1)
+            m = max((len(r.token_ids_logprob or ()) for r in reqs), default=0)
+            id_rows = None
+            if m:
+                # Each row of a request asks for that request's ids (padded with id 0, dropped on the host).
+                per_req = [(r.token_ids_logprob or []) + [0] * (m - len(r.token_ids_logprob or [])) for r in reqs]
+                counts = [k + 1 for _, k in batch.lp_in]
+                id_rows = torch.tensor([row for row, c in zip(per_req, counts) for _ in range(c)], device=dev)
+            lp = LogprobPlan(torch.tensor(targets, dtype=torch.int64, device=dev),
+                             max(r.top_logprobs_num for r in reqs), id_rows)
+        if sampling.penalties is not None and self.counts is None:
+            self.counts = torch.zeros(self.req_to_token_pool.size, self.vocab_size, dtype=torch.int32, device=dev)
+        reset = None
+        if sampling.penalties is not None and not batch.is_decode:
+            pen = [i for i, r in enumerate(reqs) if r.sampling_params.has_penalties]
+            pairs = [(batch.rows[i], t) for i in pen for t in reqs[i].output_ids]
+            reset = (torch.tensor([batch.rows[i] for i in pen], dtype=torch.int64, device=dev),
+                     torch.tensor([q[0] for q in pairs], dtype=torch.int64, device=dev),
+                     torch.tensor([q[1] for q in pairs], dtype=torch.int64, device=dev))
         return PreparedBatch(
             rows=rows,
             input_ids=ids,
             positions=batch.positions.to(dev),
             out_cache_loc=batch.out_cache_loc.to(dev),
-            logits_indices=(qo_indptr[1:] - 1).to(dev, torch.int64),
+            logits_indices=logits_rows.to(dev, torch.int64),
+            sample_rows=sample_rows.to(dev),
             attn=meta,
-            sampling=SamplingBatch.from_reqs(batch.reqs, self.vocab_size, dev),
+            sampling=sampling,
+            logprobs=lp,
+            counts_reset=reset,
         )
 
     @torch.inference_mode()
-    def execute(self, p: PreparedBatch) -> torch.Tensor:
+    def execute(self, p: PreparedBatch) -> StepResult:
         """Run one prepared batch (on the overlap worker, or inline); returns the sampled
-        next token of each request as a host tensor, which is the loop's one sync."""
+        next token of each request as a host tensor (the loop's one sync) and, when asked,
+        logprobs: log_softmax of the raw logits, before bias, penalties and temperature."""
         # Decode inputs are the tokens the previous step sampled, still on the device.
         input_ids = self.next_token[p.rows] if p.input_ids is None else p.input_ids
         self.attn_backend.begin_forward(p.attn)
@@ -137,10 +180,48 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             kv_pool=self.kv_pool,
         )
-        logits = self.model(fb)
-        next_ids = sample(logits, p.sampling, self.generator)
+        all_logits = self.model(fb)
+        logits = all_logits if p.logprobs is None else all_logits[p.sample_rows]
+        counts = None
+        if p.sampling.penalties is not None:
+            assert self.counts is not None
+            if p.counts_reset is not None:
+                rows, at_rows, at_ids = p.counts_reset
+                self.counts[rows] = 0
+                self.counts.index_put_((at_rows, at_ids), torch.ones_like(at_ids, dtype=torch.int32), accumulate=True)
+            counts = self.counts[p.rows]
+        next_ids = sample(process_logits(logits, p.sampling, counts), p.sampling, self.generator)
         self.next_token[p.rows] = next_ids
-        return next_ids.cpu()
+        if self.counts is not None:
+            self.counts[p.rows, next_ids] += 1
+        out = StepResult(next_ids.cpu())
+        if (lp := p.logprobs) is not None:
+            logp = torch.log_softmax(all_logits.float(), dim=-1)
+            targets = lp.targets.index_put((p.sample_rows,), next_ids)
+            out.token = logp.gather(1, targets[:, None])[:, 0].cpu()
+            if lp.top_k > 0:
+                vals, ids = logp.topk(min(lp.top_k, logp.shape[-1]), dim=-1)
+                out.top_vals, out.top_ids = vals.cpu(), ids.cpu()
+            if lp.id_rows is not None:
+                out.ids_vals = logp.gather(1, lp.id_rows).cpu()
+        return out
+
+
+@dataclass(slots=True)
+class LogprobPlan:
+    targets: torch.Tensor  # [R] the token each logits row scores (sampled rows filled in at run time)
+    top_k: int
+    id_rows: torch.Tensor | None  # [R, M] token_ids_logprob per row
+
+
+@dataclass(slots=True)
+class StepResult:
+    next_ids: torch.Tensor  # [B] host
+    # Per logits row [R] (request i's rows end at its sampled row), host tensors; None unless asked.
+    token: torch.Tensor | None = None
+    top_vals: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    ids_vals: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -150,5 +231,8 @@ class PreparedBatch:
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     logits_indices: torch.Tensor
+    sample_rows: torch.Tensor  # [B] index into the logits rows of each request's sampled row
     attn: AttnMetadata
     sampling: SamplingBatch
+    logprobs: LogprobPlan | None
+    counts_reset: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, (row, id) pairs to count

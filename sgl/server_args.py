@@ -32,6 +32,8 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     disable_overlap_schedule: bool = False
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     skip_tokenizer_init: bool = False
+    # Names (registered) or dotted paths (pkg.mod:Class) of logit processors requests may use.
+    custom_logit_processors: list[str] = []
 
     random_seed: int | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
