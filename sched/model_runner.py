@@ -118,7 +118,7 @@ class ModelRunner:
         )
         ids = None if batch.input_ids is None else torch.tensor(batch.input_ids, dtype=torch.int64, device=dev)
         reqs = batch.reqs
-        sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, dev, self.eos_ids, self.processors)
+        sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, dev, self.eos_ids, self.processors, batch.is_decode)
         sample_rows = logits_rows = qo_indptr[1:] - 1
         lp = None
         if any(r.return_logprob for r in reqs):

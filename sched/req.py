@@ -20,7 +20,7 @@ class Req:
     __slots__ = (
         "rid", "origin_input_ids", "sampling_params", "stream", "output_ids", "req_pool_idx",
         "prefix_indices", "last_node", "kv_len", "extend_len", "finished_reason", "sent_len",
-        "cached_tokens", "generator", "to_abort", "retractions", "inflight", "epoch",
+        "cached_tokens", "to_abort", "retractions", "inflight", "epoch",
         "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs",
     )
@@ -51,7 +51,6 @@ class Req:
         self.finished_reason: dict[str, Any] | None = None
         self.sent_len = 0  # output ids already sent to the detokenizer
         self.cached_tokens = 0
-        self.generator: torch.Generator | None = None
         self.to_abort: str | None = None
         self.retractions = 0
         self.inflight = 0  # launched batches holding this request whose results are not processed yet

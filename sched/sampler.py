@@ -6,8 +6,9 @@ the min_new_tokens mask (EOS and stop ids to -inf), custom logit processors
 (one batched call per processor), then greedy rows take the argmax and sampled
 rows apply temperature, top-k, top-p and min-p and draw by the exponential race
 (argmax p / E, E ~ Exp(1)), which samples exactly from p. A request with a seed
-draws its noise from its own generator, so its tokens do not depend on what
-else is in the batch. Nothing here loops over the vocabulary in Python."""
+draws the noise of its k-th output token from a generator seeded by (seed, k):
+its tokens depend neither on what else is in the batch nor on chunked prefill,
+prefix-cache hits or retraction. Nothing here loops over the vocabulary in Python."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class SamplingBatch:
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device, eos_ids: frozenset[int] = frozenset(),
-                  processors: dict[str, CustomLogitProcessor] | None = None) -> SamplingBatch:
+                  processors: dict[str, CustomLogitProcessor] | None = None, is_decode: bool = False) -> SamplingBatch:
         ps = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in ps]
         top_k = [vocab_size if (p.top_k < 1 or p.top_k > vocab_size) else p.top_k for p in ps]
@@ -60,7 +61,7 @@ class SamplingBatch:
             need_top_k=any(k < vocab_size for k in top_k),
             need_top_p=any(p.top_p < 1.0 for p in ps),
             need_min_p=any(p.min_p > 0.0 for p in ps),
-            generators=[r.generator for r in reqs],
+            generators=[None] * len(reqs),
         )
         if any(p.has_penalties for p in ps):
             pen = [[p.frequency_penalty for p in ps], [p.presence_penalty for p in ps], [p.repetition_penalty for p in ps]]
@@ -68,8 +69,13 @@ class SamplingBatch:
         if any(p.logit_bias for p in ps):
             items = [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias.items()]
             sb.bias = _sparse(items, device)
-        # Generated so far, as the overlap loop counts it (in-flight tokens included).
-        done = [len(r.output_ids) + r.inflight for r in reqs]
+        # Tokens generated before this one. Under overlap a decode row's one in-flight batch
+        # will add a token; a prefill row's in-flight batches (earlier chunks, or batches
+        # made stale by a retraction) never do.
+        done = [len(r.output_ids) + (r.inflight if is_decode else 0) for r in reqs]
+        for i, (p, k) in enumerate(zip(ps, done)):
+            if p.seed is not None and not greedy[i]:
+                sb.generators[i] = torch.Generator(device).manual_seed((p.seed * _SEED_MIX + k) % (1 << 63))
         banned = [(i, t, 0.0) for i, (p, d) in enumerate(zip(ps, done)) if d < p.min_new_tokens
                   for t in (p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *eos_ids])]
         if banned:
@@ -87,6 +93,9 @@ class SamplingBatch:
                 for name, rows in groups.items()
             ]
         return sb
+
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, k) pairs over the generator's seed space
 
 
 def _sparse(items: list[tuple[int, int, float]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

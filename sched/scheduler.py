@@ -173,9 +173,6 @@ class Scheduler:
                 lp.input_ids_vals.append(None)
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) is not None:
             self._share_prompt(lead)
-        if req.sampling_params.seed is not None:
-            req.generator = torch.Generator(self.runner.device)
-            req.generator.manual_seed(req.sampling_params.seed)
         self.rids[req.rid] = req
         if req.sampling_params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})

@@ -76,9 +76,6 @@ def test_min_p(min_p: float) -> None:
 
 def test_seeded_rows_ignore_the_rest_of_the_batch() -> None:
     def run(batch: list[Req]) -> list[int]:
-        for r in batch:
-            if r.sampling_params.seed is not None:
-                r.generator = torch.Generator().manual_seed(r.sampling_params.seed)
         sb = SamplingBatch.from_reqs(batch, V, torch.device("cpu"))
         out = [sample(LOGITS.repeat(len(batch), 1), sb, torch.Generator().manual_seed(s)).tolist() for s in range(20)]
         return [o[[r.rid for r in batch].index("seeded")] for o in out]
