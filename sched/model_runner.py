@@ -190,11 +190,12 @@ class ModelRunner:
                 self.counts[rows] = 0
                 self.counts.index_put_((at_rows, at_ids), torch.ones_like(at_ids, dtype=torch.int32), accumulate=True)
             counts = self.counts[p.rows]
-        next_ids = sample(process_logits(logits, p.sampling, counts), p.sampling, self.generator)
+        errors: dict[int, str] = {}
+        next_ids = sample(process_logits(logits, p.sampling, counts, errors), p.sampling, self.generator)
         self.next_token[p.rows] = next_ids
         if self.counts is not None:
             self.counts[p.rows, next_ids] += 1
-        out = StepResult(next_ids.cpu())
+        out = StepResult(next_ids.cpu(), errors=errors)
         if (lp := p.logprobs) is not None:
             logp = torch.log_softmax(all_logits.float(), dim=-1)
             targets = lp.targets.index_put((p.sample_rows,), next_ids)
@@ -222,6 +223,7 @@ class StepResult:
     top_vals: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     ids_vals: torch.Tensor | None = None
+    errors: dict[int, str] | None = None  # batch row -> why its request must be aborted
 
 
 @dataclass(slots=True)

@@ -104,10 +104,14 @@ def _sparse(items: list[tuple[int, int, float]], device: torch.device) -> tuple[
             torch.tensor(vals, dtype=torch.float32, device=device))
 
 
-def process_logits(logits: torch.Tensor, sb: SamplingBatch, counts: torch.Tensor | None) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, sb: SamplingBatch, counts: torch.Tensor | None,
+                   errors: dict[int, str] | None = None) -> torch.Tensor:
     """Bias, penalties, min_new_tokens mask and processors; returns a new tensor when
     anything applies (the caller's logits may be a buffer the model reuses).
-    counts: [B, V] output-token counts of each row (needed when sb.penalties is set)."""
+    counts: [B, V] output-token counts of each row (needed when sb.penalties is set).
+    When a processor's batched call raises (or returns the wrong shape), its rows are
+    retried one by one; a row that still fails is left as it was and its error goes
+    into `errors` (the scheduler aborts that request)."""
     if not sb.modifies_logits:
         return logits
     logits = logits.clone()
@@ -123,8 +127,23 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch, counts: torch.Tensor
     if sb.ban is not None:
         logits[sb.ban] = float("-inf")
     for proc, rows, params in sb.processors or ():
-        logits[rows] = proc(logits[rows], params)
+        if _apply(proc, logits, rows, params) is not None:
+            for i, r in enumerate(rows.tolist()):
+                err = _apply(proc, logits, rows[i : i + 1], params[i : i + 1])
+                if err is not None and errors is not None:
+                    errors[r] = f"custom_logit_processor {type(proc).__name__} failed: {err}"
     return logits
+
+
+def _apply(proc: CustomLogitProcessor, logits: torch.Tensor, rows: torch.Tensor, params: list[dict[str, Any]]) -> str | None:
+    try:
+        new = proc(logits[rows], params)
+        if not isinstance(new, torch.Tensor) or new.shape != (len(params), logits.shape[1]):
+            raise ValueError(f"returned {getattr(new, 'shape', type(new).__name__)}, not [{len(params)}, V]")
+        logits[rows] = new.to(logits.dtype)
+        return None
+    except Exception as e:  # user code: it fails its own requests, never the scheduler
+        return str(e) or type(e).__name__
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator | None = None) -> torch.Tensor:

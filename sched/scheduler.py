@@ -380,12 +380,14 @@ class Scheduler:
 
     def _process(self, batch: ScheduleBatch, res: StepResult) -> None:
         row = -1  # the last logits row of the previous request
-        for req, epoch, partial, tok, (a, k) in zip(batch.reqs, batch.epochs, batch.partial, res.next_ids.tolist(),
-                                                    batch.lp_in):
+        for i, (req, epoch, partial, tok, (a, k)) in enumerate(zip(
+                batch.reqs, batch.epochs, batch.partial, res.next_ids.tolist(), batch.lp_in)):
             req.inflight -= 1
             first, row = row + 1, row + 1 + (k if res.token is not None else 0)
             if req.finished or req.epoch != epoch:
                 continue  # ended or retracted after this batch was launched: the token is stale
+            if res.errors and i in res.errors and req.to_abort is None:
+                req.to_abort = res.errors[i]
             if req.to_abort is not None:
                 if req.inflight == 0:
                     self._finish(req, {"type": "abort", "message": req.to_abort})

@@ -9,6 +9,7 @@ test."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -247,3 +248,52 @@ def test_one_batch_mixing_everything(engine: sgl.Engine) -> None:
     assert m["input_top_logprobs"][0] is None and len(m["input_top_logprobs"]) == 4
     assert outs[5]["text"] == "forced ✓"
     assert "output_token_logprobs" not in outs[0]["meta_info"]
+
+
+def test_a_failing_processor_aborts_only_its_request(engine: sgl.Engine) -> None:
+    outs = engine.generate(input_ids=[[5], [6]], sampling_params=[forced([VOCAB * 10]), forced([1, 2])],
+                           custom_logit_processor=FORCE)
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "ForceTokens failed" in outs[0]["meta_info"]["finish_reason"]["message"]
+    assert outs[1]["output_ids"] == [1, 2]
+
+
+def test_logprob_texts_on_request(engine: sgl.Engine) -> None:
+    ids = encode(engine, "Hi there")
+    out = engine.generate(input_ids=encode(engine, "Say"), sampling_params=forced(ids),
+                          custom_logit_processor=FORCE, return_logprob=True, top_logprobs_num=1,
+                          return_text_in_logprobs=True, logprob_start_len=0)
+    m = out["meta_info"]
+    assert "".join(text for _, _, text in m["output_token_logprobs"]) == "Hi there"
+    # Raw logits (the null model's one-hot), not the forced distribution (which would give 0).
+    cold = -math.log(math.e + VOCAB - 1)
+    assert all(v == pytest.approx(cold, abs=1e-4) for v, _, _ in m["output_token_logprobs"])
+    assert [t for _, t, _ in m["input_token_logprobs"]] == encode(engine, "Say")
+    assert all(isinstance(row[0][2], str) for row in m["output_top_logprobs"])
+
+
+def test_generation_config_defaults_fill_unset_fields(tmp_path: Any, tok_null_dir: str) -> None:
+    from sgl.tokenizer_manager import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": None,
+                                                                 "do_sample": True, "max_length": 20}))
+    assert generation_defaults(str(tmp_path)) == {"temperature": 0.6, "top_p": 0.9}
+    assert generation_defaults(tok_null_dir) == {}
+    shutil.copy(tmp_path / "generation_config.json", f"{tok_null_dir}/generation_config.json")
+    try:
+        e = sgl.Engine(tok_null_dir, transport="inproc", load_format="null", max_total_tokens=200)
+        try:
+            assert e._engine.tm.defaults == {"temperature": 0.6, "top_p": 0.9}
+            out = e.generate(input_ids=[5], sampling_params={"temperature": 0, "max_new_tokens": 2, "ignore_eos": True})
+            assert out["output_ids"] == null_chain(5, 2)  # explicit fields win
+        finally:
+            e.shutdown()
+    finally:
+        (tmp_path / "gc").mkdir()
+        shutil.move(f"{tok_null_dir}/generation_config.json", tmp_path / "gc" / "generation_config.json")
+
+
+def test_an_unimportable_allowed_processor_fails_the_start(tok_null_dir: str) -> None:
+    with pytest.raises(ValueError, match="custom_logit_processor='no.such.module:Thing'"):
+        sgl.Engine(tok_null_dir, transport="inproc", load_format="null", max_total_tokens=200,
+                   custom_logit_processors=["no.such.module:Thing"])
