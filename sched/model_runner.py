@@ -119,7 +119,8 @@ class ModelRunner:
         ids = None if batch.input_ids is None else torch.tensor(batch.input_ids, dtype=torch.int64, device=dev)
         reqs = batch.reqs
         sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, dev, self.eos_ids, self.processors, batch.is_decode)
-        sample_rows = logits_rows = qo_indptr[1:] - 1
+        logits_rows = qo_indptr[1:] - 1
+        sample_rows = None
         lp = None
         if any(r.return_logprob for r in reqs):
             idx: list[int] = []
@@ -156,7 +157,7 @@ class ModelRunner:
             positions=batch.positions.to(dev),
             out_cache_loc=batch.out_cache_loc.to(dev),
             logits_indices=logits_rows.to(dev, torch.int64),
-            sample_rows=sample_rows.to(dev),
+            sample_rows=None if sample_rows is None else sample_rows.to(dev),
             attn=meta,
             sampling=sampling,
             logprobs=lp,
@@ -181,7 +182,7 @@ class ModelRunner:
             kv_pool=self.kv_pool,
         )
         all_logits = self.model(fb)
-        logits = all_logits if p.logprobs is None else all_logits[p.sample_rows]
+        logits = all_logits if p.sample_rows is None else all_logits[p.sample_rows]
         counts = None
         if p.sampling.penalties is not None:
             assert self.counts is not None
@@ -198,6 +199,7 @@ class ModelRunner:
         out = StepResult(next_ids.cpu(), errors=errors)
         if (lp := p.logprobs) is not None:
             logp = torch.log_softmax(all_logits.float(), dim=-1)
+            assert p.sample_rows is not None
             targets = lp.targets.index_put((p.sample_rows,), next_ids)
             out.token = logp.gather(1, targets[:, None])[:, 0].cpu()
             if lp.top_k > 0:
@@ -233,7 +235,7 @@ class PreparedBatch:
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     logits_indices: torch.Tensor
-    sample_rows: torch.Tensor  # [B] index into the logits rows of each request's sampled row
+    sample_rows: torch.Tensor | None  # [B] each request's sampled row among the logits rows (logprobs only)
     attn: AttnMetadata
     sampling: SamplingBatch
     logprobs: LogprobPlan | None

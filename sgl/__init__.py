@@ -16,8 +16,9 @@ from sgl.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from sgl.engine import AsyncEngine, Engine
+    from sgl.logit_processor import CustomLogitProcessor
 
-__all__ = ["AsyncEngine", "Engine", "SamplingParams", "ServerArgs"]
+__all__ = ["AsyncEngine", "CustomLogitProcessor", "Engine", "SamplingParams", "ServerArgs"]
 __version__ = "0.1.0"
 
 
@@ -26,4 +27,8 @@ def __getattr__(name: str) -> Any:
         from sgl import engine
 
         return getattr(engine, name)
+    if name == "CustomLogitProcessor":
+        from sgl.logit_processor import CustomLogitProcessor
+
+        return CustomLogitProcessor
     raise AttributeError(f"module 'sgl' has no attribute {name!r}")

@@ -59,6 +59,8 @@ class ForceTokens(CustomLogitProcessor):
                 rows.append(i)
                 ids.append(toks[k])
         if rows:
+            if not all(isinstance(t, int) and 0 <= t < logits.shape[1] for t in ids):
+                raise ValueError(f"custom_params.tokens: ids must be ints in [0, {logits.shape[1]})")
             r = torch.tensor(rows, device=logits.device)
             logits[r] = float("-inf")
             logits[r, torch.tensor(ids, device=logits.device)] = 0.0
