@@ -211,8 +211,11 @@ class TokenizerManager:
                 self.send.send(AbortReq(rid))
 
     def abort(self, rid: str) -> None:
+        """Abort a request; for n > 1 the rid the caller gave aborts all its samples."""
         if self.dead is None:
             self.send.send(AbortReq(rid))
+            for r in [r for r in self.states if r.startswith(f"{rid}-") and r[len(rid) + 1 :].isdigit()]:
+                self.send.send(AbortReq(r))
 
     async def control_call(self, req: Message, reply_type: type) -> Any:
         self._ensure_started()

@@ -297,3 +297,13 @@ def test_an_unimportable_allowed_processor_fails_the_start(tok_null_dir: str) ->
     with pytest.raises(ValueError, match="custom_logit_processor='no.such.module:Thing'"):
         sgl.Engine(tok_null_dir, transport="inproc", load_format="null", max_total_tokens=200,
                    custom_logit_processors=["no.such.module:Thing"])
+
+
+def test_aborting_an_n_request_aborts_every_sample(engine: sgl.Engine) -> None:
+    it = engine.generate(input_ids=[7, 8], sampling_params={"n": 2, "max_new_tokens": 900, "ignore_eos": True},
+                         stream=True, rid="many")
+    first = next(it)
+    assert first["meta_info"]["id"] in ("many-0", "many-1")
+    engine.abort("many")
+    reasons = [c["meta_info"]["finish_reason"] for c in it if c["meta_info"]["finish_reason"]]
+    assert [r["type"] for r in reasons] == ["abort", "abort"]
