@@ -107,6 +107,8 @@ def test_request_too_long_is_an_error_not_a_crash(engine: sgl.Engine) -> None:
         engine.generate(input_ids=[])
     with pytest.raises(ValueError, match="prompt"):
         engine.generate("text needs a tokenizer")
+    with pytest.raises(ValueError, match="stop"):
+        engine.generate(input_ids=[1], sampling_params={"stop": "needs a tokenizer too"})
     # Fits the context (512) but never the KV pool (600 slots) once others hold it? It fits alone: served.
     out = engine.generate(input_ids=list(range(500)), sampling_params={**GREEDY, "max_new_tokens": 2})
     assert out["output_ids"] == null_continuation(499, 2)
