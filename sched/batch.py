@@ -29,6 +29,9 @@ class ScheduleBatch:
     kv_lens: list[int]
     epochs: list[int]  # each req's epoch at build time
     partial: list[bool]  # prefill chunks that do not reach the end of the request: no token
+    # Per req: (first prompt position, count) of the rows before its sampled row whose
+    # logits give prompt logprobs (position p scores token p + 1).
+    lp_in: list[tuple[int, int]]
 
     @property
     def num_tokens(self) -> int:
@@ -38,10 +41,15 @@ class ScheduleBatch:
     def extend(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool) -> ScheduleBatch:
         """Prefill each req's next `extend_len` tokens on top of its `kv_len` written ones."""
         input_ids: list[int] = []
-        positions, qo_lens, kv_lens, partial = [], [], [], []
+        positions, qo_lens, kv_lens, partial, lp_in = [], [], [], [], []
         offset = 0
         for r in reqs:
             start, n = r.kv_len, r.extend_len
+            if r.needs_input_logprobs:
+                a = max(start, r.input_logprob_from)
+                lp_in.append((a, max(0, min(start + n, len(r.origin_input_ids) - 1) - a)))
+            else:
+                lp_in.append((start, 0))
             input_ids.extend(r.all_ids[start : start + n])
             positions.append(torch.arange(start, start + n, dtype=torch.int64))
             pool.req_to_token[r.req_pool_idx, start : start + n] = out_cache_loc[offset : offset + n].to(torch.int32)
@@ -51,7 +59,7 @@ class ScheduleBatch:
             kv_lens.append(r.kv_len)
             partial.append(r.kv_len < r.seq_len)
         return cls(reqs, False, input_ids, [r.req_pool_idx for r in reqs], torch.cat(positions), out_cache_loc,
-                   qo_lens, kv_lens, [r.epoch for r in reqs], partial)
+                   qo_lens, kv_lens, [r.epoch for r in reqs], partial, lp_in)
 
     @classmethod
     def decode(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool) -> ScheduleBatch:
@@ -63,4 +71,4 @@ class ScheduleBatch:
             r.kv_len += 1
         n = len(reqs)
         return cls(reqs, True, None, rows, pos, out_cache_loc, [1] * n, (pos + 1).tolist(),
-                   [r.epoch for r in reqs], [False] * n)
+                   [r.epoch for r in reqs], [False] * n, [(0, 0)] * n)

@@ -17,11 +17,8 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     out_cache_loc: torch.Tensor  # [T] int64: KV slot of each new token
-    logits_indices: torch.Tensor  # [B] int64: the row whose hidden state predicts the next token
+    logits_indices: torch.Tensor  # [R] int64: the packed rows whose logits are wanted (each request's last, and prompt-logprob rows)
     attn: AttnMetadata
     attn_backend: AttentionBackend
     kv_pool: MHATokenToKVPool
 
-    @property
-    def batch_size(self) -> int:
-        return self.logits_indices.shape[0]

@@ -21,7 +21,8 @@ from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.log import get_logger
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.forward_batch import ForwardBatch
-from sgl.sched.sampler import SamplingBatch, sample
+from sgl.logit_processor import CustomLogitProcessor
+from sgl.sched.sampler import SamplingBatch, process_logits, sample
 from sgl.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -76,6 +77,11 @@ class ModelRunner:
         self.attn_backend = self._attention_backend(args)
         # The future-token buffer: the last sampled token of each request row.
         self.next_token = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)
+        # Output-token counts per request row for penalties: allocated when first needed,
+        # each penalised row rewritten from the host at its (re-)prefill, advanced per step.
+        self.counts: torch.Tensor | None = None
+        self.eos_ids: frozenset[int] = frozenset()
+        self.processors: dict[str, CustomLogitProcessor] = {}
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(args.random_seed if args.random_seed is not None else 0)
         self.gpu_timeline = GpuTimeline()
@@ -157,14 +163,51 @@ class ModelRunner:
             meta.prefix_indices = self._dev(
                 gather_kv_indices(table, rows, torch.zeros_like(plens), plens, int(prefix_indptr[-1])))
         ids = None if batch.input_ids is None else self._dev(torch.tensor(batch.input_ids, dtype=torch.int64))
+        reqs = batch.reqs
+        sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, dev, self.eos_ids, self.processors, batch.is_decode)
+        logits_rows = qo_indptr[1:] - 1
+        sample_rows = None
+        lp = None
+        if any(r.return_logprob for r in reqs):
+            idx: list[int] = []
+            targets: list[int] = []
+            for i, (r, (a, k)) in enumerate(zip(reqs, batch.lp_in)):
+                base = int(qo_indptr[i]) - (batch.kv_lens[i] - batch.qo_lens[i])  # packed row of position 0
+                idx.extend(range(base + a, base + a + k))
+                targets.extend(r.origin_input_ids[a + 1 : a + 1 + k])
+                idx.append(int(qo_indptr[i + 1]) - 1)
+                targets.append(0)  # the sampled token, filled in on the device
+            logits_rows = torch.tensor(idx, dtype=torch.int64)
+            sample_rows = torch.tensor([k for _, k in batch.lp_in], dtype=torch.int64).add_(1).cumsum_(0).sub_(1)
+            m = max((len(r.token_ids_logprob or ()) for r in reqs), default=0)
+            id_rows = None
+            if m:
+                # Each row of a request asks for that request's ids (padded with id 0, dropped on the host).
+                per_req = [(r.token_ids_logprob or []) + [0] * (m - len(r.token_ids_logprob or [])) for r in reqs]
+                counts = [k + 1 for _, k in batch.lp_in]
+                id_rows = torch.tensor([row for row, c in zip(per_req, counts) for _ in range(c)], device=dev)
+            lp = LogprobPlan(torch.tensor(targets, dtype=torch.int64, device=dev),
+                             max(r.top_logprobs_num for r in reqs), id_rows)
+        if sampling.penalties is not None and self.counts is None:
+            self.counts = torch.zeros(self.req_to_token_pool.size, self.vocab_size, dtype=torch.int32, device=dev)
+        reset = None
+        if sampling.penalties is not None and not batch.is_decode:
+            pen = [i for i, r in enumerate(reqs) if r.sampling_params.has_penalties]
+            pairs = [(batch.rows[i], t) for i in pen for t in reqs[i].output_ids]
+            reset = (torch.tensor([batch.rows[i] for i in pen], dtype=torch.int64, device=dev),
+                     torch.tensor([q[0] for q in pairs], dtype=torch.int64, device=dev),
+                     torch.tensor([q[1] for q in pairs], dtype=torch.int64, device=dev))
         return PreparedBatch(
             rows=self._dev(rows),
             input_ids=ids,
             positions=self._dev(batch.positions),
             out_cache_loc=self._dev(batch.out_cache_loc),
-            logits_indices=self._dev((qo_indptr[1:] - 1).to(torch.int64)),
+            logits_indices=self._dev(logits_rows.to(torch.int64)),
+            sample_rows=None if sample_rows is None else self._dev(sample_rows),
             attn=meta,
-            sampling=SamplingBatch.from_reqs(batch.reqs, self.vocab_size, dev),
+            sampling=sampling,
+            logprobs=lp,
+            counts_reset=reset,
         )
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
@@ -175,34 +218,35 @@ class ModelRunner:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def launch(self, p: PreparedBatch) -> Launched:
-        """Start a prepared batch; `.result()` of the returned handle gives the sampled
-        ids on the host. On CUDA the kernels are queued and the ids come back through a
-        pinned buffer and an event, so the caller works on while the GPU runs (the
+        """Start a prepared batch; `.result()` of the returned handle gives its StepResult
+        on the host. On CUDA the kernels are queued and the results come back through
+        pinned buffers and an event, so the caller works on while the GPU runs (the
         overlap loop needs no thread there). On CPU the forward runs on the worker
         thread when there is one, else right away."""
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            ids = self._forward(p)
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
+            step = self._forward(p).to_host(non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-            return _CudaLaunched(host, start, done, self.gpu_timeline)
+            return _CudaLaunched(step, start, done, self.gpu_timeline)
         if self.worker is not None:
             return self.worker.submit(self.execute, p)
         return _Ready(self.execute(p))
 
-    def execute(self, p: PreparedBatch) -> torch.Tensor:
-        """Run one prepared batch to completion; the sampled ids on the host."""
-        return self._forward(p).cpu()
+    def execute(self, p: PreparedBatch) -> StepResult:
+        """Run one prepared batch to completion; its results on the host."""
+        return self._forward(p).to_host(non_blocking=False)
 
     @torch.inference_mode()
-    def _forward(self, p: PreparedBatch) -> torch.Tensor:
+    def _forward(self, p: PreparedBatch) -> StepResult:
+        """Queue one batch: the sampled next token of each request and, when asked,
+        logprobs (log_softmax of the raw logits, before bias, penalties and
+        temperature), as device tensors."""
         # Decode inputs are the tokens the previous step sampled, still on the device.
         input_ids = self.next_token[p.rows] if p.input_ids is None else p.input_ids
         if p.attn.is_decode and self.graphs is not None and self.graphs.can_run(len(p.attn.qo_lens)):
-            logits = self.graphs.replay(p, input_ids)
+            all_logits = self.graphs.replay(p, input_ids)
         else:
             self.attn_backend.begin_forward(p.attn)
             fb = ForwardBatch(
@@ -214,10 +258,67 @@ class ModelRunner:
                 attn_backend=self.attn_backend,
                 kv_pool=self.kv_pool,
             )
-            logits = self.model(fb)
-        next_ids = sample(logits, p.sampling, self.generator)
+            all_logits = self.model(fb)
+
+        logits = all_logits if p.sample_rows is None else all_logits[p.sample_rows]
+        counts = None
+        if p.sampling.penalties is not None:
+            assert self.counts is not None
+            if p.counts_reset is not None:
+                rows, at_rows, at_ids = p.counts_reset
+                self.counts[rows] = 0
+                self.counts.index_put_((at_rows, at_ids), torch.ones_like(at_ids, dtype=torch.int32), accumulate=True)
+            counts = self.counts[p.rows]
+        errors: dict[int, str] = {}
+        next_ids = sample(process_logits(logits, p.sampling, counts, errors), p.sampling, self.generator)
         self.next_token[p.rows] = next_ids
-        return next_ids
+        if self.counts is not None:
+            self.counts[p.rows, next_ids] += 1
+        out = StepResult(next_ids, errors=errors)
+        if (lp := p.logprobs) is not None:
+            logp = torch.log_softmax(all_logits.float(), dim=-1)
+            assert p.sample_rows is not None
+            targets = lp.targets.index_put((p.sample_rows,), next_ids)
+            out.token = logp.gather(1, targets[:, None])[:, 0]
+            if lp.top_k > 0:
+                vals, ids = logp.topk(min(lp.top_k, logp.shape[-1]), dim=-1)
+                out.top_vals, out.top_ids = vals, ids
+            if lp.id_rows is not None:
+                out.ids_vals = logp.gather(1, lp.id_rows)
+        return out
+
+
+@dataclass(slots=True)
+class LogprobPlan:
+    targets: torch.Tensor  # [R] the token each logits row scores (sampled rows filled in at run time)
+    top_k: int
+    id_rows: torch.Tensor | None  # [R, M] token_ids_logprob per row
+
+
+@dataclass(slots=True)
+class StepResult:
+    next_ids: torch.Tensor  # [B]
+    # Per logits row [R] (request i's rows end at its sampled row); None unless asked.
+    token: torch.Tensor | None = None
+    top_vals: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    ids_vals: torch.Tensor | None = None
+    errors: dict[int, str] | None = None  # batch row -> why its request must be aborted
+
+    def to_host(self, non_blocking: bool) -> StepResult:
+        """The same results as host tensors; pinned and not yet valid until the device
+        work is done when non_blocking (the caller waits on an event)."""
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.device.type == "cpu":
+                return t
+            if not non_blocking:
+                return t.cpu()
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        return StepResult(host(self.next_ids), host(self.token), host(self.top_vals), host(self.top_ids),  # type: ignore[arg-type]
+                          host(self.ids_vals), self.errors)
 
 
 class GpuTimeline:
@@ -243,30 +344,30 @@ class GpuTimeline:
 
 
 class Launched(Protocol):
-    def result(self) -> torch.Tensor: ...
+    def result(self) -> StepResult: ...
 
 
 class _Ready:
-    __slots__ = ("ids",)
+    __slots__ = ("step",)
 
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
+    def __init__(self, step: StepResult) -> None:
+        self.step = step
 
-    def result(self) -> torch.Tensor:
-        return self.ids
+    def result(self) -> StepResult:
+        return self.step
 
 
 class _CudaLaunched:
-    __slots__ = ("host", "start", "done", "timeline")
+    __slots__ = ("step", "start", "done", "timeline")
 
-    def __init__(self, host: torch.Tensor, start: torch.cuda.Event, done: torch.cuda.Event,
+    def __init__(self, step: StepResult, start: torch.cuda.Event, done: torch.cuda.Event,
                  timeline: GpuTimeline) -> None:
-        self.host, self.start, self.done, self.timeline = host, start, done, timeline
+        self.step, self.start, self.done, self.timeline = step, start, done, timeline
 
-    def result(self) -> torch.Tensor:
+    def result(self) -> StepResult:
         self.done.synchronize()
         self.timeline.record(self.start, self.done)
-        return self.host
+        return self.step
 
 
 def _indptr(lens: list[int]) -> torch.Tensor:
@@ -294,5 +395,8 @@ class PreparedBatch:
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     logits_indices: torch.Tensor
+    sample_rows: torch.Tensor | None  # [B] each request's sampled row among the logits rows (logprobs only)
     attn: AttnMetadata
     sampling: SamplingBatch
+    logprobs: LogprobPlan | None
+    counts_reset: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, (row, id) pairs to count

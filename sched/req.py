@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from sgl.protocol import GenerateReqInput, Logprobs
 from sgl.sampling_params import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -19,14 +20,28 @@ class Req:
     __slots__ = (
         "rid", "origin_input_ids", "sampling_params", "stream", "output_ids", "req_pool_idx",
         "prefix_indices", "last_node", "kv_len", "extend_len", "finished_reason", "sent_len",
-        "cached_tokens", "generator", "to_abort", "retractions", "inflight", "epoch",
+        "cached_tokens", "to_abort", "retractions", "inflight", "epoch",
+        "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
+        "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs",
     )
 
-    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool) -> None:
+    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
+                 msg: GenerateReqInput | None = None) -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
         self.sampling_params = sampling_params
         self.stream = stream
+        m = msg or GenerateReqInput(rid, input_ids, sampling_params, stream)
+        self.return_logprob = m.return_logprob
+        self.logprob_start_len = m.logprob_start_len if m.return_logprob else -1
+        self.top_logprobs_num = m.top_logprobs_num if m.return_logprob else 0
+        self.token_ids_logprob = m.token_ids_logprob if m.return_logprob else None
+        self.processor = m.custom_logit_processor
+        self.detokenize = m.detokenize
+        self.prefix_leader = m.prefix_leader
+        self.is_leader = False  # n > 1 siblings wait for this request's prompt to be cached
+        self.prompt_done = False  # the last prompt chunk has been built into a batch
+        self.logprobs: Logprobs | None = Logprobs() if m.return_logprob else None  # not yet sent
         self.output_ids: list[int] = []
         self.req_pool_idx: int | None = None
         self.prefix_indices: torch.Tensor = _EMPTY
@@ -36,7 +51,6 @@ class Req:
         self.finished_reason: dict[str, Any] | None = None
         self.sent_len = 0  # output ids already sent to the detokenizer
         self.cached_tokens = 0
-        self.generator: torch.Generator | None = None
         self.to_abort: str | None = None
         self.retractions = 0
         self.inflight = 0  # launched batches holding this request whose results are not processed yet
@@ -54,6 +68,16 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def needs_input_logprobs(self) -> bool:
+        """Prompt logprobs are still to compute (never again after a retraction's re-prefill)."""
+        return 0 <= self.logprob_start_len and not self.prompt_done
+
+    @property
+    def input_logprob_from(self) -> int:
+        """First position whose logits give a prompt logprob (the logits of position p score token p+1)."""
+        return max(self.logprob_start_len - 1, 0)
 
     @property
     def finished(self) -> bool:

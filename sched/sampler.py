@@ -1,23 +1,29 @@
 """The sampler: next-token ids from a batch of logits, vectorised over the batch.
 
-Greedy rows take the argmax. Sampled rows apply temperature, top-k, top-p and
-min-p as batched tensor ops, then draw by the exponential race
+Order of operations on the raw logits (logprobs are taken before all of it):
+logit_bias (a sparse add), penalties (from each row's output-token counts),
+the min_new_tokens mask (EOS and stop ids to -inf), custom logit processors
+(one batched call per processor), then greedy rows take the argmax and sampled
+rows apply temperature, top-k, top-p and min-p and draw by the exponential race
 (argmax p / E, E ~ Exp(1)), which samples exactly from p. A request with a seed
-draws its noise from its own generator, so its tokens do not depend on what
-else is in the batch."""
+draws the noise of its k-th output token from a generator seeded by (seed, k):
+its tokens depend neither on what else is in the batch nor on chunked prefill,
+prefix-cache hits or retraction. Nothing here loops over the vocabulary in Python."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from sgl.logit_processor import OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
 from sgl.sched.req import Req
 
 
 @dataclass(slots=True)
 class SamplingBatch:
-    """Per-row parameters as tensors, built once per batch."""
+    """Per-row parameters as tensors, built once per batch on the scheduler thread."""
 
     all_greedy: bool
     greedy: torch.Tensor  # [B] bool
@@ -29,24 +35,29 @@ class SamplingBatch:
     need_top_p: bool
     need_min_p: bool
     generators: list[torch.Generator | None]
+    # Penalties: None when no row has any. Counts live in the model runner, indexed by pool row.
+    penalties: torch.Tensor | None = None  # [3, B, 1]: frequency, presence, repetition
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
+    ban: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, ids set to -inf (min_new_tokens)
+    processors: list[tuple[CustomLogitProcessor, torch.Tensor, list[dict[str, Any]]]] | None = None
+
+    @property
+    def modifies_logits(self) -> bool:
+        return self.penalties is not None or self.bias is not None or self.ban is not None or bool(self.processors)
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> SamplingBatch:
+    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device, eos_ids: frozenset[int] = frozenset(),
+                  processors: dict[str, CustomLogitProcessor] | None = None, is_decode: bool = False) -> SamplingBatch:
         ps = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in ps]
         top_k = [vocab_size if (p.top_k < 1 or p.top_k > vocab_size) else p.top_k for p in ps]
-        all_greedy = all(greedy)
-
         def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
             t = torch.tensor(values, dtype=dtype)
             # Pinned and asynchronous: building a batch must not wait for the running one.
             return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
-        if all_greedy:  # the fast path reads none of the tensors
-            empty = torch.empty(0, device=device)
-            return cls(True, empty, empty, empty, empty, empty, False, False, False, [])
-        return cls(
-            all_greedy=False,
+        sb = cls(
+            all_greedy=all(greedy),
             greedy=dev(greedy, torch.bool),
             temperature=dev([1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32)[:, None],
             top_k=dev(top_k, torch.int64),
@@ -55,12 +66,93 @@ class SamplingBatch:
             need_top_k=any(k < vocab_size for k in top_k),
             need_top_p=any(p.top_p < 1.0 for p in ps),
             need_min_p=any(p.min_p > 0.0 for p in ps),
-            generators=[r.generator for r in reqs],
+            generators=[None] * len(reqs),
         )
+        if any(p.has_penalties for p in ps):
+            pen = [[p.frequency_penalty for p in ps], [p.presence_penalty for p in ps], [p.repetition_penalty for p in ps]]
+            sb.penalties = torch.tensor(pen, dtype=torch.float32, device=device)[:, :, None]
+        if any(p.logit_bias for p in ps):
+            items = [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias.items()]
+            sb.bias = _sparse(items, device)
+        # Tokens generated before this one. Under overlap a decode row's one in-flight batch
+        # will add a token; a prefill row's in-flight batches (earlier chunks, or batches
+        # made stale by a retraction) never do.
+        done = [len(r.output_ids) + (r.inflight if is_decode else 0) for r in reqs]
+        for i, (p, k) in enumerate(zip(ps, done)):
+            if p.seed is not None and not greedy[i]:
+                sb.generators[i] = torch.Generator(device).manual_seed((p.seed * _SEED_MIX + k) % (1 << 63))
+        banned = [(i, t, 0.0) for i, (p, d) in enumerate(zip(ps, done)) if d < p.min_new_tokens
+                  for t in (p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *eos_ids])]
+        if banned:
+            rows, ids, _ = _sparse(banned, device)
+            sb.ban = (rows, ids)
+        if processors and any(r.processor for r in reqs):
+            groups: dict[str, list[int]] = {}
+            for i, r in enumerate(reqs):
+                if r.processor:
+                    groups.setdefault(r.processor, []).append(i)
+            sb.processors = [
+                (processors[name], torch.tensor(rows, dtype=torch.int64, device=device),
+                 [{**(reqs[i].sampling_params.custom_params or {}), OUTPUT_LEN_KEY: done[i], RID_KEY: reqs[i].rid}
+                  for i in rows])
+                for name, rows in groups.items()
+            ]
+        return sb
+
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, k) pairs over the generator's seed space
+
+
+def _sparse(items: list[tuple[int, int, float]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, ids, vals = zip(*items)
+    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(vals, dtype=torch.float32, device=device))
+
+
+def process_logits(logits: torch.Tensor, sb: SamplingBatch, counts: torch.Tensor | None,
+                   errors: dict[int, str] | None = None) -> torch.Tensor:
+    """Bias, penalties, min_new_tokens mask and processors; returns a new tensor when
+    anything applies (the caller's logits may be a buffer the model reuses).
+    counts: [B, V] output-token counts of each row (needed when sb.penalties is set).
+    When a processor's batched call raises (or returns the wrong shape), its rows are
+    retried one by one; a row that still fails is left as it was and its error goes
+    into `errors` (the scheduler aborts that request)."""
+    if not sb.modifies_logits:
+        return logits
+    logits = logits.clone()
+    if sb.bias is not None:
+        rows, ids, vals = sb.bias
+        logits.index_put_((rows, ids), vals, accumulate=True)
+    if sb.penalties is not None:
+        assert counts is not None
+        freq, pres, rep = sb.penalties
+        seen = counts > 0
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        logits -= freq * counts + pres * seen
+    if sb.ban is not None:
+        logits[sb.ban] = float("-inf")
+    for proc, rows, params in sb.processors or ():
+        if _apply(proc, logits, rows, params) is not None:
+            for i, r in enumerate(rows.tolist()):
+                err = _apply(proc, logits, rows[i : i + 1], params[i : i + 1])
+                if err is not None and errors is not None:
+                    errors[r] = f"custom_logit_processor {type(proc).__name__} failed: {err}"
+    return logits
+
+
+def _apply(proc: CustomLogitProcessor, logits: torch.Tensor, rows: torch.Tensor, params: list[dict[str, Any]]) -> str | None:
+    try:
+        new = proc(logits[rows], params)
+        if not isinstance(new, torch.Tensor) or new.shape != (len(params), logits.shape[1]):
+            raise ValueError(f"returned {getattr(new, 'shape', type(new).__name__)}, not [{len(params)}, V]")
+        logits[rows] = new.to(logits.dtype)
+        return None
+    except Exception as e:  # user code: it fails its own requests, never the scheduler
+        return str(e) or type(e).__name__
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator | None = None) -> torch.Tensor:
-    """logits: [B, V] float32 -> [B] int64 token ids."""
+    """logits: [B, V] float32, already through process_logits -> [B] int64 token ids."""
     greedy_ids = logits.argmax(dim=-1)
     if sb.all_greedy:
         return greedy_ids

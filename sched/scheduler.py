@@ -15,6 +15,7 @@ import torch
 
 from sgl.cache.radix_cache import RadixCache
 from sgl.log import get_logger
+from sgl.logit_processor import check_allowed, resolve
 from sgl.protocol import (
     AbortReq,
     AttachReq,
@@ -27,13 +28,15 @@ from sgl.protocol import (
     GetServerInfoReqOutput,
     HealthCheckOutput,
     HealthCheckReq,
+    Logprobs,
     Message,
     ShutdownReq,
 )
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.model_runner import Launched, ModelRunner
+from sgl.sched.model_runner import Launched, ModelRunner, StepResult
 from sgl.sched.policy import order_waiting
 from sgl.sched.req import Req
+from sgl.sched.stop import StopStrings
 from sgl.server_args import ServerArgs
 from sgl.transports.channel import Receiver, Sender
 
@@ -56,6 +59,11 @@ class Scheduler:
         self.allocator = self.runner.allocator
         self.tree = RadixCache(self.pool, self.allocator, disable=args.disable_radix_cache)
         self.eos_ids = _eos_ids(self.runner.config, model_path)
+        self.runner.eos_ids = frozenset(self.eos_ids)
+        # Every allowed processor is imported at startup: a bad entry fails the engine's start.
+        self.runner.processors = {name: resolve(name) for name in args.custom_logit_processors}
+        tok_path = None if args.skip_tokenizer_init else (args.tokenizer_path or model_path)
+        self.stop_strings = StopStrings(tok_path, args.trust_remote_code)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -168,15 +176,24 @@ class Scheduler:
             self.log.warning("ignored unexpected message", type=type(msg).__name__)
 
     def _add(self, msg: GenerateReqInput) -> None:
-        req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.stream)
+        req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.stream, msg)
         self.checked_idle = False
         error = self._validate(req)
         if error is not None:
             self._finish(req, {"type": "abort", "message": error})
             return
-        if req.sampling_params.seed is not None:
-            req.generator = torch.Generator(self.runner.device)
-            req.generator.manual_seed(req.sampling_params.seed)
+        if req.logprob_start_len == 0 and req.logprobs is not None:
+            # The first prompt token has no logprob: SGLang reports it as None.
+            lp, first = req.logprobs, req.origin_input_ids[0]
+            lp.input_ids.append(first)
+            lp.input_vals.append(None)
+            if req.top_logprobs_num:
+                lp.input_top_vals.append(None)
+                lp.input_top_ids.append(None)
+            if req.token_ids_logprob:
+                lp.input_ids_vals.append(None)
+        if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) is not None:
+            self._share_prompt(lead)
         self.rids[req.rid] = req
         if req.sampling_params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
@@ -195,7 +212,33 @@ class Scheduler:
             return f"the prompt has {n} tokens, which leaves no room in the context length of {r.context_length}"
         if n + 1 > r.max_total_tokens:
             return f"the prompt has {n} tokens but the KV cache holds only {r.max_total_tokens}: it can never fit"
+        p, v = req.sampling_params, r.vocab_size
+        for field, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", list(p.logit_bias)),
+                           ("token_ids_logprob", req.token_ids_logprob or [])):
+            if ids and max(ids) >= v:
+                return f"{field} contains ids outside the vocabulary [0, {v})"
+        if req.logprob_start_len >= n:
+            return f"logprob_start_len={req.logprob_start_len} must be < the prompt length {n} (or -1)"
+        if req.top_logprobs_num < 0:
+            return f"top_logprobs_num={req.top_logprobs_num} must be >= 0"
+        if p.stop_strs and not self.stop_strings.available:
+            return "stop: stop strings need a tokenizer, and this engine runs with skip_tokenizer_init"
+        if req.processor is not None:
+            try:
+                check_allowed(req.processor, self.args.custom_logit_processors)
+            except ValueError as e:
+                return str(e)
         return None
+
+    def _share_prompt(self, lead: Req) -> None:
+        """n > 1: make the leader's prompt KV reachable through the radix tree for its
+        siblings, now if its prompt is already built into a batch, else once it is."""
+        if lead.finished or lead.to_abort is not None:
+            return
+        if lead.req_pool_idx is not None and lead is not self.chunked_req and lead.kv_len >= len(lead.origin_input_ids):
+            self.tree.cache_unfinished_req(lead)
+        else:
+            lead.is_leader = True
 
     def _abort(self, rid: str, message: str) -> None:
         req = self.rids.get(rid)
@@ -264,9 +307,13 @@ class Scheduler:
                     break
                 if self.pool.available_size() == 0:
                     break
+                if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) and lead.is_leader:
+                    continue  # waits for its leader's prompt to be in the tree
                 ids = req.all_ids
-                match = self.tree.match_prefix(ids[: len(ids) - 1])
-                if self._prefix_in_flight(ids, len(match.indices), admitted):
+                # Prompt logprobs need the logits of the positions they score: no cache hit there.
+                limit = min(len(ids) - 1, req.input_logprob_from) if req.needs_input_logprobs else len(ids) - 1
+                match = self.tree.match_prefix(ids[:limit])
+                if not req.needs_input_logprobs and self._prefix_in_flight(ids, len(match.indices), admitted):
                     continue  # its prefix is being computed: wait a round and reuse it
                 todo = len(ids) - len(match.indices)
                 n = min(todo, chunk_left)
@@ -300,7 +347,12 @@ class Scheduler:
                                f"{self.allocator.available_size()}, evictable {self.tree.evictable_size()}, "
                                f"protected {self.tree.protected_size()}, reqs {admitted}")
         self.stats["prefill_tokens"] += total
-        return ScheduleBatch.extend(admitted, loc, self.pool)
+        batch = ScheduleBatch.extend(admitted, loc, self.pool)
+        for req in admitted:
+            if req.is_leader and req.kv_len >= len(req.origin_input_ids):
+                req.is_leader = False
+                self.tree.cache_unfinished_req(req)
+        return batch
 
     def _prefix_in_flight(self, ids: list[int], matched: int, admitted: list[Req]) -> bool:
         """Whether a request being prefilled (this round or in flight) shares a longer
@@ -375,17 +427,25 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------
 
-    def _process(self, batch: ScheduleBatch, next_ids: torch.Tensor) -> None:
-        for req, epoch, partial, tok in zip(batch.reqs, batch.epochs, batch.partial, next_ids.tolist()):
+    def _process(self, batch: ScheduleBatch, res: StepResult) -> None:
+        row = -1  # the last logits row of the previous request
+        for i, (req, epoch, partial, tok, (a, k)) in enumerate(zip(
+                batch.reqs, batch.epochs, batch.partial, res.next_ids.tolist(), batch.lp_in)):
             req.inflight -= 1
+            first, row = row + 1, row + 1 + (k if res.token is not None else 0)
             if req.finished or req.epoch != epoch:
                 continue  # ended or retracted after this batch was launched: the token is stale
+            if res.errors and i in res.errors and req.to_abort is None:
+                req.to_abort = res.errors[i]
             if req.to_abort is not None:
                 if req.inflight == 0:
                     self._finish(req, {"type": "abort", "message": req.to_abort})
                 continue
+            if req.logprobs is not None and res.token is not None:
+                self._add_logprobs(req, res, first, a, k, partial)
             if partial:
                 continue  # a middle prefill chunk samples nothing
+            req.prompt_done = True
             req.output_ids.append(tok)
             reason = self._finish_reason(req, tok)
             if not batch.is_decode:
@@ -398,10 +458,43 @@ class Scheduler:
             elif req.stream:
                 self.outbox.append(req)
 
+    def _add_logprobs(self, req: Req, res: StepResult, first: int, a: int, k: int, partial: bool) -> None:
+        """Append this step's rows [first, first + k) (prompt) and first + k (sampled) to req.logprobs."""
+        lp, end = req.logprobs, first + k + (0 if partial else 1)
+        assert lp is not None and res.token is not None
+        vals = res.token[first:end].tolist()
+        tops = None
+        if req.top_logprobs_num and res.top_vals is not None:
+            n = req.top_logprobs_num
+            tops = (res.top_vals[first:end, :n].tolist(), res.top_ids[first:end, :n].tolist())  # type: ignore[index]
+        ids_vals = None
+        if req.token_ids_logprob and res.ids_vals is not None:
+            ids_vals = res.ids_vals[first:end, : len(req.token_ids_logprob)].tolist()
+        if k:
+            lp.input_ids.extend(req.origin_input_ids[a + 1 : a + 1 + k])
+            lp.input_vals.extend(vals[:k])
+            if tops is not None:
+                lp.input_top_vals.extend(tops[0][:k])
+                lp.input_top_ids.extend(tops[1][:k])
+            if ids_vals is not None:
+                lp.input_ids_vals.extend(ids_vals[:k])
+        if not partial:
+            lp.output_vals.append(vals[k])
+            if tops is not None:
+                lp.output_top_vals.append(tops[0][k])
+                lp.output_top_ids.append(tops[1][k])
+            if ids_vals is not None:
+                lp.output_ids_vals.append(ids_vals[k])
+
     def _finish_reason(self, req: Req, tok: int) -> dict[str, Any] | None:
         p = req.sampling_params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+        early = len(req.output_ids) <= p.min_new_tokens  # tok itself was masked if so
+        if not early and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)):
             return {"type": "stop", "matched": tok}
+        if not early and p.stop_strs:
+            s = self.stop_strings.match(req.output_ids, p.stop_strs, p.skip_special_tokens)
+            if s is not None:
+                return {"type": "stop", "matched": s}
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
         if req.seq_len >= self.runner.context_length:
@@ -441,7 +534,7 @@ class Scheduler:
         if not self.outbox:
             return
         reqs, self.outbox = self.outbox, []
-        out = BatchTokenIDOutput([], [], [], [], [], [], [], [])
+        out = BatchTokenIDOutput([], [], [], [], [], [], [], [], [], [], [], [])
         for r in reqs:
             out.rids.append(r.rid)
             out.new_ids.append(r.output_ids[r.sent_len :])
@@ -452,6 +545,12 @@ class Scheduler:
             out.cached_tokens.append(r.cached_tokens)
             out.skip_special_tokens.append(r.sampling_params.skip_special_tokens)
             out.spaces_between_special_tokens.append(r.sampling_params.spaces_between_special_tokens)
+            out.no_stop_trim.append(r.sampling_params.no_stop_trim)
+            out.stop_strs.append(r.sampling_params.stop_strs)
+            out.detokenize.append(r.detokenize)
+            out.logprobs.append(r.logprobs)
+            if r.logprobs is not None:
+                r.logprobs = Logprobs()
         self.send.send(out)
 
     # ---- accounting ------------------------------------------------------------

@@ -17,8 +17,9 @@ from sgl.server_args import ServerArgs
 if TYPE_CHECKING:
     from sgl.client import Client
     from sgl.engine import AsyncEngine, Engine
+    from sgl.logit_processor import CustomLogitProcessor
 
-__all__ = ["AsyncEngine", "Client", "Engine", "SamplingParams", "ServerArgs"]
+__all__ = ["AsyncEngine", "Client", "CustomLogitProcessor", "Engine", "SamplingParams", "ServerArgs"]
 __version__ = "0.1.0"
 
 
@@ -31,4 +32,8 @@ def __getattr__(name: str) -> Any:
         from sgl.client import Client
 
         return Client
+    if name == "CustomLogitProcessor":
+        from sgl.logit_processor import CustomLogitProcessor
+
+        return CustomLogitProcessor
     raise AttributeError(f"module 'sgl' has no attribute {name!r}")

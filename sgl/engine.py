@@ -23,6 +23,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import fields
 from typing import Any
 
 import msgspec
@@ -33,7 +34,7 @@ from sgl.metrics import Metrics
 from sgl.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
 from sgl.roles import ChildConfig
 from sgl.server_args import ServerArgs
-from sgl.tokenizer_manager import EngineDeadError, TokenizerManager
+from sgl.tokenizer_manager import EngineDeadError, ReqOptions, TokenizerManager
 from sgl.transports.factory import make_addresses, open_receiver, open_sender
 
 __all__ = ["AsyncEngine", "Engine", "EngineDeadError"]
@@ -89,7 +90,8 @@ class AsyncEngine:
             raise
         self.info = infos["scheduler"]
         self.tm = TokenizerManager(tokenizer, open_sender(self.addresses.to_scheduler, key), recv,
-                                   self.info["context_length"], self.info["vocab_size"], metrics=self.metrics)
+                                   self.info["context_length"], self.info["vocab_size"], self.model_path,
+                                   self.args.custom_logit_processors, metrics=self.metrics)
         self._watchdog = Watchdog(self._roles, self.args.watchdog_interval, self._on_role_death)
         self._watchdog.start()
         atexit.register(self.shutdown)
@@ -170,12 +172,21 @@ class AsyncEngine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         rid: str | list[str] | None = None,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
-        """One dict for one prompt; a list of dicts, in order, for a batch."""
+        **options: Any,
+    ) -> dict[str, Any] | list[Any]:
+        """One dict for one prompt; a list, in order, for a batch. With n > 1 a prompt
+        gives a list of n dicts (a batch: one such list per prompt).
+
+        Options (SGLang's request-level arguments; in a batch each may be a list, one
+        per prompt): return_logprob, logprob_start_len, top_logprobs_num,
+        token_ids_logprob, return_text_in_logprobs, custom_logit_processor, detokenize.
+        Logprobs are log_softmax of the model's raw logits (before logit_bias,
+        penalties, processors and temperature), as SGLang returns by default."""
         items = _split_batch(prompt, input_ids, sampling_params, rid)
         if items is None:
-            return await self._one(prompt, input_ids, sampling_params, rid)  # type: ignore[arg-type]
-        tasks = [asyncio.ensure_future(self._one(*it)) for it in items]
+            return await self._one(prompt, input_ids, sampling_params, rid, _options(options))  # type: ignore[arg-type]
+        opts = _batch_options(options, len(items))
+        tasks = [asyncio.ensure_future(self._one(*it, o)) for it, o in zip(items, opts)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -183,9 +194,10 @@ class AsyncEngine:
                 t.cancel()
             raise
 
-    async def _one(self, prompt: str | None, input_ids: list[int] | None, sp: Any, rid: str | None) -> dict[str, Any]:
+    async def _one(self, prompt: str | None, input_ids: list[int] | None, sp: Any, rid: str | None,
+                   opts: ReqOptions) -> Any:
         self._check_open()
-        gen = self.tm.generate(prompt, input_ids, sp, rid, stream=False)
+        gen = self.tm.generate(prompt, input_ids, sp, rid, stream=False, opts=opts)
         try:
             return await gen.__anext__()
         finally:
@@ -197,11 +209,13 @@ class AsyncEngine:
         sampling_params: dict[str, Any] | None = None,
         input_ids: list[int] | None = None,
         rid: str | None = None,
+        **options: Any,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Delta chunks: each holds the new text and ids; the last has a finish_reason.
-        Leaving the loop early aborts the request."""
+        """Delta chunks: each holds the new text, ids and logprobs; the last has a
+        finish_reason. With n > 1 the samples' chunks interleave, each with its "index".
+        Leaving the loop early aborts the request. Options as for `generate`."""
         self._check_open()
-        gen = self.tm.generate(prompt, input_ids, sampling_params, rid, stream=True)
+        gen = self.tm.generate(prompt, input_ids, sampling_params, rid, stream=True, opts=_options(options))
         try:
             async for chunk in gen:
                 yield chunk
@@ -293,6 +307,28 @@ def _split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[A
     return list(zip(prompts, ids, sps, rids))
 
 
+_OPTION_NAMES = frozenset(f.name for f in fields(ReqOptions))
+
+
+def _options(options: dict[str, Any]) -> ReqOptions:
+    unknown = set(options) - _OPTION_NAMES
+    if unknown:
+        raise ValueError(f"{sorted(unknown)[0]}: unknown argument of generate (known: {sorted(_OPTION_NAMES)})")
+    return ReqOptions(**options)
+
+
+def _batch_options(options: dict[str, Any], n: int) -> list[ReqOptions]:
+    """Per-prompt options: a list value gives one per prompt (token_ids_logprob: a list of lists)."""
+    per: list[dict[str, Any]] = [{} for _ in range(n)]
+    for k, v in options.items():
+        per_item = isinstance(v, list) and (k != "token_ids_logprob" or (v and isinstance(v[0], list)))
+        if per_item and len(v) != n:
+            raise ValueError(f"{k}: a batch of {n} needs {n} values, got {len(v)}")
+        for i in range(n):
+            per[i][k] = v[i] if per_item else v
+    return [_options(o) for o in per]
+
+
 class _Done:
     pass
 
@@ -336,17 +372,20 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        **options: Any,
     ) -> Any:
+        """As AsyncEngine.generate (same options); `stream=True` gives an iterator of chunks."""
         if stream:
-            return self._stream(prompt, sampling_params, input_ids, rid)
-        return self._run(self._engine.generate(prompt, sampling_params, input_ids, rid))
+            _options(options)  # fail here, not in the first next()
+            return self._stream(prompt, sampling_params, input_ids, rid, options)
+        return self._run(self._engine.generate(prompt, sampling_params, input_ids, rid, **options))
 
-    def _stream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any) -> Iterator[dict[str, Any]]:
+    def _stream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> Iterator[dict[str, Any]]:
         q: queue.Queue[Any] = queue.Queue()
 
         async def pump() -> None:
             try:
-                async for chunk in self._engine.stream(prompt, sp, input_ids, rid):
+                async for chunk in self._engine.stream(prompt, sp, input_ids, rid, **options):
                     q.put(chunk)
             except BaseException as e:  # noqa: BLE001 - handed to the consuming thread
                 q.put(e)
@@ -372,22 +411,25 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        **options: Any,
     ) -> Any:
         """The awaitable twin of `generate`; with `stream=True` it returns an async iterator."""
         if stream:
-            return self._astream(prompt, sampling_params, input_ids, rid)
+            _options(options)
+            return self._astream(prompt, sampling_params, input_ids, rid, options)
         fut = asyncio.run_coroutine_threadsafe(
-            self._engine.generate(prompt, sampling_params, input_ids, rid), self._loop
+            self._engine.generate(prompt, sampling_params, input_ids, rid, **options), self._loop
         )
         return await asyncio.wrap_future(fut)
 
-    async def _astream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any) -> AsyncIterator[dict[str, Any]]:
+    async def _astream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any,
+                       options: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         caller = asyncio.get_running_loop()
         q: asyncio.Queue[Any] = asyncio.Queue()
 
         async def pump() -> None:
             try:
-                async for chunk in self._engine.stream(prompt, sp, input_ids, rid):
+                async for chunk in self._engine.stream(prompt, sp, input_ids, rid, **options):
                     caller.call_soon_threadsafe(q.put_nowait, chunk)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's loop
                 caller.call_soon_threadsafe(q.put_nowait, e)

@@ -24,6 +24,29 @@ class GenerateReqInput(msgspec.Struct, tag="generate", forbid_unknown_fields=Tru
     input_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position whose logprob is returned; -1: none
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    custom_logit_processor: str | None = None
+    detokenize: bool = True
+    # n > 1: the rid of the first sample; this one waits until that one's prompt is cached.
+    prefix_leader: str | None = None
+
+
+class Logprobs(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    """Log-probabilities a request produced since the last message (log_softmax of the
+    raw logits). Input positions carry None where no logprob exists (the first token)."""
+
+    output_vals: list[float] = []
+    output_top_vals: list[list[float]] = []
+    output_top_ids: list[list[int]] = []
+    output_ids_vals: list[list[float]] = []  # at the request's token_ids_logprob
+    input_ids: list[int] = []
+    input_vals: list[float | None] = []
+    input_top_vals: list[list[float] | None] = []
+    input_top_ids: list[list[int] | None] = []
+    input_ids_vals: list[list[float] | None] = []
 
 
 class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
@@ -44,6 +67,10 @@ class BatchTokenIDOutput(msgspec.Struct, tag="batch_token_ids", forbid_unknown_f
     cached_tokens: list[int]
     skip_special_tokens: list[bool]
     spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    stop_strs: list[list[str]]  # for holding back a streamed tail that may start a stop string
+    detokenize: list[bool]
+    logprobs: list[Logprobs | None]
 
 
 class BatchStrOutput(msgspec.Struct, tag="batch_str", forbid_unknown_fields=True):
@@ -56,6 +83,7 @@ class BatchStrOutput(msgspec.Struct, tag="batch_str", forbid_unknown_fields=True
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
+    logprobs: list[Logprobs | None]
 
 
 class FlushCacheReq(msgspec.Struct, tag="flush_cache", forbid_unknown_fields=True):

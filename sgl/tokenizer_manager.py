@@ -14,11 +14,15 @@ Callers only ever see their own rids."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import msgspec
 
 from sgl.log import get_logger
 from sgl.metrics import Metrics
@@ -32,9 +36,11 @@ from sgl.protocol import (
     GetServerInfoReqOutput,
     HealthCheckOutput,
     HealthCheckReq,
+    Logprobs,
     Message,
 )
-from sgl.sampling_params import SamplingParams
+from sgl.logit_processor import check_allowed
+from sgl.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
 from sgl.transports.channel import ChannelClosed, Receiver, Sender
 
 
@@ -42,20 +48,38 @@ class EngineDeadError(RuntimeError):
     """The scheduler or detokenizer is gone; no request can complete."""
 
 
+@dataclass(frozen=True, slots=True)
+class ReqOptions:
+    """Request-level arguments of generate() beyond the sampling parameters (SGLang's names)."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position with a logprob; -1: output logprobs only
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+    custom_logit_processor: str | None = None
+    detokenize: bool = True
+
+
 @dataclass(slots=True)
 class _ReqState:
     queue: asyncio.Queue[dict[str, Any] | BaseException]
     created: float
+    opts: ReqOptions
     stream: bool = False
     last_at: float | None = None  # when the previous streamed tokens arrived
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)  # non-streaming: accumulated
 
 
 class TokenizerManager:
     def __init__(self, tokenizer: Any | None, send: Sender, recv: Receiver, context_length: int, vocab_size: int,
+                 model_path: str | None = None, custom_logit_processors: list[str] | None = None,
                  client_id: str = "", metrics: Metrics | None = None) -> None:
         self.tokenizer = tokenizer
+        self.defaults = generation_defaults(model_path)
+        self.allowed_processors = list(custom_logit_processors or [])
         self.send = send
         self.recv = recv
         self.context_length = context_length
@@ -93,25 +117,93 @@ class TokenizerManager:
             raise ValueError(f"prompt/input_ids: {len(ids)} tokens leave no room in the context length of {self.context_length}")
         return ids
 
+    def check(self, ids: list[int], params: SamplingParams, opts: ReqOptions) -> None:
+        """Request-level validation that needs the vocabulary, the prompt or the engine's config."""
+        v = self.vocab_size
+        for name, toks in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias)),
+                           ("token_ids_logprob", opts.token_ids_logprob or [])):
+            if any(not isinstance(t, int) or not 0 <= t < v for t in toks):
+                raise ValueError(f"{name}: ids must be ints in [0, {v})")
+        if not isinstance(opts.logprob_start_len, int) or not -1 <= opts.logprob_start_len < len(ids):
+            raise ValueError(f"logprob_start_len={opts.logprob_start_len!r} is invalid: must be -1 or in [0, {len(ids)})")
+        if not isinstance(opts.top_logprobs_num, int) or opts.top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num={opts.top_logprobs_num!r} is invalid: must be an int >= 0")
+        if opts.custom_logit_processor is not None:
+            check_allowed(opts.custom_logit_processor, self.allowed_processors)
+        if params.stop_strs and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
+
     async def generate(
-        self, prompt: str | None, input_ids: list[int] | None, sampling_params: Any, rid: str | None, stream: bool
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Yield delta chunks when streaming, else one final dict. Aborted on close."""
-        params = SamplingParams.coerce(sampling_params)
+        self, prompt: str | None, input_ids: list[int] | None, sampling_params: Any, rid: str | None, stream: bool,
+        opts: ReqOptions | None = None,
+    ) -> AsyncIterator[Any]:
+        """Yield delta chunks when streaming, else one final dict. Aborted on close.
+        n > 1: one list of n final dicts, or chunks from all samples, each with its "index"."""
+        opts = opts or ReqOptions()
+        params = SamplingParams.coerce(sampling_params, self.defaults)
         ids = self.tokenize(prompt, input_ids)
+        self.check(ids, params, opts)
         if rid is not None and not isinstance(rid, str):
             raise ValueError(f"rid must be a str, got {type(rid).__name__}")
         rid = self.rid_prefix + (rid or uuid.uuid4().hex)
+        if params.n == 1:
+            gen = self._one(self._submit(rid, ids, params, stream, opts, None), stream)
+            try:
+                async for item in gen:
+                    yield item
+            finally:
+                await gen.aclose()
+            return
+        # Sample 0 prefills the prompt; the others reuse its KV through the radix cache.
+        # Sample i draws with seed + i, so seeded samples differ but are reproducible.
+        rids = [f"{rid}-{i}" for i in range(params.n)]
+        gens = []
+        try:
+            for i, r in enumerate(rids):
+                p = replace_params(params, n=1, seed=None if params.seed is None else params.seed + i)
+                gens.append(self._one(self._submit(r, ids, p, stream, opts, rids[0] if i else None), stream))
+        except BaseException:
+            self._forget(rids[: len(gens)])
+            raise
+        if stream:
+            merged = _merge(gens)
+            try:
+                async for item in merged:
+                    yield item
+            finally:
+                await merged.aclose()
+                self._forget(rids)
+            return
+        tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        try:
+            yield list(await asyncio.gather(*tasks))
+        finally:
+            await _cancel_and_close(tasks, gens)
+            self._forget(rids)
+
+    def _forget(self, rids: list[str]) -> None:
+        """Abort samples whose generator never ran to its end (or never started)."""
+        for r in rids:
+            if self.states.pop(r, None) is not None:
+                self.abort(r)
+
+    def _submit(self, rid: str, ids: list[int], params: SamplingParams, stream: bool, opts: ReqOptions,
+                leader: str | None) -> str:
         if rid in self.states:
             raise ValueError(f"rid={rid[len(self.rid_prefix):]!r} is already in use by a running request")
         self._ensure_started()
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        st = _ReqState(asyncio.Queue(), time.monotonic(), stream)
-        self.states[rid] = st
+        self.states[rid] = _ReqState(asyncio.Queue(), time.monotonic(), opts, stream)
+        self.send.send(GenerateReqInput(
+            rid, ids, params, stream, opts.return_logprob, opts.logprob_start_len, opts.top_logprobs_num,
+            opts.token_ids_logprob, opts.custom_logit_processor, opts.detokenize, leader))
+        return rid
+
+    async def _one(self, rid: str, stream: bool) -> AsyncIterator[dict[str, Any]]:
+        st = self.states[rid]
         finished = False
         try:
-            self.send.send(GenerateReqInput(rid, ids, params, stream))
             while True:
                 item = await st.queue.get()
                 if isinstance(item, BaseException):
@@ -121,6 +213,7 @@ class TokenizerManager:
                     yield item
                 elif finished:
                     item["text"], item["output_ids"] = st.text, st.output_ids
+                    item["meta_info"].update(st.logprobs)
                     yield item
                 if finished:
                     return
@@ -130,8 +223,12 @@ class TokenizerManager:
                 self.send.send(AbortReq(rid))
 
     def abort(self, rid: str) -> None:
+        """Abort a request; for n > 1 the rid the caller gave aborts all its samples."""
         if self.dead is None:
-            self.send.send(AbortReq(self.rid_prefix + rid))
+            full = self.rid_prefix + rid
+            self.send.send(AbortReq(full))
+            for r in [r for r in self.states if r.startswith(f"{full}-") and r[len(full) + 1 :].isdigit()]:
+                self.send.send(AbortReq(r))
 
     async def control_call(self, req: Message, reply_type: type) -> Any:
         self._ensure_started()
@@ -199,6 +296,11 @@ class TokenizerManager:
             }
             if fin is not None:
                 meta["e2e_latency"] = now - st.created
+            if (lp := b.logprobs[i]) is not None:
+                delta = self._format_logprobs(lp, b.new_ids[i], st.opts)
+                for k, v in delta.items():
+                    st.logprobs.setdefault(k, []).extend(v)
+                meta.update(delta)
             st.queue.put_nowait({"text": b.texts[i], "output_ids": b.new_ids[i], "meta_info": meta})
 
     def _observe(self, st: _ReqState, b: BatchStrOutput, i: int, now: float) -> None:
@@ -214,6 +316,31 @@ class TokenizerManager:
         if fin is not None:
             self.metrics.finished(b.prompt_tokens[i], b.completion_tokens[i], b.cached_tokens[i],
                                   now - st.created, fin.get("type") == "abort")
+
+    def _format_logprobs(self, lp: Logprobs, new_ids: list[int], opts: ReqOptions) -> dict[str, list[Any]]:
+        """SGLang's meta_info lists of (logprob, token_id, text) triples; text is None unless
+        return_text_in_logprobs."""
+        texts = opts.return_text_in_logprobs and self.tokenizer is not None
+        every = [*new_ids, *lp.input_ids, *(i for row in lp.output_top_ids for i in row),
+                 *(i for row in lp.input_top_ids if row for i in row), *(opts.token_ids_logprob or [])]
+        names = dict(zip(every, self.tokenizer.batch_decode([[i] for i in every]))) if texts and every else {}
+
+        def triples(vals: list[Any], ids: list[int]) -> list[tuple[Any, int, str | None]]:
+            return [(v, t, names.get(t)) for v, t in zip(vals, ids)]
+
+        def rows(vals: list[Any], ids: list[Any]) -> list[Any]:
+            return [None if v is None else triples(v, t) for v, t in zip(vals, ids)]
+
+        out = {"output_token_logprobs": triples(lp.output_vals, new_ids),
+               "input_token_logprobs": triples(lp.input_vals, lp.input_ids)}
+        if opts.top_logprobs_num:
+            out["output_top_logprobs"] = rows(lp.output_top_vals, lp.output_top_ids)
+            out["input_top_logprobs"] = rows(lp.input_top_vals, lp.input_top_ids)
+        if opts.token_ids_logprob:
+            req_ids = opts.token_ids_logprob
+            out["output_token_ids_logprobs"] = rows(lp.output_ids_vals, [req_ids] * len(lp.output_ids_vals))
+            out["input_token_ids_logprobs"] = rows(lp.input_ids_vals, [req_ids] * len(lp.input_ids_vals))
+        return out
 
     # ---- failure ---------------------------------------------------------------
 
@@ -245,3 +372,58 @@ class TokenizerManager:
                 await self._task
             except asyncio.CancelledError:
                 pass
+
+
+def replace_params(p: SamplingParams, **changes: Any) -> SamplingParams:
+    return msgspec.structs.replace(p, **changes)
+
+
+def generation_defaults(model_path: str | None) -> dict[str, Any]:
+    """Sampling defaults from the model's generation_config.json (the fields SGLang takes from it)."""
+    if model_path is None or not os.path.isdir(model_path):
+        return {}
+    try:
+        with open(os.path.join(model_path, "generation_config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: cfg[k] for k in GENERATION_CONFIG_FIELDS if k in cfg and cfg[k] is not None}
+
+
+async def _merge(gens: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[dict[str, Any]]:
+    """Interleave the chunks of n sample streams, tagging each with its sample's index."""
+    q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, g: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for chunk in g:
+                await q.put((i, chunk))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await q.put((i, e))
+        finally:
+            await q.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    live = len(gens)
+    try:
+        while live:
+            i, item = await q.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                item["index"] = i
+                yield item
+    finally:
+        await _cancel_and_close(tasks, gens)
+
+
+async def _cancel_and_close(tasks: list[asyncio.Future[Any]], gens: list[Any]) -> None:
+    """Cancel the tasks driving sample generators, let them unwind, then close the
+    generators (one that never finished sends its abort)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for g in gens:
+        await g.aclose()

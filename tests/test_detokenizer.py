@@ -26,7 +26,7 @@ def _stream(detok: Detokenizer, rid: str, ids: list[int], step: int) -> list[str
     for i in range(0, len(ids), step):
         last = i + step >= len(ids)
         b = BatchTokenIDOutput([rid], [ids[i : i + step]], [{"type": "length", "length": len(ids)} if last else None],
-                               [1], [i + step], [0], [True], [True])
+                               [1], [i + step], [0], [True], [True], [False], [[]], [True], [None])
         chunks.append(detok.process(b).texts[0])
     return chunks
 

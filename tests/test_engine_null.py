@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import sgl
+from sgl.tokenizer_manager import ReqOptions
 from tests.conftest import ENGINE_VARIANTS, TRANSPORTS, assert_kv_balanced, null_continuation
 
 
@@ -106,6 +107,8 @@ def test_request_too_long_is_an_error_not_a_crash(engine: sgl.Engine) -> None:
         engine.generate(input_ids=[])
     with pytest.raises(ValueError, match="prompt"):
         engine.generate("text needs a tokenizer")
+    with pytest.raises(ValueError, match="stop"):
+        engine.generate(input_ids=[1], sampling_params={"stop": "needs a tokenizer too"})
     # Fits the context (512) but never the KV pool (600 slots) once others hold it? It fits alone: served.
     out = engine.generate(input_ids=list(range(500)), sampling_params={**GREEDY, "max_new_tokens": 2})
     assert out["output_ids"] == null_continuation(499, 2)
@@ -135,3 +138,38 @@ def test_flush_cache_and_health(engine: sgl.Engine) -> None:
     assert engine.flush_cache() == {"success": True, "message": ""}
     info = engine.get_server_info()
     assert info["kv_evictable"] == 0 and info["kv_free"] == info["max_total_tokens"]
+
+
+def test_penalties_seeds_and_logprobs_survive_retraction(engine: sgl.Engine) -> None:
+    """Under memory pressure requests are retracted and re-prefilled: the device-side
+    penalty counts, the seeded noise and the logprobs must come out as if each ran alone."""
+    prompts = [[(11 * i + j) % 997 for j in range(20)] for i in range(16)]
+    params = [{"temperature": 1.0, "seed": i, "max_new_tokens": 60, "ignore_eos": True, "frequency_penalty": 1.5,
+               "presence_penalty": 0.5, "repetition_penalty": 1.3} for i in range(16)]
+    together = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    assert engine.get_server_info()["retractions"] > 0
+    for p, sp, t in zip(prompts, params, together):
+        alone = engine.generate(input_ids=p, sampling_params=sp, return_logprob=True)
+        assert t["output_ids"] == alone["output_ids"]
+        assert t["meta_info"]["output_token_logprobs"] == alone["meta_info"]["output_token_logprobs"]
+    # The penalties bite: far fewer repeats than the same seeds without them.
+    free = engine.generate(input_ids=prompts, sampling_params=[{**sp, "frequency_penalty": 0, "presence_penalty": 0,
+                                                                 "repetition_penalty": 1.0} for sp in params])
+    def repeats(outs: list) -> int:
+        return sum(len(o["output_ids"]) - len(set(o["output_ids"])) for o in outs)
+    assert repeats(together) < repeats(free)
+
+
+def test_the_scheduler_rechecks_the_processor_allow_list(engine: sgl.Engine) -> None:
+    async def main() -> dict:
+        tm = engine._engine.tm
+        gen = tm._one(tm._submit("sneaky", [1, 2], sgl.SamplingParams(max_new_tokens=2), False,
+                                 ReqOptions(custom_logit_processor="os:system"), None), False)
+        try:
+            return await gen.__anext__()
+        finally:
+            await gen.aclose()
+
+    out = engine._run(main())
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "custom_logit_processor='os:system' is not allowed" in out["meta_info"]["finish_reason"]["message"]

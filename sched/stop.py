@@ -1,0 +1,38 @@
+"""Stop strings, found by the scheduler in the text of a window of each request's
+newest output tokens. The tokenizer is loaded on the first request that has stop
+strings. This module decides only whether a request stopped; trimming the text
+is the detokenizer's job."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Extra tokens decoded beyond the longest stop string's length in characters: a
+# token decodes to at least one character except at broken multi-byte boundaries.
+WINDOW_SLACK = 4
+
+
+class StopStrings:
+    def __init__(self, tokenizer_path: str | None, trust_remote_code: bool) -> None:
+        self.path = tokenizer_path
+        self.trust_remote_code = trust_remote_code
+        self._tokenizer: Any = None
+
+    @property
+    def available(self) -> bool:
+        return self.path is not None
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from sgl.hf import load_tokenizer
+
+            assert self.path is not None
+            self._tokenizer = load_tokenizer(self.path, self.trust_remote_code)
+        return self._tokenizer
+
+    def match(self, output_ids: list[int], stops: list[str], skip_special_tokens: bool) -> str | None:
+        """The first stop string found in the text of the newest tokens, or None."""
+        window = max(len(s) for s in stops) + WINDOW_SLACK
+        text = self.tokenizer().decode(output_ids[-window:], skip_special_tokens=skip_special_tokens)
+        found = [(text.find(s), s) for s in stops if s in text]
+        return min(found)[1] if found else None
