@@ -152,14 +152,14 @@ class ModelRunner:
             kv_indices=self._dev(gather_kv_indices(table, rows, torch.zeros_like(kv_lens), kv_lens, int(kv_indptr[-1]))),
             qo_lens=batch.qo_lens,
             kv_lens=batch.kv_lens,
-            kv_indptr_host=kv_indptr,
-            qo_indptr_host=qo_indptr,
+            kv_indptr_host=self._pinned(kv_indptr),
+            qo_indptr_host=self._pinned(qo_indptr),
         )
         prefix_lens = [k - q for k, q in zip(batch.kv_lens, batch.qo_lens)]
         if not batch.is_decode and any(prefix_lens):
             prefix_indptr = _indptr(prefix_lens)
             plens = torch.tensor(prefix_lens, dtype=torch.int64)
-            meta.prefix_indptr_host = prefix_indptr
+            meta.prefix_indptr_host = self._pinned(prefix_indptr)
             meta.prefix_indices = self._dev(
                 gather_kv_indices(table, rows, torch.zeros_like(plens), plens, int(prefix_indptr[-1])))
         ids = None if batch.input_ids is None else self._dev(torch.tensor(batch.input_ids, dtype=torch.int64))
@@ -185,8 +185,8 @@ class ModelRunner:
                 # Each row of a request asks for that request's ids (padded with id 0, dropped on the host).
                 per_req = [(r.token_ids_logprob or []) + [0] * (m - len(r.token_ids_logprob or [])) for r in reqs]
                 counts = [k + 1 for _, k in batch.lp_in]
-                id_rows = torch.tensor([row for row, c in zip(per_req, counts) for _ in range(c)], device=dev)
-            lp = LogprobPlan(torch.tensor(targets, dtype=torch.int64, device=dev),
+                id_rows = self._dev(torch.tensor([row for row, c in zip(per_req, counts) for _ in range(c)]))
+            lp = LogprobPlan(self._dev(torch.tensor(targets, dtype=torch.int64)),
                              max(r.top_logprobs_num for r in reqs), id_rows)
         if sampling.penalties is not None and self.counts is None:
             self.counts = torch.zeros(self.req_to_token_pool.size, self.vocab_size, dtype=torch.int32, device=dev)
@@ -194,9 +194,9 @@ class ModelRunner:
         if sampling.penalties is not None and not batch.is_decode:
             pen = [i for i, r in enumerate(reqs) if r.sampling_params.has_penalties]
             pairs = [(batch.rows[i], t) for i in pen for t in reqs[i].output_ids]
-            reset = (torch.tensor([batch.rows[i] for i in pen], dtype=torch.int64, device=dev),
-                     torch.tensor([q[0] for q in pairs], dtype=torch.int64, device=dev),
-                     torch.tensor([q[1] for q in pairs], dtype=torch.int64, device=dev))
+            reset = (self._dev(torch.tensor([batch.rows[i] for i in pen], dtype=torch.int64)),
+                     self._dev(torch.tensor([q[0] for q in pairs], dtype=torch.int64)),
+                     self._dev(torch.tensor([q[1] for q in pairs], dtype=torch.int64)))
         return PreparedBatch(
             rows=self._dev(rows),
             input_ids=ids,
@@ -209,6 +209,11 @@ class ModelRunner:
             logprobs=lp,
             counts_reset=reset,
         )
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor the attention plan copies to the device: pinned on CUDA, since a
+        copy from pageable memory first waits for everything queued on the stream."""
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor to the model's device; pinned and asynchronous on CUDA, so that

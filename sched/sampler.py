@@ -70,7 +70,7 @@ class SamplingBatch:
         )
         if any(p.has_penalties for p in ps):
             pen = [[p.frequency_penalty for p in ps], [p.presence_penalty for p in ps], [p.repetition_penalty for p in ps]]
-            sb.penalties = torch.tensor(pen, dtype=torch.float32, device=device)[:, :, None]
+            sb.penalties = dev(pen, torch.float32)[:, :, None]
         if any(p.logit_bias for p in ps):
             items = [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias.items()]
             sb.bias = _sparse(items, device)
@@ -105,8 +105,12 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, k) pairs over the generator's s
 
 def _sparse(items: list[tuple[int, int, float]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, ids, vals = zip(*items)
-    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.tensor(vals, dtype=torch.float32, device=device))
+
+    def dev(values: tuple, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+    return dev(rows, torch.int64), dev(ids, torch.int64), dev(vals, torch.float32)
 
 
 def process_logits(logits: torch.Tensor, sb: SamplingBatch, counts: torch.Tensor | None,
