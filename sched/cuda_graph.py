@@ -70,7 +70,7 @@ class CudaGraphRunner:
             self.positions[b:bs].zero_()
             self.out_cache_loc[b:bs].zero_()
             pad = torch.arange(1, bs - b + 1, dtype=torch.int32) + indptr[-1]
-            indptr = torch.cat([indptr, pad]).pin_memory()  # pageable would wait for the stream
+            indptr = torch.cat([indptr, pad])
             indices = torch.cat([indices, torch.zeros(bs - b, dtype=indices.dtype, device=indices.device)])
         self.backend.begin_graph_decode(bs, indptr, indices)
         self.graphs[bs].replay()

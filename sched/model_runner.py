@@ -152,14 +152,14 @@ class ModelRunner:
             kv_indices=self._dev(gather_kv_indices(table, rows, torch.zeros_like(kv_lens), kv_lens, int(kv_indptr[-1]))),
             qo_lens=batch.qo_lens,
             kv_lens=batch.kv_lens,
-            kv_indptr_host=self._pinned(kv_indptr),
-            qo_indptr_host=self._pinned(qo_indptr),
+            kv_indptr_host=kv_indptr,
+            qo_indptr_host=qo_indptr,
         )
         prefix_lens = [k - q for k, q in zip(batch.kv_lens, batch.qo_lens)]
         if not batch.is_decode and any(prefix_lens):
             prefix_indptr = _indptr(prefix_lens)
             plens = torch.tensor(prefix_lens, dtype=torch.int64)
-            meta.prefix_indptr_host = self._pinned(prefix_indptr)
+            meta.prefix_indptr_host = prefix_indptr
             meta.prefix_indices = self._dev(
                 gather_kv_indices(table, rows, torch.zeros_like(plens), plens, int(prefix_indptr[-1])))
         ids = None if batch.input_ids is None else self._dev(torch.tensor(batch.input_ids, dtype=torch.int64))
@@ -209,11 +209,6 @@ class ModelRunner:
             logprobs=lp,
             counts_reset=reset,
         )
-
-    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor the attention plan copies to the device: pinned on CUDA, since a
-        copy from pageable memory first waits for everything queued on the stream."""
-        return t.pin_memory() if self.device.type == "cuda" else t
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor to the model's device; pinned and asynchronous on CUDA, so that
