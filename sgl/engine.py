@@ -382,19 +382,9 @@ class Engine:
 
     def _stream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> Iterator[dict[str, Any]]:
         q: queue.Queue[Any] = queue.Queue()
-
-        async def pump() -> None:
-            try:
-                async for chunk in self._engine.stream(prompt, sp, input_ids, rid, **options):
-                    q.put(chunk)
-            except BaseException as e:  # noqa: BLE001 - handed to the consuming thread
-                q.put(e)
-            finally:
-                q.put(_Done)
-
         if self._closed:
             raise RuntimeError("this engine has been shut down")
-        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._pump(q.put, prompt, sp, input_ids, rid, options), self._loop)
         try:
             while (item := q.get()) is not _Done:
                 if isinstance(item, BaseException):
@@ -427,16 +417,10 @@ class Engine:
         caller = asyncio.get_running_loop()
         q: asyncio.Queue[Any] = asyncio.Queue()
 
-        async def pump() -> None:
-            try:
-                async for chunk in self._engine.stream(prompt, sp, input_ids, rid, **options):
-                    caller.call_soon_threadsafe(q.put_nowait, chunk)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's loop
-                caller.call_soon_threadsafe(q.put_nowait, e)
-            finally:
-                caller.call_soon_threadsafe(q.put_nowait, _Done)
+        def put(item: Any) -> None:
+            caller.call_soon_threadsafe(q.put_nowait, item)
 
-        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._pump(put, prompt, sp, input_ids, rid, options), self._loop)
         try:
             while (item := await q.get()) is not _Done:
                 if isinstance(item, BaseException):
@@ -445,6 +429,17 @@ class Engine:
         finally:
             if not fut.done():
                 self._loop.call_soon_threadsafe(fut.cancel)
+
+    async def _pump(self, put: Any, prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> None:
+        """On the engine's loop: hand each chunk, then an error if any, then _Done to `put`
+        (which crosses to the consuming thread or loop)."""
+        try:
+            async for chunk in self._engine.stream(prompt, sp, input_ids, rid, **options):
+                put(chunk)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            put(e)
+        finally:
+            put(_Done)
 
     def abort(self, rid: str) -> None:
         self._run(self._engine.abort(rid))
