@@ -39,7 +39,10 @@ def main() -> None:
         with os.fdopen(ready_fd, "w") as f:
             f.write(json.dumps(status) + "\n")
 
-    run_role(cfg, report)
+    try:
+        run_role(cfg, report)
+    except BaseException:  # already logged with its traceback by run_role
+        os._exit(1)  # not a normal shutdown: the stdin watcher thread would abort it
     os._exit(0)
 
 
