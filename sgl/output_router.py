@@ -69,10 +69,9 @@ class OutputRouter(Sender):
             c = client_of(rid)
             groups.setdefault(c if c in self.routes else "", []).append(i)
         for client, idx in groups.items():
+            # Every field is a per-rid column: take each one's rows, whatever columns exist.
             part = b if len(idx) == len(b.rids) else BatchStrOutput(
-                [b.rids[i] for i in idx], [b.texts[i] for i in idx], [b.new_ids[i] for i in idx],
-                [b.finished_reasons[i] for i in idx], [b.prompt_tokens[i] for i in idx],
-                [b.completion_tokens[i] for i in idx], [b.cached_tokens[i] for i in idx])
+                **{f: [getattr(b, f)[i] for i in idx] for f in BatchStrOutput.__struct_fields__})
             (self.routes[client] if client else self.default).send(part)
 
     def close(self) -> None:
