@@ -83,10 +83,6 @@ _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "stop_token_ids", "
 
 
 def sampling_dict(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
-    if req.n != 1:
-        raise ApiError(400, f"n={req.n} is not supported: only n=1", "n")
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", "logit_bias")
     sp: dict[str, Any] = {}
     for name in _PASSED:
         v = getattr(req, name)
@@ -94,6 +90,10 @@ def sampling_dict(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
             sp[name] = v
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
+    if req.n != 1:
+        sp["n"] = req.n  # the samples share the prompt's KV through the radix cache
+    if req.logit_bias:
+        sp["logit_bias"] = req.logit_bias  # OpenAI sends token ids as strings; SamplingParams converts them
     if req.stop is not None and req.stop != []:
         sp["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
     return sp
@@ -141,25 +141,26 @@ async def completions(state: ServerState, body: bytes) -> Response:
         chunks = await primed(state.engine.stream(text, sp, ids, req.rid))
 
         def chunk(c: dict[str, Any]) -> dict[str, Any]:
-            choice = {"index": 0, "text": c["text"], "logprobs": None,
+            choice = {"index": c.get("index", 0), "text": c["text"], "logprobs": None,
                       "finish_reason": finish_reason(c["meta_info"]["finish_reason"])}
             return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
                     "choices": [choice]}
 
         return _sse(_openai_stream(chunks, chunk, req, cid, "text_completion", created, state.model_name))
     if len(prompts) == 1:
-        outs = [await state.engine.generate(prompts[0][0], sp, prompts[0][1], req.rid)]
+        per_prompt = [await state.engine.generate(prompts[0][0], sp, prompts[0][1], req.rid)]
     else:
         if req.rid is not None:
             raise ApiError(400, "rid: a batch of prompts takes no rid", "rid")
-        outs = await asyncio.gather(*(state.engine.generate(t, sp, i) for t, i in prompts))
+        per_prompt = await asyncio.gather(*(state.engine.generate(t, sp, i) for t, i in prompts))
+    # With n > 1 each prompt gives a list of n samples: choice index = prompt index * n + sample.
+    groups = [o if isinstance(o, list) else [o] for o in per_prompt]
+    outs = [o for g in groups for o in g]
     choices = [{"index": k, "text": o["text"], "logprobs": None,
                 "finish_reason": finish_reason(o["meta_info"]["finish_reason"])} for k, o in enumerate(outs)]
     total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    for o in outs:
-        for k, v in usage(o["meta_info"]).items():
-            if k in total:
-                total[k] += v
+    for g in groups:
+        _add_usage(total, g)
     return json_response({"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
                           "choices": choices, "usage": total})
 
@@ -199,36 +200,58 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     if req.stream:
         chunks = await primed(state.engine.stream(None, sp, ids, req.rid))
-        first = [True]
+        seen: set[int] = set()
 
         def chunk(c: dict[str, Any]) -> dict[str, Any]:
             delta: dict[str, Any] = {"content": c["text"]}
-            if first[0]:
-                delta["role"], first[0] = "assistant", False
-            choice = {"index": 0, "delta": delta, "logprobs": None,
+            if c.get("index", 0) not in seen:  # each choice's first delta names the role
+                delta["role"] = "assistant"
+                seen.add(c.get("index", 0))
+            choice = {"index": c.get("index", 0), "delta": delta, "logprobs": None,
                       "finish_reason": finish_reason(c["meta_info"]["finish_reason"])}
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
                     "choices": [choice]}
 
         return _sse(_openai_stream(chunks, chunk, req, cid, "chat.completion.chunk", created, state.model_name))
-    out = await state.engine.generate(None, sp, ids, req.rid)
-    choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
-              "finish_reason": finish_reason(out["meta_info"]["finish_reason"])}
+    res = await state.engine.generate(None, sp, ids, req.rid)
+    outs = res if isinstance(res, list) else [res]
+    choices = [{"index": k, "message": {"role": "assistant", "content": o["text"]}, "logprobs": None,
+                "finish_reason": finish_reason(o["meta_info"]["finish_reason"])} for k, o in enumerate(outs)]
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    _add_usage(total, outs)
     return json_response({"id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
-                          "choices": [choice], "usage": usage(out["meta_info"])})
+                          "choices": choices, "usage": total})
+
+
+def _add_usage(total: dict[str, int], samples: list[dict[str, Any]]) -> None:
+    """Add one prompt's usage: its prompt tokens once, every sample's completion tokens."""
+    p = samples[0]["meta_info"]["prompt_tokens"]
+    c = sum(o["meta_info"]["completion_tokens"] for o in samples)
+    total["prompt_tokens"] += p
+    total["completion_tokens"] += c
+    total["total_tokens"] += p + c
 
 
 async def _openai_stream(chunks: AsyncIterator[dict[str, Any]], shape: Any, req: _Sampling, cid: str, obj: str,
                          created: int, model: str) -> AsyncIterator[dict[str, Any]]:
-    meta: dict[str, Any] | None = None
+    last: dict[int, dict[str, Any]] = {}  # each sample's latest meta_info
     async for c in chunks:
-        meta = c["meta_info"]
+        last[c.get("index", 0)] = c["meta_info"]
         out = shape(c)
         if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-            out["usage"] = usage(meta)
+            out["usage"] = _stream_usage(last)
         yield out
-    if meta is not None and req.stream_options is not None and req.stream_options.include_usage:
-        yield {"id": cid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(meta)}
+    if last and req.stream_options is not None and req.stream_options.include_usage:
+        yield {"id": cid, "object": obj, "created": created, "model": model, "choices": [],
+               "usage": _stream_usage(last)}
+
+
+def _stream_usage(last: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    if len(last) == 1:
+        return usage(next(iter(last.values())))
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    _add_usage(total, [{"meta_info": m} for m in last.values()])
+    return total
 
 
 def _sse(events: AsyncIterator[dict[str, Any]]) -> Response:

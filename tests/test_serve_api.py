@@ -76,6 +76,40 @@ def test_openai_chat(oai: openai.OpenAI) -> None:
     assert [m.id for m in oai.models.list().data] == ["smol"]
 
 
+def test_openai_logit_bias(oai: openai.OpenAI) -> None:
+    from sgl.default_model import default_model_dir
+    from sgl.hf import load_tokenizer
+
+    tok = load_tokenizer(default_model_dir())
+    r = oai.completions.create(model="smol", prompt="Hello", max_tokens=4, temperature=0, logit_bias={"42": 100},
+                               extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tok.decode([42] * 4)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="smol", prompt="Hello", max_tokens=4, logit_bias={"x": 1})
+    assert "logit_bias" in str(e.value)
+
+
+def test_openai_n_samples(oai: openai.OpenAI) -> None:
+    r = oai.completions.create(model="smol", prompt=["Hello", "Bye"], max_tokens=3, temperature=0, n=2,
+                               extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text  # greedy samples agree
+    assert r.usage.completion_tokens == 12
+    msgs = [{"role": "user", "content": "Hi!"}]
+    chat = oai.chat.completions.create(model="smol", messages=msgs, max_tokens=3, temperature=0, n=3,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens == 9
+    chunks = list(oai.chat.completions.create(model="smol", messages=msgs, max_tokens=3, temperature=0, n=2,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    by_index: dict[int, str] = {}
+    for c in chunks:
+        for ch in c.choices:
+            by_index[ch.index] = by_index.get(ch.index, "") + (ch.delta.content or "")
+    assert by_index == {0: chat.choices[0].message.content, 1: chat.choices[0].message.content}
+    assert chunks[-1].usage.completion_tokens == 6
+
+
 def test_openai_errors(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="smol", prompt="x", max_tokens=5, temperature=-2)

@@ -134,7 +134,7 @@ CASES: dict[str, Http | Py | Frame] = {
     "abort-without-rid": Http("/abort_request", {}, 400, "rid"),
     # ---- HTTP: OpenAI routes
     "completion-no-prompt": Http(C, {"model": "m"}, 400, "prompt"),
-    "completion-n-2": Http(C, {"model": "m", "prompt": "hi", "n": 2}, 400, "n=2"),
+    "completion-n-0": Http(C, {"model": "m", "prompt": "hi", "n": 0}, 400, "n=0"),
     "completion-max-tokens-negative": Http(C, {"model": "m", "prompt": "hi", "max_tokens": -1}, 400,
                                            "max_new_tokens"),
     "completion-temperature-string": Http(C, {"model": "m", "prompt": "hi", "temperature": "hot"}, 400,
