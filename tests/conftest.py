@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,14 @@ def null_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     }
     (d / "config.json").write_text(json.dumps(cfg))
     return str(d)
+
+
+@pytest.fixture(autouse=True)
+def balanced(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test that uses an `engine` fixture, its KV accounting balances."""
+    yield
+    if "engine" in request.fixturenames:
+        assert_kv_balanced(request.getfixturevalue("engine").get_server_info())
 
 
 def assert_kv_balanced(info: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 import sgl
 from sgl.tokenizer_manager import ReqOptions
-from tests.conftest import ENGINE_VARIANTS, TRANSPORTS, assert_kv_balanced, null_continuation
+from tests.conftest import ENGINE_VARIANTS, TRANSPORTS, null_continuation
 
 
 @pytest.fixture(scope="module", params=ENGINE_VARIANTS)
@@ -20,13 +20,6 @@ def engine(request: pytest.FixtureRequest, null_model_dir: str) -> Iterator[sgl.
                    max_total_tokens=600, max_running_requests=16)
     yield e
     e.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def balanced(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "engine" in request.fixturenames:
-        assert_kv_balanced(request.getfixturevalue("engine").get_server_info())
 
 
 GREEDY = {"temperature": 0.0}

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sgl
-from tests.conftest import ENGINE_VARIANTS, assert_kv_balanced
+from tests.conftest import ENGINE_VARIANTS
 
 VOCAB = 49152
 EOS = 2
@@ -61,13 +61,6 @@ def engine(request: pytest.FixtureRequest, tok_null_dir: str) -> Iterator[sgl.En
                    max_running_requests=32, custom_logit_processors=[FORCE, FORCE_PATH])
     yield e
     e.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def balanced(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "engine" in request.fixturenames:
-        assert_kv_balanced(request.getfixturevalue("engine").get_server_info())
 
 
 def forced(tokens: list[int], **extra: Any) -> dict[str, Any]:
