@@ -4,11 +4,13 @@ Order of operations on the raw logits (logprobs are taken before all of it):
 logit_bias (a sparse add), penalties (from each row's output-token counts),
 the min_new_tokens mask (EOS and stop ids to -inf), custom logit processors
 (one batched call per processor), then greedy rows take the argmax and sampled
-rows apply temperature, top-k, top-p and min-p and draw by the exponential race
-(argmax p / E, E ~ Exp(1)), which samples exactly from p. A request with a seed
-draws the noise of its k-th output token from a generator seeded by (seed, k):
-its tokens depend neither on what else is in the batch nor on chunked prefill,
-prefix-cache hits or retraction. Nothing here loops over the vocabulary in Python."""
+rows apply temperature, top-k and top-p (kernels/sampling.py: FlashInfer's
+renormalisation kernels on a GPU, a sort otherwise) and min-p, and draw by the
+exponential race (argmax p / E, E ~ Exp(1)), which samples exactly from p and
+ignores p's scale. A request with a seed draws the noise of its k-th output
+token from a generator seeded by (seed, k): its tokens depend neither on what
+else is in the batch nor on chunked prefill, prefix-cache hits or retraction.
+Nothing here loops over the vocabulary in Python."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from sgl.kernels.sampling import top_k_top_p
 from sgl.logit_processor import OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
 from sgl.sched.req import Req
 
@@ -161,17 +164,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator 
     if sb.all_greedy:
         return greedy_ids
     probs = torch.softmax(logits / sb.temperature, dim=-1)
-    if sb.need_top_k or sb.need_top_p:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = torch.zeros_like(sorted_p, dtype=torch.bool)
-        if sb.need_top_k:
-            ranks = torch.arange(sorted_p.shape[-1], device=probs.device)
-            drop |= ranks[None, :] >= sb.top_k[:, None]
-        if sb.need_top_p:
-            # Drop a token once the mass strictly before it already reaches top_p (the first always stays).
-            drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= sb.top_p[:, None]
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    probs = top_k_top_p(probs, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
     if sb.need_min_p:
         probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     noise = torch.empty_like(probs)

@@ -1,5 +1,6 @@
-"""GPU path (marked gpu; skipped without CUDA): the FlashInfer backend against the
-torch reference on the same batches, and CUDA graph replay against eager."""
+"""GPU path (marked gpu; skipped without CUDA): the FlashInfer backend, layer kernels
+and top-k/top-p renormalisation against the torch reference on the same batches, and
+CUDA graph replay against eager."""
 
 from __future__ import annotations
 
@@ -111,3 +112,52 @@ def test_flashinfer_layer_kernels_match_torch() -> None:
     q_ref, k_ref = layers.apply_rope(q, k, pos, cos, sin)
     q_fi, k_fi = layers.apply_rope(q.bfloat16(), k.bfloat16(), pos, cos, sin)
     assert _rel_err(q_fi, q_ref) < 1e-2 and _rel_err(k_fi, k_ref) < 1e-2
+
+
+def test_flashinfer_top_k_top_p_matches_torch() -> None:
+    """Mixed per-row top_k / top_p, disabled rows included, on a Qwen-sized vocabulary:
+    FlashInfer's renorm kernels keep the same tokens as the torch sort, with the same
+    renormalised masses. Each top_p lies midway between two cumulative masses (and each
+    k-th probability is strictly above the next), so no row sits on a documented tie or
+    rounding boundary (kernels/sampling.py)."""
+    from sgl.kernels.sampling import top_k_top_p
+
+    g = torch.Generator().manual_seed(0)
+    v = 151_936
+    # (top_k, tokens top-p keeps); None: disabled (top_k = V, top_p = 1.0).
+    rows = [(None, None), (50, None), (None, 200), (1000, 20), (20, 300), (None, 1), (2, None), (40, 45)]
+    probs = torch.softmax(torch.randn(len(rows), v, generator=g, dtype=torch.float64) * 3, -1).float()
+    cum = probs.double().sort(-1, descending=True).values.cumsum(-1)
+    top_k = torch.tensor([k or v for k, _ in rows], dtype=torch.int64)
+    # Keeping j tokens: the mass before token j-1 is < top_p <= the mass through it.
+    top_p = torch.tensor([1.0 if j is None else ((cum[i, j - 2].item() if j > 1 else 0.0) + cum[i, j - 1].item()) / 2
+                          for i, (_, j) in enumerate(rows)], dtype=torch.float32)
+    for i, (k, _) in enumerate(rows):
+        if k is not None:
+            s = probs[i].sort(descending=True).values
+            assert s[k - 1] > s[k]
+
+    ref = top_k_top_p(probs, top_k, top_p)  # CPU: the torch sort
+    assert (ref > 0).sum(-1).tolist() == [min(k or v, j or v) for k, j in rows]
+    got = top_k_top_p(probs.cuda(), top_k.cuda(), top_p.cuda()).cpu()
+    assert got.dtype == torch.float32 and got.shape == probs.shape
+    assert torch.equal(got > 0, ref > 0)
+    ref = ref.double() / ref.double().sum(-1, keepdim=True)
+    assert (got.double() - ref).abs().max().item() < 1e-5
+
+
+def test_flashinfer_top_k_top_p_keeps_boundary_ties() -> None:
+    """The documented difference: FlashInfer keeps every token tied with the boundary
+    probability, the torch sort keeps exactly k (or the exact top-p prefix)."""
+    from sgl.kernels.sampling import top_k_top_p
+
+    row = [0.5, 0.125, 0.125, 0.125, 0.0625, 0.0625, 0.0, 0.0]  # exact in float32; sums to 1
+    probs = torch.tensor([row, row])
+    top_k = torch.tensor([2, len(row)], dtype=torch.int64)
+    top_p = torch.tensor([1.0, 0.6], dtype=torch.float32)  # row 1: the mass before token 2 is 0.625 >= 0.6
+    ref = top_k_top_p(probs, top_k, top_p)
+    got = top_k_top_p(probs.cuda(), top_k.cuda(), top_p.cuda()).cpu()
+    assert (ref > 0).sum(-1).tolist() == [2, 2]
+    assert (got > 0).sum(-1).tolist() == [4, 4]
+    assert torch.equal(got > 0, probs >= 0.125)
+    assert torch.allclose(got, torch.where(probs >= 0.125, probs / 0.875, 0.0))

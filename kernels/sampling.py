@@ -1,0 +1,60 @@
+"""Top-k / top-p filtering of a batch of probabilities, the one dispatch point for
+it: FlashInfer's renormalisation kernels (no sort) for CUDA tensors when FlashInfer
+is installed, a sort in pure torch otherwise (CPU, and the reference the tests
+compare with).
+
+Semantics, both paths: order a row by descending probability; a token stays when
+its rank is < top_k and the mass strictly before it is < top_p, both measured on
+the row as given (top-p is not re-measured on the top-k survivors). The first token
+always stays; top_k >= V or top_p >= 1.0 leaves a row whole. The result is
+proportional to the kept probabilities and zero elsewhere: the torch path leaves
+it unnormalised, FlashInfer's normalises it (a draw by argmax p / E is blind to the
+scale).
+
+Where the two paths differ (tests/test_gpu.py checks the rest):
+- Ties at the boundary. FlashInfer keeps every token equal to the k-th largest
+  probability (top-k finds that value and keeps >= it), and every token equal to
+  the last value of the top-p prefix (it searches for a threshold on values); the
+  sort keeps exactly k, and cuts the top-p prefix between equal values in sort
+  order. So FlashInfer may keep a few more tokens, all of the boundary value.
+- Rounding at the top-p boundary: the masses are float32 sums taken in different
+  orders, so a token whose preceding mass equals top_p to within rounding may fall
+  on either side.
+- FlashInfer's top-k kernel splits a long row over several CTAs that add their
+  partial sums atomically, so the normalising constant (only the scale) may differ
+  in the last bit from run to run; which tokens stay does not (a seeded draw could
+  change only where two tokens' p / E agree to within that rounding)."""
+
+from __future__ import annotations
+
+import torch
+
+from sgl.kernels.layers import _flashinfer
+
+
+def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                need_top_k: bool = True, need_top_p: bool = True) -> torch.Tensor:
+    """probs: [B, V] float32, rows summing to 1; top_k: [B] int64 (V where disabled);
+    top_p: [B] float32 (1.0 where disabled). need_*: whether any row uses the filter
+    (False skips it). Returns a new [B, V] tensor (or probs itself when neither)."""
+    if not (need_top_k or need_top_p):
+        return probs
+    if probs.is_cuda and (fi := _flashinfer()) is not None:
+        # Top-p first, on the full distribution. Both filters keep a prefix of the sorted
+        # row, so top-k of the top-p survivors is the shorter prefix: the same intersection
+        # as below. (Top-k first would measure top-p on the renormalised survivors.)
+        if need_top_p:
+            probs = fi.sampling.top_p_renorm_probs(probs, top_p.float())  # p >= 1.0: row kept whole
+        if need_top_k:
+            probs = fi.sampling.top_k_renorm_probs(probs, top_k.int())  # k >= V: row kept whole
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_p, dtype=torch.bool)
+    if need_top_k:
+        drop |= torch.arange(sorted_p.shape[-1], device=probs.device)[None, :] >= top_k[:, None]
+    if need_top_p:
+        # Drop a token once the mass strictly before it reaches top_p (the first always stays).
+        # top_p = 1.0 keeps the row whole even where the float cumsum reaches 1 before its tail.
+        p = top_p[:, None]
+        drop |= ((sorted_p.cumsum(dim=-1) - sorted_p) >= p) & (p < 1.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
