@@ -3,7 +3,11 @@
 Requests are msgspec Structs (unknown fields are a 400); sampling fields, OpenAI's
 and SGLang's extras, are passed to the engine as a plain dict, so SamplingParams
 alone decides what is valid. Streams are server-sent events ending in an
-optional usage chunk and `data: [DONE]`."""
+optional usage chunk and `data: [DONE]`.
+
+Logprobs come from the engine's (logprob, id, text) triples, each token decoded on
+its own: completions get OpenAI's legacy lists (`echo` adds the prompt's, first one
+null), chat gets `content` entries; a streamed chunk carries its own tokens'."""
 
 from __future__ import annotations
 
@@ -18,6 +22,9 @@ from starlette.responses import Response, StreamingResponse
 
 from sgl.http_common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
 from sgl.http_native import ServerState, primed
+
+
+MAX_LOGPROBS = 20  # the most top logprobs a position may ask for (vLLM's default max_logprobs)
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -126,43 +133,133 @@ def _prompts(prompt: str | list[Any]) -> list[tuple[str | None, list[int] | None
     raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of those", "prompt")
 
 
+def _check_top(value: int | None, name: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(400, f"{name}={value} is invalid: must be in [0, {MAX_LOGPROBS}]", name)
+
+
+def logprob_options(top: int, prompt: bool) -> dict[str, Any]:
+    """The engine's request options for logprobs with `top` alternatives per position,
+    of the prompt's tokens too if `prompt`."""
+    return {"return_logprob": True, "top_logprobs_num": top, "return_text_in_logprobs": True,
+            "logprob_start_len": 0 if prompt else -1}
+
+
+Triple = tuple[float | None, int, str]  # (logprob, token id, token text) as meta_info holds them
+
+
+def _rows(meta: dict[str, Any], prompt: bool) -> tuple[list[Triple], list[list[Triple] | None]]:
+    """Each position's chosen triple and its top triples: the prompt's (if asked) then the output's."""
+    toks = list(meta["output_token_logprobs"])
+    tops = list(meta.get("output_top_logprobs") or [None] * len(toks))
+    if prompt:
+        inp = meta["input_token_logprobs"]
+        toks[:0] = inp
+        tops[:0] = meta.get("input_top_logprobs") or [None] * len(inp)
+    return toks, tops
+
+
+def completion_logprobs(meta: dict[str, Any], prompt: bool, offset: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs. `offset`: the text offset of the first token. Offsets add
+    up the token strings' lengths, so they drift from the text where the detokenizer
+    drops (special) or merges (split UTF-8) what single-token decoding shows."""
+    toks, tops = _rows(meta, prompt)
+    offsets = []
+    for _, _, text in toks:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": [t for _, _, t in toks], "token_logprobs": [v for v, _, _ in toks],
+            "top_logprobs": [_top_dict(t, row) for t, row in zip(toks, tops)], "text_offset": offsets}
+
+
+def _top_dict(chosen: Triple, row: list[Triple] | None) -> dict[str, float] | None:
+    if chosen[0] is None:
+        return None  # the first prompt token has no logprob
+    top = {text: v for v, _, text in row or ()}
+    top.setdefault(chosen[2], chosen[0])  # OpenAI: the sampled token is always there, so up to logprobs + 1
+    return top
+
+
+def chat_logprobs(meta: dict[str, Any]) -> dict[str, Any]:
+    toks, tops = _rows(meta, prompt=False)
+    return {"content": [{**_chat_token(t), "top_logprobs": [_chat_token(x) for x in row or ()]}
+                        for t, row in zip(toks, tops)]}
+
+
+def _chat_token(t: Triple) -> dict[str, Any]:
+    # The bytes of the token's own decoding: a token holding part of a UTF-8 character shows as U+FFFD.
+    return {"token": t[2], "logprob": t[0], "bytes": list(t[2].encode())}
+
+
+def _check_completion(state: ServerState, req: CompletionRequest) -> None:
+    if req.suffix is not None:
+        raise ApiError(400, "suffix is not supported: this server does no fill-in-the-middle", "suffix")
+    if req.best_of not in (None, 1):
+        raise ApiError(400, f"best_of={req.best_of} is not supported: only best_of=1 (use n for several samples)",
+                       "best_of")
+    _check_top(req.logprobs, "logprobs")
+    if (req.echo or req.logprobs is not None) and state.engine.tokenizer is None:
+        name = "echo" if req.echo else "logprobs"
+        raise ApiError(400, f"{name} needs a tokenizer, and this server runs with skip_tokenizer_init", name)
+    if req.echo and req.logprobs is not None and req.max_tokens == 0:
+        # The scheduler finishes a request for no tokens before its prefill, so it has no prompt logprobs.
+        raise ApiError(400, "max_tokens=0 with echo and logprobs is not supported: ask for max_tokens >= 1",
+                       "max_tokens")
+
+
 async def completions(state: ServerState, body: bytes) -> Response:
     req = decode_body(body, CompletionRequest)
-    for name in ("echo", "suffix", "best_of", "logprobs"):
-        if getattr(req, name) not in (None, False, 1 if name == "best_of" else None):
-            raise ApiError(400, f"{name} is not supported", name)
+    _check_completion(state, req)
     sp = sampling_dict(req, req.max_tokens)
     prompts = _prompts(req.prompt)
+    opts = {} if req.logprobs is None else logprob_options(req.logprobs, req.echo)
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     if req.stream:
         if len(prompts) != 1:
             raise ApiError(400, "stream: a batch of prompts cannot be streamed", "stream")
-        text, ids = prompts[0]
-        chunks = await primed(state.engine.stream(text, sp, ids, req.rid))
-
-        def chunk(c: dict[str, Any]) -> dict[str, Any]:
-            choice = {"index": c.get("index", 0), "text": c["text"], "logprobs": None,
-                      "finish_reason": finish_reason(c["meta_info"]["finish_reason"])}
-            return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
-                    "choices": [choice]}
-
-        return _sse(_openai_stream(chunks, chunk, req, cid, "text_completion", created, state.model_name))
+        return await _stream_completion(state, req, *prompts[0], sp, opts, cid, created)
     if len(prompts) == 1:
-        per_prompt = [await state.engine.generate(prompts[0][0], sp, prompts[0][1], req.rid)]
+        per_prompt = [await state.engine.generate(prompts[0][0], sp, prompts[0][1], req.rid, **opts)]
     else:
         if req.rid is not None:
             raise ApiError(400, "rid: a batch of prompts takes no rid", "rid")
-        per_prompt = await asyncio.gather(*(state.engine.generate(t, sp, i) for t, i in prompts))
+        per_prompt = await asyncio.gather(*(state.engine.generate(t, sp, i, **opts) for t, i in prompts))
     # With n > 1 each prompt gives a list of n samples: choice index = prompt index * n + sample.
     groups = [o if isinstance(o, list) else [o] for o in per_prompt]
-    outs = [o for g in groups for o in g]
-    choices = [{"index": k, "text": o["text"], "logprobs": None,
-                "finish_reason": finish_reason(o["meta_info"]["finish_reason"])} for k, o in enumerate(outs)]
+    echoes = [_echo_text(state, t, i) if req.echo else "" for t, i in prompts]
+    outs = [(echo, o) for echo, g in zip(echoes, groups) for o in g]
+    choices = [{"index": k, "text": echo + o["text"],
+                "logprobs": None if req.logprobs is None else completion_logprobs(o["meta_info"], req.echo, 0),
+                "finish_reason": finish_reason(o["meta_info"]["finish_reason"])} for k, (echo, o) in enumerate(outs)]
     total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     for g in groups:
         _add_usage(total, g)
     return json_response({"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
                           "choices": choices, "usage": total})
+
+
+async def _stream_completion(state: ServerState, req: CompletionRequest, text: str | None, ids: list[int] | None,
+                             sp: dict[str, Any], opts: dict[str, Any], cid: str, created: int) -> Response:
+    chunks = await primed(state.engine.stream(text, sp, ids, req.rid, **opts))
+    echo = _echo_text(state, text, ids) if req.echo else ""
+    offsets: dict[int, int] = {}  # each sample's text offset so far; absent before its first chunk
+
+    def chunk(c: dict[str, Any]) -> dict[str, Any]:
+        i = c.get("index", 0)
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(c["meta_info"], req.echo, offsets.get(i, 0))
+        choice = {"index": i, "text": c["text"] if i in offsets else echo + c["text"], "logprobs": lp,
+                  "finish_reason": finish_reason(c["meta_info"]["finish_reason"])}
+        offsets[i] = offsets.get(i, 0) + (sum(map(len, lp["tokens"])) if lp else 0)
+        return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
+                "choices": [choice]}
+
+    return _sse(_openai_stream(chunks, chunk, req, cid, "text_completion", created, state.model_name))
+
+
+def _echo_text(state: ServerState, text: str | None, ids: list[int] | None) -> str:
+    return text if text is not None else state.engine.tokenizer.decode(ids)
 
 
 def chat_prompt_ids(state: ServerState, messages: list[ChatMessage]) -> list[int]:
@@ -193,13 +290,15 @@ def chat_prompt_ids(state: ServerState, messages: list[ChatMessage]) -> list[int
 
 async def chat_completions(state: ServerState, body: bytes) -> Response:
     req = decode_body(body, ChatRequest)
-    if req.logprobs or req.top_logprobs:
-        raise ApiError(400, "logprobs is not supported", "logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    _check_top(req.top_logprobs, "top_logprobs")
     sp = sampling_dict(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
     ids = chat_prompt_ids(state, req.messages)
+    opts = logprob_options(req.top_logprobs or 0, prompt=False) if req.logprobs else {}
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     if req.stream:
-        chunks = await primed(state.engine.stream(None, sp, ids, req.rid))
+        chunks = await primed(state.engine.stream(None, sp, ids, req.rid, **opts))
         seen: set[int] = set()
 
         def chunk(c: dict[str, Any]) -> dict[str, Any]:
@@ -207,15 +306,17 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
             if c.get("index", 0) not in seen:  # each choice's first delta names the role
                 delta["role"] = "assistant"
                 seen.add(c.get("index", 0))
-            choice = {"index": c.get("index", 0), "delta": delta, "logprobs": None,
+            choice = {"index": c.get("index", 0), "delta": delta,
+                      "logprobs": chat_logprobs(c["meta_info"]) if req.logprobs else None,
                       "finish_reason": finish_reason(c["meta_info"]["finish_reason"])}
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
                     "choices": [choice]}
 
         return _sse(_openai_stream(chunks, chunk, req, cid, "chat.completion.chunk", created, state.model_name))
-    res = await state.engine.generate(None, sp, ids, req.rid)
+    res = await state.engine.generate(None, sp, ids, req.rid, **opts)
     outs = res if isinstance(res, list) else [res]
-    choices = [{"index": k, "message": {"role": "assistant", "content": o["text"]}, "logprobs": None,
+    choices = [{"index": k, "message": {"role": "assistant", "content": o["text"]},
+                "logprobs": chat_logprobs(o["meta_info"]) if req.logprobs else None,
                 "finish_reason": finish_reason(o["meta_info"]["finish_reason"])} for k, o in enumerate(outs)]
     total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     _add_usage(total, outs)

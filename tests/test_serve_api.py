@@ -1,6 +1,7 @@
 """`sgl serve` as a user meets it: the official openai client (completions and
-chat, streamed and not), the native routes, the API key, sgl.Client, an
-AsyncEngine attached over tcp, client disconnects, and a clean Ctrl-C.
+chat, streamed and not; logprobs and echo checked against an attached engine's
+own numbers), the native routes, the API key, sgl.Client, an AsyncEngine
+attached over tcp, client disconnects, and a clean Ctrl-C.
 
 One real server process on 127.0.0.1 (null model over SmolLM2's tokenizer and
 chat template, tcp transport with a fixed key); KV balanced after every test."""
@@ -8,9 +9,12 @@ chat template, tcp transport with a fixed key); KV balanced after every test."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import os
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -76,11 +80,17 @@ def test_openai_chat(oai: openai.OpenAI) -> None:
     assert [m.id for m in oai.models.list().data] == ["smol"]
 
 
-def test_openai_logit_bias(oai: openai.OpenAI) -> None:
+@functools.cache
+def oai_tok() -> Any:
+    """The served model's tokenizer."""
     from sgl.default_model import default_model_dir
     from sgl.hf import load_tokenizer
 
-    tok = load_tokenizer(default_model_dir())
+    return load_tokenizer(default_model_dir())
+
+
+def test_openai_logit_bias(oai: openai.OpenAI) -> None:
+    tok = oai_tok()
     r = oai.completions.create(model="smol", prompt="Hello", max_tokens=4, temperature=0, logit_bias={"42": 100},
                                extra_body={"ignore_eos": True})
     assert r.choices[0].text == tok.decode([42] * 4)
@@ -108,6 +118,103 @@ def test_openai_n_samples(oai: openai.OpenAI) -> None:
             by_index[ch.index] = by_index.get(ch.index, "") + (ch.delta.content or "")
     assert by_index == {0: chat.choices[0].message.content, 1: chat.choices[0].message.content}
     assert chunks[-1].usage.completion_tokens == 6
+
+
+def _native(server: ServerProc, **kw: Any) -> dict[str, Any]:
+    """One request through an AsyncEngine attached over tcp, logprob token texts included."""
+    async def main() -> dict[str, Any]:
+        e = await sgl.AsyncEngine.connect(server.scheduler_address, transport_key=TRANSPORT_KEY)
+        try:
+            return await e.generate(**kw, return_logprob=True, return_text_in_logprobs=True)
+        finally:
+            await e.aclose()
+
+    return asyncio.run(main())
+
+
+def _lists(lp: Any) -> list[list[Any]]:
+    return [lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset]
+
+
+def test_openai_completion_logprobs_and_echo(oai: openai.OpenAI, server: ServerProc) -> None:
+    from sgl.sched.models.null import null_next_token
+
+    vocab = server.get("/get_model_info").json()["vocab_size"]
+    # Null model: one logit of 1 at (t * 7 + 1) % vocab after t, 0 elsewhere, so a prompt
+    # token has the high logprob exactly where it follows that rule (positions 2, 3 and 5).
+    a, b = 1234, 50
+    prompt = [9906, a, null_next_token(a, vocab), null_next_token(null_next_token(a, vocab), vocab), b,
+              null_next_token(b, vocab)]
+    hi, lo = 1 - math.log(math.e + vocab - 1), -math.log(math.e + vocab - 1)
+    kw: dict[str, Any] = {"model": "smol", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                          "extra_body": {"ignore_eos": True}}
+    r = oai.completions.create(**kw, logprobs=3, echo=True)
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([lo, hi, hi, lo, hi] + [hi] * 4, abs=1e-4)
+    # Three top entries, and the chosen prompt token where it is not among them.
+    assert [len(top) for top in lp.top_logprobs[1:]] == [4, 3, 3, 4, 3] + [3] * 4
+    assert all(max(top.values()) == pytest.approx(hi, abs=1e-4) for top in lp.top_logprobs[1:])
+    assert [top[tok] for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:])] == lp.token_logprobs[1:]
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+
+    # The same numbers and token strings as the engine's own answer; the text is prompt + completion.
+    native = _native(server, input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0,
+                                                                "ignore_eos": True},
+                     top_logprobs_num=3, logprob_start_len=0)
+    m = native["meta_info"]
+    triples = m["input_token_logprobs"] + m["output_token_logprobs"]
+    assert lp.tokens == [t for _, _, t in triples] and lp.token_logprobs == [v for v, _, _ in triples]
+    assert lp.top_logprobs[len(prompt):] == [{t: v for v, _, t in row} for row in m["output_top_logprobs"]]
+    assert choice.text == oai_tok().decode(prompt) + native["text"]
+
+    # logprobs=0 without echo: the completion's tokens only, each with just its own logprob.
+    plain = oai.completions.create(**kw, logprobs=0).choices[0]
+    assert plain.text == native["text"] and plain.logprobs.tokens == lp.tokens[len(prompt):]
+    assert plain.logprobs.top_logprobs == [{t: v} for t, v in zip(plain.logprobs.tokens, lp.token_logprobs[-4:])]
+    assert plain.logprobs.text_offset[0] == 0
+
+    # Streamed: each chunk carries its own tokens; together they are the non-streamed lists.
+    chunks = [c for c in oai.completions.create(**kw, logprobs=3, echo=True, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [sum(col, []) for col in zip(*(_lists(c.choices[0].logprobs) for c in chunks))] == _lists(lp)
+    assert chunks[0].choices[0].logprobs.token_logprobs[0] is None and len(chunks) >= 4
+
+    # Sampled: the chosen token is always among the top entries, so up to logprobs + 1 of them.
+    sampled = oai.completions.create(**{**kw, "temperature": 1.0}, logprobs=2, seed=7).choices[0].logprobs
+    assert all(tok in top and len(top) in (2, 3) for tok, top in zip(sampled.tokens, sampled.top_logprobs))
+    assert any(len(top) == 3 for top in sampled.top_logprobs)
+
+
+def test_openai_chat_logprobs(oai: openai.OpenAI, server: ServerProc) -> None:
+    msgs = [{"role": "user", "content": "Hi!"}]
+    kw: dict[str, Any] = {"model": "smol", "messages": msgs, "max_tokens": 5, "temperature": 0,
+                          "extra_body": {"ignore_eos": True}}
+    r = oai.chat.completions.create(**kw, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == e.logprob for e in content)
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+
+    tok = oai_tok()
+    ids = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    native = _native(server, input_ids=ids, sampling_params={"max_new_tokens": 5, "temperature": 0,
+                                                             "ignore_eos": True}, top_logprobs_num=2)
+    m = native["meta_info"]
+    assert [(e.logprob, e.token) for e in content] == [(v, t) for v, _, t in m["output_token_logprobs"]]
+    assert [[(x.logprob, x.token) for x in e.top_logprobs] for e in content] == \
+        [[(v, t) for v, _, t in row] for row in m["output_top_logprobs"]]
+
+    without_top = oai.chat.completions.create(**kw, logprobs=True).choices[0].logprobs.content
+    assert [e.logprob for e in without_top] == [e.logprob for e in content]
+    assert all(e.top_logprobs == [] for e in without_top)
+    assert oai.chat.completions.create(**kw).choices[0].logprobs is None
+
+    chunks = [c for c in oai.chat.completions.create(**kw, logprobs=True, top_logprobs=2, stream=True) if c.choices]
+    assert [e for c in chunks for e in c.choices[0].logprobs.content] == content
 
 
 def test_openai_errors(oai: openai.OpenAI) -> None:
