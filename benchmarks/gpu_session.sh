@@ -2,7 +2,7 @@
 # One call on the lent H200 (see ../shared/gpu/README.md): install the carried
 # wheels, restore FlashInfer kernels built by an earlier call (.ficache), run the
 # given steps, and hand the kernel cache back under $OUT for the next call.
-# Usage: bash benchmarks/gpu_session.sh tests|w1|w1w2|w3|all
+# Usage: bash benchmarks/gpu_session.sh STEP... (tests w1 w12ov w1hf w2 w2hf w3 profile profile2)
 set -uo pipefail
 eval "$(bash .whl/install-wheels.sh)"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -20,6 +20,8 @@ for step in "$@"; do
     w2) timeout 400 python3 -m benchmarks.w1_w2_gpu --workloads W2 --no-hf 2>&1 | tail -8 ;;
     w2hf) timeout 500 python3 -m benchmarks.w1_w2_gpu --workloads W2 2>&1 | tail -8 ;;
     w3) timeout 300 python3 -m benchmarks.w3_shared_prefix 2>&1 | tail -8 ;;
+    profile) timeout 300 python3 -m benchmarks.profile_decode 2>&1 | grep -v "info \|USDT" ;;
+    profile2) timeout 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 2>&1 | grep -v "info \|USDT" | head -30 ;;
   esac
 done
 if [ -d "$ws/.cache" ]; then tar cz -C "$ws" .cache | split -b 15M - "$OUT/ficache.part."; ls -la "$OUT"; fi

@@ -22,12 +22,15 @@ class AttnMetadata:
     kv_indices: torch.Tensor  # [kv_indptr[-1]] int32 KV slot ids
     qo_lens: list[int]  # host copies, for backends that plan on the host
     kv_lens: list[int]
-    kv_indptr_host: torch.Tensor | None = None  # [B + 1] int32 on the host (FlashInfer plans there)
+    # [B + 1] int32 on the host, pinned on CUDA (FlashInfer plans there and copies them
+    # to the device asynchronously; from pageable memory that copy would sync).
+    kv_indptr_host: torch.Tensor | None = None
     qo_indptr_host: torch.Tensor | None = None
     # The cached prefix alone (kv minus the new tokens), for extends that attend to it
     # apart from the new tokens; None when no request of the batch has a prefix.
     prefix_indptr_host: torch.Tensor | None = None
     prefix_indices: torch.Tensor | None = None
+    prefix_lens_host: torch.Tensor | None = None  # [B] int32
 
 
 class AttentionBackend(ABC):

@@ -6,7 +6,14 @@
   with paged prefill over the prefix (non-causal) by their log-sum-exp.
 Plans run on the host, once per batch, before the layers; under CUDA graphs one
 decode wrapper per captured batch size owns fixed index buffers, and `plan` runs
-before each replay, outside the graph. This module decides nothing about batching."""
+before each replay, outside the graph. This module decides nothing about batching.
+
+A plan must never wait for the GPU, or the overlap loop stalls: every host tensor
+handed to `plan` (indptrs, last-page lengths, sequence lengths) is pinned, since
+FlashInfer copies them to the device with non_blocking=True, which from pageable
+memory synchronises the stream, and reads them on the host with `.to("cpu")`,
+which for a device tensor synchronises too. (FlashInfer's eager decode plan still
+copies a pageable range buffer of its own; only CUDA-graph decode is sync-free.)"""
 
 from __future__ import annotations
 
@@ -40,7 +47,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.graph_decode: dict[int, object] = {}
         self._mode = "decode"
         self._active_decode: object = self.decode
-        self._ones = torch.ones(4096, dtype=torch.int32, device=device)
+        self._ones = torch.ones(4096, dtype=torch.int32).pin_memory()
+        # Each wrapper's plan writes its schedule into a pinned buffer and queues a copy
+        # from it: the next plan may overwrite that buffer only once the copy has run.
+        self._plan_copied: torch.cuda.Event | None = None
 
     # ---- planning --------------------------------------------------------------
 
@@ -53,17 +63,32 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _last_page_len(self, b: int) -> torch.Tensor:
         if b > self._ones.numel():
-            self._ones = torch.ones(b, dtype=torch.int32, device=self.device)
+            self._ones = torch.ones(b, dtype=torch.int32).pin_memory()
         return self._ones[:b]
+
+    def _before_plan(self) -> None:
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()  # in practice long done: it precedes the running batch
+
+    def _after_plan(self) -> None:
+        if self._plan_copied is None:
+            self._plan_copied = torch.cuda.Event()
+        self._plan_copied.record()
 
     def begin_forward(self, meta: AttnMetadata) -> None:
         assert meta.kv_indptr_host is not None and meta.qo_indptr_host is not None
+        self._before_plan()
         if meta.is_decode:
             self._mode = "decode"
             self._active_decode = self.decode
             self._plan_decode(self.decode, meta.kv_indptr_host, meta.kv_indices)
-            return
+        else:
+            self._plan_extend(meta)
+        self._after_plan()
+
+    def _plan_extend(self, meta: AttnMetadata) -> None:
         qo = meta.qo_indptr_host
+        assert qo is not None
         self.ragged.plan(qo, qo, self.hq, self.hkv, self.d, causal=True, q_data_type=self.dtype,
                          kv_data_type=self.dtype)
         if meta.prefix_indptr_host is None:
@@ -72,7 +97,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._mode = "extend_prefix"
         b = qo.numel() - 1
         self.paged.plan(qo, meta.prefix_indptr_host, meta.prefix_indices, self._last_page_len(b), self.hq,
-                        self.hkv, self.d, 1, causal=False, q_data_type=self.dtype, kv_data_type=self.dtype)
+                        self.hkv, self.d, 1, causal=False, q_data_type=self.dtype, kv_data_type=self.dtype,
+                        seq_lens=meta.prefix_lens_host)
 
     # ---- CUDA graphs -------------------------------------------------------------
 
@@ -87,14 +113,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         self.graph_decode[bs] = w
         # A valid plan for capture: every row attends to the padding slot alone.
-        self.begin_graph_decode(bs, torch.arange(bs + 1, dtype=torch.int32),
+        self.begin_graph_decode(bs, torch.arange(bs + 1, dtype=torch.int32).pin_memory(),
                                 torch.zeros(bs, dtype=torch.int64, device=self.device))
 
     def begin_graph_decode(self, bs: int, kv_indptr_host: torch.Tensor, kv_indices: torch.Tensor) -> None:
         w = self.graph_decode[bs]
         self._mode = "decode"
         self._active_decode = w
+        self._before_plan()
         self._plan_decode(w, kv_indptr_host, kv_indices)
+        self._after_plan()
 
     # ---- the layer call ----------------------------------------------------------
 

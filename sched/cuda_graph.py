@@ -70,7 +70,7 @@ class CudaGraphRunner:
             self.positions[b:bs].zero_()
             self.out_cache_loc[b:bs].zero_()
             pad = torch.arange(1, bs - b + 1, dtype=torch.int32) + indptr[-1]
-            indptr = torch.cat([indptr, pad])
+            indptr = torch.cat([indptr, pad]).pin_memory()  # a pageable indptr would make plan sync
             indices = torch.cat([indices, torch.zeros(bs - b, dtype=indices.dtype, device=indices.device)])
         self.backend.begin_graph_decode(bs, indptr, indices)
         self.graphs[bs].replay()

@@ -140,8 +140,8 @@ class ModelRunner:
         request state so that the scheduler may change it while the batch runs.
         Nothing here waits for the device."""
         dev = self.device
-        qo_indptr = _indptr(batch.qo_lens)
-        kv_indptr = _indptr(batch.kv_lens)
+        qo_indptr = self._host(_indptr(batch.qo_lens))
+        kv_indptr = self._host(_indptr(batch.kv_lens))
         rows = torch.tensor(batch.rows, dtype=torch.int64)
         kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
         table = self.req_to_token_pool.req_to_token
@@ -157,9 +157,10 @@ class ModelRunner:
         )
         prefix_lens = [k - q for k, q in zip(batch.kv_lens, batch.qo_lens)]
         if not batch.is_decode and any(prefix_lens):
-            prefix_indptr = _indptr(prefix_lens)
+            prefix_indptr = self._host(_indptr(prefix_lens))
             plens = torch.tensor(prefix_lens, dtype=torch.int64)
             meta.prefix_indptr_host = prefix_indptr
+            meta.prefix_lens_host = self._host(plens.to(torch.int32))
             meta.prefix_indices = self._dev(
                 gather_kv_indices(table, rows, torch.zeros_like(plens), plens, int(prefix_indptr[-1])))
         ids = None if batch.input_ids is None else self._dev(torch.tensor(batch.input_ids, dtype=torch.int64))
@@ -209,6 +210,10 @@ class ModelRunner:
             logprobs=lp,
             counts_reset=reset,
         )
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor the device will copy from asynchronously: pinned on CUDA."""
+        return t if self.device.type == "cpu" else t.pin_memory()
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor to the model's device; pinned and asynchronous on CUDA, so that

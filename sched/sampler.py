@@ -126,7 +126,7 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch, counts: torch.Tensor
     into `errors` (the scheduler aborts that request)."""
     if not sb.modifies_logits:
         return logits
-    logits = logits.clone()
+    logits = logits.to(torch.float32, copy=True)
     if sb.bias is not None:
         rows, ids, vals = sb.bias
         logits.index_put_((rows, ids), vals, accumulate=True)
@@ -159,11 +159,13 @@ def _apply(proc: CustomLogitProcessor, logits: torch.Tensor, rows: torch.Tensor,
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator | None = None) -> torch.Tensor:
-    """logits: [B, V] float32, already through process_logits -> [B] int64 token ids."""
+    """logits: [B, V], already through process_logits -> [B] int64 token ids. The argmax
+    runs in the logits' own dtype (upcasting is exact, so it picks the same token);
+    sampling in float32."""
     greedy_ids = logits.argmax(dim=-1)
     if sb.all_greedy:
         return greedy_ids
-    probs = torch.softmax(logits / sb.temperature, dim=-1)
+    probs = torch.softmax(logits.float() / sb.temperature, dim=-1)
     probs = top_k_top_p(probs, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
     if sb.need_min_p:
         probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)

@@ -104,6 +104,12 @@ def test_flashinfer_layer_kernels_match_torch() -> None:
     n_ref, r_ref = layers.add_rms_norm(x, res, w, 1e-6)
     n_fi, r_fi = layers.add_rms_norm(x.bfloat16(), res.bfloat16(), w.bfloat16(), 1e-6)
     assert _rel_err(n_fi, n_ref) < 1e-2 and _rel_err(r_fi, r_ref) < 1e-2
+    # Per-head q/k norm on a strided view of a fused qkv row, as the model calls it.
+    qkv = torch.randn(37, 4096, device=dev)
+    wh = torch.rand(128, device=dev) + 0.5
+    view = qkv.bfloat16()[:, 2048:3072].view(37, 8, 128)
+    assert not view.is_contiguous()
+    assert _rel_err(layers.rms_norm(view, wh.bfloat16(), 1e-6), layers.rms_norm(qkv[:, 2048:3072].view(37, 8, 128), wh, 1e-6)) < 1e-2
     gu = torch.randn(37, 2 * 3072, device=dev)
     assert _rel_err(layers.silu_and_mul(gu.bfloat16()), layers.silu_and_mul(gu)) < 1e-2
     cos, sin = layers.rope_cos_sin(128, 4096, 1e6, None, dev)

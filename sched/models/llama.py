@@ -203,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """float32 logits [B, vocab] for the rows `fb.logits_indices` of the packed batch."""
+        """Logits [B, vocab] in the model's dtype for the rows `fb.logits_indices` of the
+        packed batch (the sampler takes float32 where it needs it; greedy argmax does not)."""
         h = self.model.embed_tokens(fb.input_ids)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
@@ -213,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         h = h[fb.logits_indices] + residual[fb.logits_indices]
         h = self.model.norm(h)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, head).float()
+        return F.linear(h, head)
 
     # ---- weights ----
 

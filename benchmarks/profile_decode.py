@@ -1,0 +1,134 @@
+"""Where one decode step's time goes: a batch of B requests at context C (W1's
+middle is 256 x 768), Qwen3-0.6B architecture with dummy weights, driven through
+the real ModelRunner (prepare -> launch -> result) without the scheduler.
+
+Prints the host time to prepare a step, the GPU time of a step (CUDA-graph replay
+and eager), the kernels of a few steps by GPU time (torch.profiler), and, on CUDA,
+FlashInfer's decode attention alone with and without tensor cores.
+
+    python -m benchmarks.profile_decode [--bs 256] [--ctx 768] [--steps 30] [--temperature 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import dummy_model_dir, machine, table
+from sgl.sampling_params import SamplingParams
+from sgl.sched.batch import ScheduleBatch
+from sgl.sched.model_runner import ModelRunner
+from sgl.sched.req import Req
+from sgl.server_args import ServerArgs
+
+
+def make_runner(bs: int, ctx: int, steps: int, graphs: bool) -> ModelRunner:
+    args = ServerArgs(load_format="dummy", max_total_tokens=bs * (ctx + steps + 8), max_running_requests=bs,
+                      random_seed=0, skip_tokenizer_init=True, disable_cuda_graph=not graphs,
+                      cuda_graph_max_bs=bs)
+    return ModelRunner(args, dummy_model_dir())
+
+
+def make_reqs(runner: ModelRunner, bs: int, ctx: int, temperature: float) -> list[Req]:
+    reqs = []
+    slots = runner.allocator.alloc(bs * ctx)
+    assert slots is not None
+    # Shuffled slots, as a long-running server's pool would be: reads are not contiguous.
+    slots = slots[torch.randperm(slots.numel())]
+    for i in range(bs):
+        r = Req(f"r{i}", [1] * ctx, SamplingParams(temperature=temperature, max_new_tokens=1 << 20), False)
+        r.req_pool_idx = runner.req_to_token_pool.alloc()
+        runner.req_to_token_pool.req_to_token[r.req_pool_idx, :ctx] = slots[i * ctx:(i + 1) * ctx].to(torch.int32)
+        r.kv_len = ctx
+        reqs.append(r)
+    return reqs
+
+
+def step(runner: ModelRunner, reqs: list[Req]) -> tuple[float, float]:
+    """One decode step; (host seconds to build and prepare it, wall seconds in all)."""
+    t0 = time.perf_counter()
+    out = runner.allocator.alloc(len(reqs))
+    assert out is not None
+    p = runner.prepare(ScheduleBatch.decode(reqs, out, runner.req_to_token_pool))
+    t1 = time.perf_counter()
+    runner.launch(p).result()
+    return t1 - t0, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bs", type=int, default=256)
+    ap.add_argument("--ctx", type=int, default=768)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    runner = make_runner(a.bs, a.ctx, 3 * a.steps, graphs=cuda)
+    reqs = make_reqs(runner, a.bs, a.ctx, a.temperature)
+    rows = []
+    modes = [("graph", runner.graphs), ("eager", None)] if cuda else [("eager", None)]
+    for name, graphs in modes:
+        runner.graphs = graphs
+        for _ in range(3):
+            step(runner, reqs)
+        busy0 = runner.gpu_timeline.busy_s
+        runner.gpu_timeline.reset_gap()
+        host, wall = zip(*(step(runner, reqs) for _ in range(a.steps)))
+        gpu_ms = (runner.gpu_timeline.busy_s - busy0) / a.steps * 1e3 if cuda else float("nan")
+        rows.append({"mode": name, "prepare ms": sorted(host)[len(host) // 2] * 1e3,
+                     "step wall ms": sorted(wall)[len(wall) // 2] * 1e3, "GPU ms/step": gpu_ms})
+    print(f"decode step, bs={a.bs} ctx~{a.ctx}, temperature {a.temperature}, on {machine()}, torch {torch.__version__}")
+    print(table(rows))
+
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    for name, graphs in modes:
+        runner.graphs = graphs
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(5):
+                step(runner, reqs)
+        key = "cuda_time_total" if cuda else "cpu_time_total"
+        print(f"--- kernels over 5 {name} steps, by {key}")
+        print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+    if cuda:
+        attention_alone(runner, reqs)
+
+
+def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
+    import flashinfer
+
+    from sgl.sched.model_runner import gather_kv_indices
+
+    table_ = runner.req_to_token_pool.req_to_token
+    lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+    rows_ = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+    indptr = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+    indptr[1:] = lens.cumsum(0)
+    idx = gather_kv_indices(table_, rows_, torch.zeros_like(lens), lens, int(indptr[-1])).cuda()
+    m = runner.model
+    q = torch.randn(len(reqs), m.num_heads, m.head_dim, dtype=runner.dtype, device="cuda")
+    kv = (runner.kv_pool.k_buffer[0].unsqueeze(1), runner.kv_pool.v_buffer[0].unsqueeze(1))
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    rows = []
+    for tc in (False, True):
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, backend="fa2")
+        w.plan(indptr, idx, torch.ones(len(reqs), dtype=torch.int32), m.num_heads, m.num_kv_heads, m.head_dim, 1,
+               q_data_type=runner.dtype, kv_data_type=runner.dtype)
+        for _ in range(5):
+            w.run(q, kv)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(50):
+            w.run(q, kv)
+        e1.record()
+        e1.synchronize()
+        us = e0.elapsed_time(e1) / 50 * 1e3
+        gbytes = int(indptr[-1]) * m.num_kv_heads * m.head_dim * 2 * runner.kv_pool.k_buffer[0].element_size() / 1e9
+        rows.append({"tensor cores": tc, "us/layer": us, "KV TB/s": gbytes / us * 1e6 / 1e3})
+    print("--- FlashInfer decode attention alone, one layer")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
