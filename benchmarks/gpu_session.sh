@@ -13,6 +13,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for step in "$@"; do
   echo "=== $step"
   case $step in
+    jitbg) (python3 -c "import flashinfer.sampling as s; s.get_sampling_module()" >/tmp/jit.log 2>&1; echo "sampling JIT done rc=$?" >>/tmp/jit.log) & ;;
     tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 ;;
     w1) timeout 300 python3 -m benchmarks.w1_w2_gpu --workloads W1 --no-hf 2>&1 | tail -8 ;;
     w12ov) timeout 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --overlap-off 2>&1 | grep -v "info " ;;
@@ -24,4 +25,5 @@ for step in "$@"; do
     profile2) timeout 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 2>&1 | grep -v "info \|USDT" | head -30 ;;
   esac
 done
+wait; [ -f /tmp/jit.log ] && tail -2 /tmp/jit.log
 if [ -d "$ws/.cache" ]; then tar cz -C "$ws" .cache | split -b 15M - "$OUT/ficache.part."; ls -la "$OUT"; fi

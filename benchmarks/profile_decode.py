@@ -111,10 +111,11 @@ def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
     kv = (runner.kv_pool.k_buffer[0].unsqueeze(1), runner.kv_pool.v_buffer[0].unsqueeze(1))
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
-    for tc in (False, True):
+    layouts = {"shuffled": idx, "contiguous": torch.arange(1, idx.numel() + 1, dtype=torch.int32, device="cuda")}
+    for (layout, indices), tc in [(li, tc) for li in layouts.items() for tc in (False, True)]:
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, backend="fa2")
-        w.plan(indptr, idx, torch.ones(len(reqs), dtype=torch.int32), m.num_heads, m.num_kv_heads, m.head_dim, 1,
-               q_data_type=runner.dtype, kv_data_type=runner.dtype)
+        w.plan(indptr, indices, torch.ones(len(reqs), dtype=torch.int32), m.num_heads, m.num_kv_heads, m.head_dim,
+               1, q_data_type=runner.dtype, kv_data_type=runner.dtype)
         for _ in range(5):
             w.run(q, kv)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -125,7 +126,7 @@ def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
         e1.synchronize()
         us = e0.elapsed_time(e1) / 50 * 1e3
         gbytes = int(indptr[-1]) * m.num_kv_heads * m.head_dim * 2 * runner.kv_pool.k_buffer[0].element_size() / 1e9
-        rows.append({"tensor cores": tc, "us/layer": us, "KV TB/s": gbytes / us * 1e6 / 1e3})
+        rows.append({"slots": layout, "tensor cores": tc, "us/layer": us, "KV TB/s": gbytes / us * 1e6 / 1e3})
     print("--- FlashInfer decode attention alone, one layer")
     print(table(rows))
 

@@ -4,7 +4,13 @@ A batch is described as FlashInfer describes it: request i has queries
 q[qo_indptr[i]:qo_indptr[i+1]] and attends to the KV slots
 kv_indices[kv_indptr[i]:kv_indptr[i+1]] (its cached prefix followed by its new
 tokens, whose K/V were written to the pool before attention runs). The last
-query of a request sits at the last KV position; attention is causal."""
+query of a request sits at the last KV position; attention is causal.
+
+A decode batch whose requests all start with the same KV slots (a shared system
+prompt held once by the radix cache) may instead carry a `CascadeMeta`: the
+shared slots once, and each request's own suffix. A backend that plans cascades
+reads the shared prefix once per step for the whole batch rather than once per
+request; only backends with `supports_cascade` are handed one."""
 
 from __future__ import annotations
 
@@ -15,11 +21,19 @@ import torch
 
 
 @dataclass(slots=True)
+class CascadeMeta:
+    shared_len: int  # P: request i's slots [0, P) are the same for every request
+    shared_indices: torch.Tensor  # [P] int32 KV slot ids, on the model's device
+    suffix_indptr_host: torch.Tensor  # [B + 1] int32, pinned: request i's slots from P on
+    suffix_indices: torch.Tensor  # [suffix_indptr[-1]] int32
+
+
+@dataclass(slots=True)
 class AttnMetadata:
     is_decode: bool
     qo_indptr: torch.Tensor  # [B + 1] int32, on the model's device
     kv_indptr: torch.Tensor  # [B + 1] int32
-    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32 KV slot ids
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32 KV slot ids (empty when `cascade` is set)
     qo_lens: list[int]  # host copies, for backends that plan on the host
     kv_lens: list[int]
     # [B + 1] int32 on the host, pinned on CUDA (FlashInfer plans there and copies them
@@ -31,9 +45,12 @@ class AttnMetadata:
     prefix_indptr_host: torch.Tensor | None = None
     prefix_indices: torch.Tensor | None = None
     prefix_lens_host: torch.Tensor | None = None  # [B] int32
+    cascade: CascadeMeta | None = None  # decode only
 
 
 class AttentionBackend(ABC):
+    supports_cascade = False
+
     @abstractmethod
     def begin_forward(self, meta: AttnMetadata) -> None:
         """Prepare for one forward pass (once per batch, not per layer)."""

@@ -3,7 +3,11 @@
 - decode: paged decode over each request's KV slots;
 - extend without any cached prefix: ragged prefill over the new tokens (causal);
 - extend on a cached prefix: ragged prefill over the new tokens (causal) merged
-  with paged prefill over the prefix (non-causal) by their log-sum-exp.
+  with paged prefill over the prefix (non-causal) by their log-sum-exp;
+- cascade decode (a prefix shared by the whole batch): paged prefill of all B
+  queries as one block over the shared slots (read once), paged decode over each
+  request's suffix, merged by log-sum-exp. Eager only: no CUDA graph is captured
+  for it.
 Plans run on the host, once per batch, before the layers; under CUDA graphs one
 decode wrapper per captured batch size owns fixed index buffers, and `plan` runs
 before each replay, outside the graph. This module decides nothing about batching.
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import torch
 
-from sgl.kernels.attention import AttentionBackend, AttnMetadata
+from sgl.kernels.attention import AttentionBackend, AttnMetadata, CascadeMeta
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 class FlashInferAttentionBackend(AttentionBackend):
+    supports_cascade = True
+
     def __init__(
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
         max_kv_tokens: int,
@@ -78,13 +84,28 @@ class FlashInferAttentionBackend(AttentionBackend):
     def begin_forward(self, meta: AttnMetadata) -> None:
         assert meta.kv_indptr_host is not None and meta.qo_indptr_host is not None
         self._before_plan()
-        if meta.is_decode:
+        if meta.cascade is not None:
+            self._plan_cascade(meta.cascade)
+        elif meta.is_decode:
             self._mode = "decode"
             self._active_decode = self.decode
             self._plan_decode(self.decode, meta.kv_indptr_host, meta.kv_indices)
         else:
             self._plan_extend(meta)
         self._after_plan()
+
+    def _plan_cascade(self, c: CascadeMeta) -> None:
+        self._mode = "cascade"
+        self._active_decode = self.decode
+        b = c.suffix_indptr_host.numel() - 1
+        p = c.shared_len
+        # All b queries form one non-causal block over the shared slots.
+        self.paged.plan(torch.tensor([0, b], dtype=torch.int32).pin_memory(),
+                        torch.tensor([0, p], dtype=torch.int32).pin_memory(), c.shared_indices,
+                        self._last_page_len(1), self.hq, self.hkv, self.d, 1, causal=False,
+                        q_data_type=self.dtype, kv_data_type=self.dtype,
+                        seq_lens=torch.tensor([p], dtype=torch.int32).pin_memory())
+        self._plan_decode(self.decode, c.suffix_indptr_host, c.suffix_indices)
 
     def _plan_extend(self, meta: AttnMetadata) -> None:
         qo = meta.qo_indptr_host
@@ -135,6 +156,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             return self._active_decode.run(q, kv)  # type: ignore[attr-defined]
         if self._mode == "extend":
             return self.ragged.run(q, k, v)
+        if self._mode == "cascade":
+            o_shared, lse_shared = self.paged.run(q, kv, return_lse=True)
+            o_own, lse_own = self.decode.run(q, kv, return_lse=True)
+            return self.fi.merge_state(o_shared, lse_shared, o_own, lse_own)[0]
         o_new, lse_new = self.ragged.run(q, k, v, return_lse=True)
         o_pre, lse_pre = self.paged.run(q, kv, return_lse=True)
         o, _ = self.fi.merge_state(o_new, lse_new, o_pre, lse_pre)

@@ -2,7 +2,9 @@
 
 Each forward pads the batch once into [B, max_q] queries and [B, max_kv] KV slot
 gathers with one boolean mask, so every layer is a gather plus one batched SDPA
-call, with no per-request Python loop."""
+call, with no per-request Python loop. A cascade batch (shared prefix + suffixes)
+is reassembled into the same per-request gathers: the reference for what a cascade
+must compute, not a faster path."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from sgl.kernels.attention import AttentionBackend, AttnMetadata
 
 
 class TorchAttentionBackend(AttentionBackend):
+    supports_cascade = True
+
     def __init__(self) -> None:
         self._q_idx: torch.Tensor | None = None
         self._kv_idx: torch.Tensor | None = None
@@ -31,8 +35,15 @@ class TorchAttentionBackend(AttentionBackend):
         q_valid = qpos[None, :] < qo_lens[:, None]  # [B, max_q]
         kv_valid = kpos[None, :] < kv_lens[:, None]  # [B, max_kv]
         self._q_idx = torch.where(q_valid, qo_start[:, None] + qpos[None, :], 0)
-        kv_flat = torch.where(kv_valid, kv_start[:, None] + kpos[None, :], 0)
-        self._kv_idx = torch.where(kv_valid, meta.kv_indices[kv_flat], 0)
+        if (c := meta.cascade) is None:
+            kv_flat = torch.where(kv_valid, kv_start[:, None] + kpos[None, :], 0)
+            self._kv_idx = torch.where(kv_valid, meta.kv_indices[kv_flat], 0)
+        else:
+            own_start = c.suffix_indptr_host[:-1].to(dev, torch.int64)
+            in_own = kv_valid & (kpos[None, :] >= c.shared_len)
+            own_flat = torch.where(in_own, own_start[:, None] + kpos[None, :] - c.shared_len, 0)
+            shared = c.shared_indices[kpos.clamp(max=max(c.shared_len - 1, 0))]
+            self._kv_idx = torch.where(in_own, c.suffix_indices[own_flat], torch.where(kv_valid, shared[None, :], 0))
         # Query j of request i sits at absolute position kv_len - qo_len + j.
         q_abs = (kv_lens - qo_lens)[:, None] + qpos[None, :]  # [B, max_q]
         mask = (kpos[None, None, :] <= q_abs[:, :, None]) & kv_valid[:, None, :]

@@ -16,7 +16,7 @@ from transformers import AutoConfig, PretrainedConfig
 from sgl.cache.kv_allocator import TokenToKVPoolAllocator
 from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.cache.req_to_token_pool import ReqToTokenPool
-from sgl.kernels.attention import AttentionBackend, AttnMetadata
+from sgl.kernels.attention import AttentionBackend, AttnMetadata, CascadeMeta
 from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.log import get_logger
 from sgl.sched.batch import ScheduleBatch
@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_TOKENS = 65536
 DEFAULT_GPU_MEM_FRACTION = 0.8
+# A decode batch goes through cascade attention when the shared prefix P of its B
+# requests makes P * (B - 1) >= this many token reads fewer per layer: enough KV
+# traffic (~0.13 GB per layer for 8 KV heads of 128 in bf16) to pay for losing the
+# CUDA graph (cascade batches run eager) and for the extra kernels and merge.
+CASCADE_MIN_SAVED_TOKENS = 32768
 
 
 def resolve_device(args: ServerArgs) -> torch.device:
@@ -75,6 +80,9 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, "cpu")
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, "cpu")
         self.attn_backend = self._attention_backend(args)
+        self.cascade = self.attn_backend.supports_cascade and not args.disable_cascade_attention
+        self._shared: tuple[tuple, int] = ((), 0)  # (decode batch identity, its shared prefix length)
+        self.cascade_steps = 0
         # The future-token buffer: the last sampled token of each request row.
         self.next_token = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)
         # Output-token counts per request row for penalties: allocated when first needed,
@@ -145,15 +153,18 @@ class ModelRunner:
         rows = torch.tensor(batch.rows, dtype=torch.int64)
         kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
         table = self.req_to_token_pool.req_to_token
+        cascade = self._cascade(batch, rows, kv_lens) if batch.is_decode and self.cascade else None
         meta = AttnMetadata(
             is_decode=batch.is_decode,
             qo_indptr=self._dev(qo_indptr),
             kv_indptr=self._dev(kv_indptr),
-            kv_indices=self._dev(gather_kv_indices(table, rows, torch.zeros_like(kv_lens), kv_lens, int(kv_indptr[-1]))),
+            kv_indices=(self._dev(gather_kv_indices(table, rows, torch.zeros_like(kv_lens), kv_lens, int(kv_indptr[-1])))
+                        if cascade is None else torch.empty(0, dtype=torch.int32, device=dev)),
             qo_lens=batch.qo_lens,
             kv_lens=batch.kv_lens,
             kv_indptr_host=kv_indptr,
             qo_indptr_host=qo_indptr,
+            cascade=cascade,
         )
         prefix_lens = [k - q for k, q in zip(batch.kv_lens, batch.qo_lens)]
         if not batch.is_decode and any(prefix_lens):
@@ -211,6 +222,26 @@ class ModelRunner:
             counts_reset=reset,
         )
 
+    def _cascade(self, batch: ScheduleBatch, rows: torch.Tensor, kv_lens: torch.Tensor) -> CascadeMeta | None:
+        """The shared-prefix split of a decode batch when reading the prefix once saves
+        enough (see CASCADE_MIN_SAVED_TOKENS), else None. The prefix length is cached per
+        batch identity: a running request's first slots never change while it decodes."""
+        b = len(batch.rows)
+        if b < 2:
+            return None
+        key = (tuple(batch.rows), tuple(r.rid for r in batch.reqs), tuple(batch.epochs))
+        if self._shared[0] != key:
+            self._shared = (key, shared_prefix_len(self.req_to_token_pool.req_to_token, rows, int(kv_lens.min()) - 1))
+        p = self._shared[1]
+        if p * (b - 1) < CASCADE_MIN_SAVED_TOKENS:
+            return None
+        table = self.req_to_token_pool.req_to_token
+        self.cascade_steps += 1
+        own = kv_lens - p
+        indptr = self._host(_indptr(own.tolist()))
+        return CascadeMeta(p, self._dev(table[batch.rows[0], :p].clone()), indptr,
+                           self._dev(gather_kv_indices(table, rows, torch.full_like(own, p), own, int(indptr[-1]))))
+
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor the device will copy from asynchronously: pinned on CUDA."""
         return t if self.device.type == "cpu" else t.pin_memory()
@@ -250,7 +281,8 @@ class ModelRunner:
         temperature), as device tensors."""
         # Decode inputs are the tokens the previous step sampled, still on the device.
         input_ids = self.next_token[p.rows] if p.input_ids is None else p.input_ids
-        if p.attn.is_decode and self.graphs is not None and self.graphs.can_run(len(p.attn.qo_lens)):
+        if (p.attn.is_decode and p.attn.cascade is None and self.graphs is not None
+                and self.graphs.can_run(len(p.attn.qo_lens))):
             all_logits = self.graphs.replay(p, input_ids)
         else:
             self.attn_backend.begin_forward(p.attn)
@@ -379,6 +411,15 @@ def _indptr(lens: list[int]) -> torch.Tensor:
     out = torch.zeros(len(lens) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
     return out
+
+
+def shared_prefix_len(req_to_token: torch.Tensor, rows: torch.Tensor, limit: int) -> int:
+    """How many leading slots (at most `limit`) all the given rows have in common."""
+    if limit <= 0:
+        return 0
+    block = req_to_token[rows, :limit]
+    differs = (block != block[:1]).any(dim=0)
+    return int(differs.int().argmax()) if bool(differs.any()) else limit
 
 
 def gather_kv_indices(

@@ -102,6 +102,7 @@ class Scheduler:
             **self.stats,
             "gpu_busy_s": r.gpu_timeline.busy_s,
             "gpu_idle_s": r.gpu_timeline.idle_s,
+            "cascade_steps": r.cascade_steps,
         }
 
     # ---- the loop --------------------------------------------------------------

@@ -64,6 +64,55 @@ def test_flashinfer_matches_torch_backend(mode: str) -> None:
     assert _rel_err(got, expected) < 1e-2
 
 
+def test_flashinfer_cascade_matches_torch_backend() -> None:
+    """Decode with a prefix shared by the whole batch: FlashInfer's shared block +
+    per-request decode + merge against the torch reference, and against FlashInfer's
+    own plain decode over the full KV."""
+    from sgl.kernels.attention import AttnMetadata, CascadeMeta
+    from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+    from sgl.kernels.torch_attention import TorchAttentionBackend
+
+    torch.manual_seed(0)
+    dev, dt, hq, hkv, d = torch.device("cuda"), torch.bfloat16, 16, 8, 128
+    slots, b, p = 8192, 9, 700
+    k_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt)
+    v_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt)
+    rng = random.Random(0)
+    own = [rng.randint(1, 200) for _ in range(b)]
+    perm = (torch.randperm(slots, device=dev)[: p + sum(own)] + 1).to(torch.int32)
+    shared, rest = perm[:p], perm[p:]
+    own_indptr = torch.tensor([0, *torch.tensor(own).cumsum(0).tolist()], dtype=torch.int32)
+    full = torch.cat([torch.cat([shared, rest[own_indptr[i] : own_indptr[i + 1]]]) for i in range(b)])
+    kv_lens = [p + n for n in own]
+    kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
+    qo_indptr = torch.arange(b + 1, dtype=torch.int32)
+    q = torch.randn(b, hq, d, device=dev, dtype=dt)
+    new_slots = rest[own_indptr[1:] - 1].long()
+    k, v = k_cache[new_slots], v_cache[new_slots]
+
+    def meta(cascade: bool) -> AttnMetadata:
+        m = AttnMetadata(True, qo_indptr.to(dev), kv_indptr.to(dev), full, [1] * b, kv_lens,
+                         kv_indptr.pin_memory(), qo_indptr.pin_memory())
+        if cascade:
+            m.kv_indices = full[:0]
+            m.cascade = CascadeMeta(p, shared, own_indptr.pin_memory(), rest)
+        return m
+
+    ref = TorchAttentionBackend()
+    ref.begin_forward(meta(cascade=True))
+    expected = ref.forward(q.float(), k, v, k_cache.float(), v_cache.float(), d**-0.5)
+    plain_ref = TorchAttentionBackend()
+    plain_ref.begin_forward(meta(cascade=False))
+    assert torch.equal(plain_ref.forward(q.float(), k, v, k_cache.float(), v_cache.float(), d**-0.5), expected)
+    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1)
+    fi.begin_forward(meta(cascade=True))
+    got = fi.forward(q, k, v, k_cache, v_cache, d**-0.5)
+    fi.begin_forward(meta(cascade=False))
+    plain = fi.forward(q, k, v, k_cache, v_cache, d**-0.5)
+    assert _rel_err(got, expected) < 1e-2
+    assert _rel_err(got, plain) < 1e-2
+
+
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_model_dir(tmp_path_factory.mktemp("gpu"), "qwen3", vocab=2048, hidden_size=256, num_hidden_layers=4,
