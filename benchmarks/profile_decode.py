@@ -31,16 +31,19 @@ def make_runner(bs: int, ctx: int, steps: int, graphs: bool) -> ModelRunner:
     return ModelRunner(args, dummy_model_dir())
 
 
-def make_reqs(runner: ModelRunner, bs: int, ctx: int, temperature: float) -> list[Req]:
+def make_reqs(runner: ModelRunner, bs: int, ctx: int, temperature: float, shared: int = 0) -> list[Req]:
+    """bs requests of ctx tokens, the first `shared` of them on the same slots (W3's shape)."""
     reqs = []
-    slots = runner.allocator.alloc(bs * ctx)
+    own = ctx - shared
+    slots = runner.allocator.alloc(shared + bs * own)
     assert slots is not None
     # Shuffled slots, as a long-running server's pool would be: reads are not contiguous.
-    slots = slots[torch.randperm(slots.numel())]
+    slots = slots[torch.randperm(slots.numel())].to(torch.int32)
     for i in range(bs):
         r = Req(f"r{i}", [1] * ctx, SamplingParams(temperature=temperature, max_new_tokens=1 << 20), False)
         r.req_pool_idx = runner.req_to_token_pool.alloc()
-        runner.req_to_token_pool.req_to_token[r.req_pool_idx, :ctx] = slots[i * ctx:(i + 1) * ctx].to(torch.int32)
+        runner.req_to_token_pool.req_to_token[r.req_pool_idx, :shared] = slots[:shared]
+        runner.req_to_token_pool.req_to_token[r.req_pool_idx, shared:ctx] = slots[shared + i * own:shared + (i + 1) * own]
         r.kv_len = ctx
         reqs.append(r)
     return reqs
@@ -63,12 +66,14 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=768)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--shared", type=int, default=0, help="leading slots all requests share (cascade decode)")
+    ap.add_argument("--no-graphs", action="store_true")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
-    runner = make_runner(a.bs, a.ctx, 3 * a.steps, graphs=cuda)
-    reqs = make_reqs(runner, a.bs, a.ctx, a.temperature)
+    runner = make_runner(a.bs, a.ctx, 3 * a.steps, graphs=cuda and not a.no_graphs)
+    reqs = make_reqs(runner, a.bs, a.ctx, a.temperature, a.shared)
     rows = []
-    modes = [("graph", runner.graphs), ("eager", None)] if cuda else [("eager", None)]
+    modes = [("graph", runner.graphs), ("eager", None)] if runner.graphs else [("eager", None)]
     for name, graphs in modes:
         runner.graphs = graphs
         for _ in range(3):
@@ -90,8 +95,9 @@ def main() -> None:
                 step(runner, reqs)
         key = "cuda_time_total" if cuda else "cpu_time_total"
         print(f"--- kernels over 5 {name} steps, by {key}")
-        print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
-    if cuda:
+        print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=50))
+    print(f"cascade steps: {runner.cascade_steps}")
+    if cuda and not a.shared:
         attention_alone(runner, reqs)
 
 

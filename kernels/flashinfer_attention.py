@@ -6,8 +6,9 @@
   with paged prefill over the prefix (non-causal) by their log-sum-exp;
 - cascade decode (a prefix shared by the whole batch): paged prefill of all B
   queries as one block over the shared slots (read once), paged decode over each
-  request's suffix, merged by log-sum-exp. Eager only: no CUDA graph is captured
-  for it.
+  request's suffix, merged by log-sum-exp (opt-in: `enable_cascade_attention`).
+  Eager only: no CUDA graph is captured for it. Numerically checked on an H200,
+  but W3 ran slower with it than without, not yet profiled (benchmarks/RESULTS.md).
 Plans run on the host, once per batch, before the layers; under CUDA graphs one
 decode wrapper per captured batch size owns fixed index buffers, and `plan` runs
 before each replay, outside the graph. This module decides nothing about batching.

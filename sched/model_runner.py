@@ -80,7 +80,7 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, "cpu")
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, "cpu")
         self.attn_backend = self._attention_backend(args)
-        self.cascade = self.attn_backend.supports_cascade and not args.disable_cascade_attention
+        self.cascade = self.attn_backend.supports_cascade and args.enable_cascade_attention
         self._shared: tuple[tuple, int] = ((), 0)  # (decode batch identity, its shared prefix length)
         self.cascade_steps = 0
         # The future-token buffer: the last sampled token of each request row.

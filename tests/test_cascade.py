@@ -62,9 +62,9 @@ def test_cascade_decode_equals_plain_decode(llama_dir: str, monkeypatch: pytest.
     prompts.append([rng.randrange(1, 500) for _ in range(20)])  # one request without the prefix
     monkeypatch.setattr(model_runner, "CASCADE_MIN_SAVED_TOKENS", 1)
     kw = {"disable_overlap_schedule": not overlap}
-    plain, plain_steps = _generate(llama_dir, prompts, disable_cascade_attention=True, **kw)
-    cascade_mixed, _ = _generate(llama_dir, prompts, **kw)
-    cascade, steps = _generate(llama_dir, prompts[:-1], **kw)
+    plain, plain_steps = _generate(llama_dir, prompts, **kw)
+    cascade_mixed, _ = _generate(llama_dir, prompts, enable_cascade_attention=True, **kw)
+    cascade, steps = _generate(llama_dir, prompts[:-1], enable_cascade_attention=True, **kw)
     assert plain_steps == 0 and steps > 0
     assert cascade == plain[:-1]
     assert cascade_mixed == plain
