@@ -181,6 +181,15 @@ def test_openai_completion_logprobs_and_echo(oai: openai.OpenAI, server: ServerP
     assert [sum(col, []) for col in zip(*(_lists(c.choices[0].logprobs) for c in chunks))] == _lists(lp)
     assert chunks[0].choices[0].logprobs.token_logprobs[0] is None and len(chunks) >= 4
 
+    # Scoring (lm-eval): echo with max_tokens=0 gives the prompt's logprobs alone, as above.
+    score = oai.completions.create(**{**kw, "max_tokens": 0}, logprobs=3, echo=True)
+    assert score.choices[0].text == oai_tok().decode(prompt) and score.usage.completion_tokens == 0
+    assert _lists(score.choices[0].logprobs) == [col[: len(prompt)] for col in _lists(lp)]
+    streamed = [c for c in oai.completions.create(**{**kw, "max_tokens": 0}, logprobs=3, echo=True, stream=True)
+                if c.choices]
+    assert [sum(col, []) for col in zip(*(_lists(c.choices[0].logprobs) for c in streamed))] == \
+        _lists(score.choices[0].logprobs)
+
     # Sampled: the chosen token is always among the top entries, so up to logprobs + 1 of them.
     sampled = oai.completions.create(**{**kw, "temperature": 1.0}, logprobs=2, seed=7).choices[0].logprobs
     assert all(tok in top and len(top) in (2, 3) for tok, top in zip(sampled.tokens, sampled.top_logprobs))

@@ -145,8 +145,6 @@ CASES: dict[str, Http | Py | Frame] = {
     "completion-logprobs-21": Http(C, {"model": "m", "prompt": "hi", "logprobs": 21}, 400, "logprobs=21"),
     "completion-logprobs-negative": Http(C, {"model": "m", "prompt": "hi", "logprobs": -1}, 400, "logprobs=-1"),
     "completion-logprobs-bool": Http(C, {"model": "m", "prompt": "hi", "logprobs": True}, 400, "logprobs"),
-    "completion-echo-logprobs-no-tokens": Http(C, {"model": "m", "prompt": "hi", "echo": True, "logprobs": 1,
-                                                   "max_tokens": 0}, 400, "max_tokens=0"),
     "completion-suffix": Http(C, {"model": "m", "prompt": "hi", "suffix": "!"}, 400, "suffix is not supported"),
     "completion-best-of-2": Http(C, {"model": "m", "prompt": "hi", "best_of": 2}, 400, "best_of=2 is not supported"),
     "completion-empty-string": Http(C, {"model": "m", "prompt": ""}, 400, "empty"),
