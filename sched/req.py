@@ -70,6 +70,11 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
+    def prefill_only(self) -> bool:
+        """max_new_tokens=0: a prefill (for prompt logprobs) that outputs no token."""
+        return self.sampling_params.max_new_tokens == 0
+
+    @property
     def needs_input_logprobs(self) -> bool:
         """Prompt logprobs are still to compute (never again after a retraction's re-prefill)."""
         return 0 <= self.logprob_start_len and not self.prompt_done

@@ -196,8 +196,8 @@ class Scheduler:
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) is not None:
             self._share_prompt(lead)
         self.rids[req.rid] = req
-        if req.sampling_params.max_new_tokens == 0:
-            self._finish(req, {"type": "length", "length": 0})
+        if req.prefill_only and not req.needs_input_logprobs:
+            self._finish(req, {"type": "length", "length": 0})  # nothing to compute
             return
         self.waiting.append(req)
 
@@ -443,10 +443,14 @@ class Scheduler:
                     self._finish(req, {"type": "abort", "message": req.to_abort})
                 continue
             if req.logprobs is not None and res.token is not None:
-                self._add_logprobs(req, res, first, a, k, partial)
+                self._add_logprobs(req, res, first, a, k, sampled=not partial and not req.prefill_only)
             if partial:
                 continue  # a middle prefill chunk samples nothing
             req.prompt_done = True
+            if req.prefill_only:
+                # Its prompt logprobs are in: the token sampled after the prompt is dropped.
+                self._finish(req, {"type": "length", "length": 0})
+                continue
             req.output_ids.append(tok)
             reason = self._finish_reason(req, tok)
             if not batch.is_decode:
@@ -459,9 +463,10 @@ class Scheduler:
             elif req.stream:
                 self.outbox.append(req)
 
-    def _add_logprobs(self, req: Req, res: StepResult, first: int, a: int, k: int, partial: bool) -> None:
-        """Append this step's rows [first, first + k) (prompt) and first + k (sampled) to req.logprobs."""
-        lp, end = req.logprobs, first + k + (0 if partial else 1)
+    def _add_logprobs(self, req: Req, res: StepResult, first: int, a: int, k: int, sampled: bool) -> None:
+        """Append this step's rows [first, first + k) (prompt) and, if `sampled`, first + k
+        (the sampled token's) to req.logprobs."""
+        lp, end = req.logprobs, first + k + (1 if sampled else 0)
         assert lp is not None and res.token is not None
         vals = res.token[first:end].tolist()
         tops = None
@@ -479,7 +484,7 @@ class Scheduler:
                 lp.input_top_ids.extend(tops[1][:k])
             if ids_vals is not None:
                 lp.input_ids_vals.extend(ids_vals[:k])
-        if not partial:
+        if sampled:
             lp.output_vals.append(vals[k])
             if tops is not None:
                 lp.output_top_vals.append(tops[0][k])

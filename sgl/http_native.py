@@ -38,6 +38,17 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
+    # SGLang's logprob fields; a list gives one value per prompt of a batch. The engine
+    # validates them like its own keyword arguments.
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[Any] | None = None  # ids for every prompt, or a list of them per prompt
+    return_text_in_logprobs: bool | None = None
+
+
+_OPTION_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+                  "return_text_in_logprobs")
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -46,6 +57,11 @@ class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 def is_batch(req: GenerateRequest) -> bool:
     return isinstance(req.text, list) or bool(req.input_ids and isinstance(req.input_ids[0], list))
+
+
+def options(req: GenerateRequest) -> dict[str, Any]:
+    """The request-level fields that were given, as the engine's keyword arguments."""
+    return {name: v for name in _OPTION_FIELDS if (v := getattr(req, name)) is not None}
 
 
 async def primed(gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
@@ -79,9 +95,10 @@ async def generate(state: ServerState, request: Request, body: bytes) -> Respons
             raise ApiError(400, "stream: a batch of prompts cannot be streamed; send one request per prompt", "stream")
         if isinstance(req.sampling_params, list) or isinstance(req.rid, list):
             raise ApiError(400, "sampling_params/rid: a single streamed request takes one of each", "sampling_params")
-        chunks = await primed(state.engine.stream(req.text, req.sampling_params, req.input_ids, req.rid))
+        chunks = await primed(state.engine.stream(req.text, req.sampling_params, req.input_ids, req.rid,
+                                                  **options(req)))
         return StreamingResponse(sse_stream(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
-    out = await state.engine.generate(req.text, req.sampling_params, req.input_ids, req.rid)
+    out = await state.engine.generate(req.text, req.sampling_params, req.input_ids, req.rid, **options(req))
     return json_response(out)
 
 

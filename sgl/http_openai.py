@@ -201,10 +201,6 @@ def _check_completion(state: ServerState, req: CompletionRequest) -> None:
     if (req.echo or req.logprobs is not None) and state.engine.tokenizer is None:
         name = "echo" if req.echo else "logprobs"
         raise ApiError(400, f"{name} needs a tokenizer, and this server runs with skip_tokenizer_init", name)
-    if req.echo and req.logprobs is not None and req.max_tokens == 0:
-        # The scheduler finishes a request for no tokens before its prefill, so it has no prompt logprobs.
-        raise ApiError(400, "max_tokens=0 with echo and logprobs is not supported: ask for max_tokens >= 1",
-                       "max_tokens")
 
 
 async def completions(state: ServerState, body: bytes) -> Response:

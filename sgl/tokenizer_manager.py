@@ -124,6 +124,9 @@ class TokenizerManager:
                            ("token_ids_logprob", opts.token_ids_logprob or [])):
             if any(not isinstance(t, int) or not 0 <= t < v for t in toks):
                 raise ValueError(f"{name}: ids must be ints in [0, {v})")
+        for name in ("return_logprob", "return_text_in_logprobs"):
+            if not isinstance(getattr(opts, name), bool):
+                raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be a bool")
         if not isinstance(opts.logprob_start_len, int) or not -1 <= opts.logprob_start_len < len(ids):
             raise ValueError(f"logprob_start_len={opts.logprob_start_len!r} is invalid: must be -1 or in [0, {len(ids)})")
         if not isinstance(opts.top_logprobs_num, int) or opts.top_logprobs_num < 0:

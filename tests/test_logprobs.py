@@ -2,7 +2,8 @@
 variant: output, prompt (through chunked prefill and a warm radix cache), top-k
 and chosen-id logprobs all equal log_softmax of HF's logits within 1e-4, for
 greedy and for sampled, penalised requests alike (raw logits, before sampling
-transforms), streamed deltas add up to the final lists."""
+transforms), streamed deltas add up to the final lists; a max_new_tokens=0 request
+still gets its prompt logprobs."""
 
 from __future__ import annotations
 
@@ -140,3 +141,45 @@ def test_seeded_tokens_ignore_chunking_and_cache_hits(engine: sgl.Engine) -> Non
     crowd = engine.generate(input_ids=[PROMPT[:7], prompt, PROMPT[9:30]],
                             sampling_params=[{"temperature": 1.0, "max_new_tokens": 8}, params, params])
     assert cold["output_ids"] == warm["output_ids"] == crowd[1]["output_ids"]
+
+
+def test_prefill_only_request_returns_all_prompt_logprobs(engine: sgl.Engine, hf_model: Any) -> None:
+    """max_new_tokens=0 with prompt logprobs (lm-eval-style scoring) runs the prefill, here
+    in three chunks, outputs no token, and gives the prompt logprobs a one-token request gets."""
+    prompt = PROMPT[2:37]
+    one = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 1},
+                          logprob_start_len=0, **LP)
+    zero = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, logprob_start_len=0, **LP)
+    m0, m1 = zero["meta_info"], one["meta_info"]
+    assert zero["output_ids"] == [] and m0["completion_tokens"] == 0
+    assert m0["finish_reason"] == {"type": "length", "length": 0}
+    assert m0["output_token_logprobs"] == m0["output_top_logprobs"] == m0["output_token_ids_logprobs"] == []
+    assert len(m0["input_token_logprobs"]) == len(prompt)
+    for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
+        assert m0[key] == m1[key], key
+    hf = hf_logprobs(hf_model, prompt)
+    want = hf[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([v for v, _, _ in m0["input_token_logprobs"][1:]]), want,
+                               atol=TOL, rtol=0)
+
+    # Streamed, beside a decoding request and as n = 2 samples sharing the prompt: the same lists.
+    chunks = list(engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0}, stream=True,
+                                  logprob_start_len=5, **LP))
+    streamed = [x for c in chunks for x in c["meta_info"]["input_token_logprobs"]]
+    assert [t for _, t, _ in streamed] == prompt[5:]  # a cache hit on the first 4 tokens moves the chunks
+    torch.testing.assert_close(torch.tensor([v for v, _, _ in streamed]), want[4:], atol=TOL, rtol=0)
+    mixed = engine.generate(input_ids=[PROMPT[:9], prompt], logprob_start_len=0, **LP, sampling_params=[
+        {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}, {"max_new_tokens": 0, "n": 2}])
+    assert len(mixed[0]["output_ids"]) == 6
+    for out in mixed[1]:
+        assert out["output_ids"] == []
+        got = torch.tensor([v for v, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
+        torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+
+
+def test_prefill_only_request_without_prompt_logprobs_finishes_at_once(engine: sgl.Engine) -> None:
+    before = engine.get_server_info()["prefill_tokens"]
+    out = engine.generate(input_ids=PROMPT[:30], sampling_params={"max_new_tokens": 0}, **LP)
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert out["meta_info"]["input_token_logprobs"] == out["meta_info"]["output_token_logprobs"] == []
+    assert engine.get_server_info()["prefill_tokens"] == before  # nothing to compute, so no prefill

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import math
 import os
 import signal
@@ -181,6 +182,15 @@ def test_openai_completion_logprobs_and_echo(oai: openai.OpenAI, server: ServerP
     assert [sum(col, []) for col in zip(*(_lists(c.choices[0].logprobs) for c in chunks))] == _lists(lp)
     assert chunks[0].choices[0].logprobs.token_logprobs[0] is None and len(chunks) >= 4
 
+    # Scoring (lm-eval): echo with max_tokens=0 gives the prompt's logprobs alone, as above.
+    score = oai.completions.create(**{**kw, "max_tokens": 0}, logprobs=3, echo=True)
+    assert score.choices[0].text == oai_tok().decode(prompt) and score.usage.completion_tokens == 0
+    assert _lists(score.choices[0].logprobs) == [col[: len(prompt)] for col in _lists(lp)]
+    streamed = [c for c in oai.completions.create(**{**kw, "max_tokens": 0}, logprobs=3, echo=True, stream=True)
+                if c.choices]
+    assert [sum(col, []) for col in zip(*(_lists(c.choices[0].logprobs) for c in streamed))] == \
+        _lists(score.choices[0].logprobs)
+
     # Sampled: the chosen token is always among the top entries, so up to logprobs + 1 of them.
     sampled = oai.completions.create(**{**kw, "temperature": 1.0}, logprobs=2, seed=7).choices[0].logprobs
     assert all(tok in top and len(top) in (2, 3) for tok, top in zip(sampled.tokens, sampled.top_logprobs))
@@ -215,6 +225,34 @@ def test_openai_chat_logprobs(oai: openai.OpenAI, server: ServerProc) -> None:
 
     chunks = [c for c in oai.chat.completions.create(**kw, logprobs=True, top_logprobs=2, stream=True) if c.choices]
     assert [e for c in chunks for e in c.choices[0].logprobs.content] == content
+
+
+def test_native_generate_logprobs(server: ServerProc) -> None:
+    """/generate takes SGLang's logprob fields and returns the attached engine's numbers."""
+    lp = {"return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 2, "token_ids_logprob": [5, 9],
+          "return_text_in_logprobs": True}
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    prompt = [9906, 11, 1234, 50, 7]
+    r = server.post("/generate", json={"input_ids": prompt, "sampling_params": sp, **lp})
+    assert r.status_code == 200, r.text
+    want = _native(server, input_ids=prompt, sampling_params=sp, logprob_start_len=2, top_logprobs_num=2,
+                   token_ids_logprob=[5, 9])
+    got, m = r.json(), json.loads(json.dumps(want["meta_info"]))  # tuples as JSON lists
+    assert got["output_ids"] == want["output_ids"]
+    keys = [k for k in m if "logprobs" in k]
+    assert len(keys) == 6 and len(m["input_token_logprobs"]) == len(prompt) - 2
+    assert {k: got["meta_info"][k] for k in keys} == {k: m[k] for k in keys}
+    assert all(isinstance(text, str) for _, _, text in got["meta_info"]["output_token_logprobs"])
+
+    # A batch with one value per prompt; a stream whose chunks add up to the whole.
+    batch = server.post("/generate", json={"input_ids": [prompt, prompt], "sampling_params": sp,
+                                           "return_logprob": [True, False], "logprob_start_len": [2, 0]}).json()
+    assert batch[0]["meta_info"]["input_token_logprobs"] == [[v, t, None] for v, t, _ in m["input_token_logprobs"]]
+    assert "input_token_logprobs" not in batch[1]["meta_info"]
+    with httpx.stream("POST", server.url + "/generate", headers=server.headers,
+                      json={"input_ids": prompt, "sampling_params": sp, "stream": True, **lp}) as s:
+        chunks = [json.loads(ln[5:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    assert [x for c in chunks for x in c["meta_info"]["output_token_logprobs"]] == m["output_token_logprobs"]
 
 
 def test_openai_errors(oai: openai.OpenAI) -> None:
