@@ -42,8 +42,8 @@ def make_reqs(runner: ModelRunner, bs: int, ctx: int, temperature: float, shared
     for i in range(bs):
         r = Req(f"r{i}", [1] * ctx, SamplingParams(temperature=temperature, max_new_tokens=1 << 20), False)
         r.req_pool_idx = runner.req_to_token_pool.alloc()
-        runner.req_to_token_pool.req_to_token[r.req_pool_idx, :shared] = slots[:shared]
-        runner.req_to_token_pool.req_to_token[r.req_pool_idx, shared:ctx] = slots[shared + i * own:shared + (i + 1) * own]
+        pool = runner.req_to_token_pool
+        pool.write(r.req_pool_idx, 0, torch.cat([slots[:shared], slots[shared + i * own:shared + (i + 1) * own]]))
         r.kv_len = ctx
         reqs.append(r)
     return reqs
@@ -104,7 +104,7 @@ def main() -> None:
 def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
     import flashinfer
 
-    from sgl.sched.model_runner import gather_kv_indices
+    from sgl.cache.req_to_token_pool import gather_kv_indices
 
     table_ = runner.req_to_token_pool.req_to_token
     lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)

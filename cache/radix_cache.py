@@ -294,7 +294,7 @@ class RadixCache:
         self.allocator.free(kv[n_old:n_cached])
         new_indices, new_last = self.match_prefix(key)  # all of key: it is cached and nothing evicts in between
         # Past n_cached the row already holds the slots the tree just took.
-        self.req_to_token_pool.req_to_token[row, n_old:n_cached] = new_indices[n_old:n_cached].to(torch.int32)
+        self.req_to_token_pool.write(row, n_old, new_indices[n_old:n_cached])
         self.inc_lock_ref(new_last)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = new_indices

@@ -1,5 +1,13 @@
 """The request-to-token table: one row per running request, holding the KV slot
-index of each of its tokens. It owns rows, never KV slots."""
+index of each of its tokens. It owns rows, never KV slots.
+
+The table lives on the host, where the scheduler and the radix cache read and
+write it without ever waiting for the device. A mirror of it lives on the model's
+device, where the forward builds its KV indices: every write goes through `write`
+or `write_at`, which remember the changed range of each row, and `sync` copies
+those ranges (read from the host table at sync time, so the last write wins) to
+the mirror, queued on the current stream before the batch that reads them. A
+decode step thus ships one slot per request, not every request's whole context."""
 
 from __future__ import annotations
 
@@ -9,12 +17,17 @@ import torch
 class ReqToTokenPool:
     """A [size, max_context] int32 table; `alloc` hands out free rows."""
 
-    def __init__(self, size: int, max_context: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, size: int, max_context: int, mirror_device: str | torch.device = "cpu") -> None:
         if size < 1 or max_context < 1:
             raise ValueError(f"ReqToTokenPool needs size >= 1 and max_context >= 1, got {size}, {max_context}")
         self.size = size
         self.max_context = max_context
-        self.req_to_token = torch.zeros((size, max_context), dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros((size, max_context), dtype=torch.int32)
+        self.mirror = torch.zeros((size, max_context), dtype=torch.int32, device=mirror_device)
+        self._pinned = self.mirror.device.type == "cuda"
+        # Per row, the range [lo, hi) written since the last sync; hi == 0: clean.
+        self._lo = torch.full((size,), max_context, dtype=torch.int64)
+        self._hi = torch.zeros(size, dtype=torch.int64)
         self._free: list[int] = list(range(size - 1, -1, -1))  # pop() hands out row 0 first
 
     def available_size(self) -> int:
@@ -30,3 +43,59 @@ class ReqToTokenPool:
 
     def clear(self) -> None:
         self._free = list(range(self.size - 1, -1, -1))
+
+    # ---- writes and the device mirror ----
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """row[start:start + len(slots)] = slots."""
+        end = start + slots.numel()
+        self.req_to_token[row, start:end] = slots
+        self._lo[row] = min(int(self._lo[row]), start)
+        self._hi[row] = max(int(self._hi[row]), end)
+
+    def write_at(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """row[rows[i], positions[i]] = slots[i], for distinct rows (one decode step)."""
+        self.req_to_token[rows, positions] = slots.to(torch.int32)
+        self._lo[rows] = torch.minimum(self._lo[rows], positions)
+        self._hi[rows] = torch.maximum(self._hi[rows], positions + 1)
+
+    def sync(self) -> None:
+        """Queue the copy of every range written since the last sync to the mirror."""
+        rows = (self._hi > 0).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return
+        lo = self._lo[rows]
+        n = self._hi[rows] - lo
+        total = int(n.sum())
+        values = gather_kv_indices(self.req_to_token, rows, lo, n, total)
+        self._lo[rows] = self.max_context
+        self._hi[rows] = 0
+        r, lo, n, values = (self._to_mirror(t) for t in (rows, lo, n, values))
+        row_of, pos = flat_positions(r, lo, n, total)
+        self.mirror[row_of, pos] = values
+
+    def _to_mirror(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._pinned:
+            return t.to(self.mirror.device)
+        return t.pin_memory().to(self.mirror.device, non_blocking=True)
+
+
+def flat_positions(
+    rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every cell of the ranges row rows[i], columns [starts[i],
+    starts[i] + lens[i]), concatenated over i; on the inputs' device, without a host
+    sync (the caller knows the total)."""
+    row_of = torch.repeat_interleave(rows, lens, output_size=total)
+    first = torch.cumsum(lens, 0) - lens  # each range's offset in the output
+    pos = torch.arange(total, device=rows.device) - torch.repeat_interleave(first - starts, lens, output_size=total)
+    return row_of, pos
+
+
+def gather_kv_indices(
+    table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, total: int
+) -> torch.Tensor:
+    """Concatenate table[rows[i], starts[i]:starts[i] + lens[i]] over i (int32), on the
+    table's device, without a host sync."""
+    row_of, pos = flat_positions(rows, starts, lens, total)
+    return table[row_of, pos]

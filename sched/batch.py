@@ -52,7 +52,7 @@ class ScheduleBatch:
                 lp_in.append((start, 0))
             input_ids.extend(r.all_ids[start : start + n])
             positions.append(torch.arange(start, start + n, dtype=torch.int64))
-            pool.req_to_token[r.req_pool_idx, start : start + n] = out_cache_loc[offset : offset + n].to(torch.int32)
+            pool.write(r.req_pool_idx, start, out_cache_loc[offset : offset + n])
             offset += n
             r.kv_len = start + n
             qo_lens.append(n)
@@ -66,7 +66,7 @@ class ScheduleBatch:
         """One step: each req's newest token is written at its own new slot."""
         rows = [r.req_pool_idx for r in reqs]
         pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        pool.req_to_token[torch.tensor(rows), pos] = out_cache_loc.to(pool.req_to_token.device, torch.int32)
+        pool.write_at(torch.tensor(rows), pos, out_cache_loc)
         for r in reqs:
             r.kv_len += 1
         n = len(reqs)

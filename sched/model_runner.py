@@ -15,7 +15,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from sgl.cache.kv_allocator import TokenToKVPoolAllocator
 from sgl.cache.kv_pool import MHATokenToKVPool
-from sgl.cache.req_to_token_pool import ReqToTokenPool
+from sgl.cache.req_to_token_pool import ReqToTokenPool, gather_kv_indices
 from sgl.kernels.attention import AttentionBackend, AttnMetadata, CascadeMeta
 from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.log import get_logger
@@ -75,10 +75,11 @@ class ModelRunner:
         self.kv_pool = MHATokenToKVPool(
             self.max_total_tokens, m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device
         )
-        # Slot bookkeeping lives on the host: the scheduler decides there, and the
-        # forward gets its KV indices as one pinned copy per batch, never a sync.
+        # Slot bookkeeping lives on the host: the scheduler decides there. The forward
+        # builds its KV indices on the device from the table's mirror, which each batch
+        # brings up to date with the rows' changed ranges (one pinned copy, never a sync).
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, "cpu")
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, "cpu")
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, self.device)
         self.attn_backend = self._attention_backend(args)
         self.cascade = self.attn_backend.supports_cascade and args.enable_cascade_attention
         self._shared: tuple[tuple, int] = ((), 0)  # (decode batch identity, its shared prefix length)
@@ -152,13 +153,17 @@ class ModelRunner:
         kv_indptr = self._host(_indptr(batch.kv_lens))
         rows = torch.tensor(batch.rows, dtype=torch.int64)
         kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
-        table = self.req_to_token_pool.req_to_token
-        cascade = self._cascade(batch, rows, kv_lens) if batch.is_decode and self.cascade else None
+        self.req_to_token_pool.sync()
+        rows_dev, kv_lens_dev = self._dev(rows), self._dev(kv_lens)
+        zeros = torch.zeros_like(rows_dev)
+        cascade = (self._cascade(batch, rows, rows_dev, kv_lens, kv_lens_dev)
+                   if batch.is_decode and self.cascade else None)
+        table = self.req_to_token_pool.mirror
         meta = AttnMetadata(
             is_decode=batch.is_decode,
             qo_indptr=self._dev(qo_indptr),
             kv_indptr=self._dev(kv_indptr),
-            kv_indices=(self._dev(gather_kv_indices(table, rows, torch.zeros_like(kv_lens), kv_lens, int(kv_indptr[-1])))
+            kv_indices=(gather_kv_indices(table, rows_dev, zeros, kv_lens_dev, int(kv_indptr[-1]))
                         if cascade is None else torch.empty(0, dtype=torch.int32, device=dev)),
             qo_lens=batch.qo_lens,
             kv_lens=batch.kv_lens,
@@ -172,8 +177,7 @@ class ModelRunner:
             plens = torch.tensor(prefix_lens, dtype=torch.int64)
             meta.prefix_indptr_host = prefix_indptr
             meta.prefix_lens_host = self._host(plens.to(torch.int32))
-            meta.prefix_indices = self._dev(
-                gather_kv_indices(table, rows, torch.zeros_like(plens), plens, int(prefix_indptr[-1])))
+            meta.prefix_indices = gather_kv_indices(table, rows_dev, zeros, self._dev(plens), int(prefix_indptr[-1]))
         ids = None if batch.input_ids is None else self._dev(torch.tensor(batch.input_ids, dtype=torch.int64))
         reqs = batch.reqs
         sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, dev, self.eos_ids, self.processors, batch.is_decode)
@@ -210,7 +214,7 @@ class ModelRunner:
                      self._dev(torch.tensor([q[0] for q in pairs], dtype=torch.int64)),
                      self._dev(torch.tensor([q[1] for q in pairs], dtype=torch.int64)))
         return PreparedBatch(
-            rows=self._dev(rows),
+            rows=rows_dev,
             input_ids=ids,
             positions=self._dev(batch.positions),
             out_cache_loc=self._dev(batch.out_cache_loc),
@@ -222,7 +226,8 @@ class ModelRunner:
             counts_reset=reset,
         )
 
-    def _cascade(self, batch: ScheduleBatch, rows: torch.Tensor, kv_lens: torch.Tensor) -> CascadeMeta | None:
+    def _cascade(self, batch: ScheduleBatch, rows: torch.Tensor, rows_dev: torch.Tensor, kv_lens: torch.Tensor,
+                 kv_lens_dev: torch.Tensor) -> CascadeMeta | None:
         """The shared-prefix split of a decode batch when reading the prefix once saves
         enough (see CASCADE_MIN_SAVED_TOKENS), else None. The prefix length is cached per
         batch identity: a running request's first slots never change while it decodes."""
@@ -235,12 +240,13 @@ class ModelRunner:
         p = self._shared[1]
         if p * (b - 1) < CASCADE_MIN_SAVED_TOKENS:
             return None
-        table = self.req_to_token_pool.req_to_token
+        table = self.req_to_token_pool.mirror
         self.cascade_steps += 1
         own = kv_lens - p
         indptr = self._host(_indptr(own.tolist()))
-        return CascadeMeta(p, self._dev(table[batch.rows[0], :p].clone()), indptr,
-                           self._dev(gather_kv_indices(table, rows, torch.full_like(own, p), own, int(indptr[-1]))))
+        return CascadeMeta(p, table[batch.rows[0], :p].clone(), indptr,
+                           gather_kv_indices(table, rows_dev, torch.full_like(rows_dev, p), kv_lens_dev - p,
+                                             int(indptr[-1])))
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor the device will copy from asynchronously: pinned on CUDA."""
@@ -420,18 +426,6 @@ def shared_prefix_len(req_to_token: torch.Tensor, rows: torch.Tensor, limit: int
     block = req_to_token[rows, :limit]
     differs = (block != block[:1]).any(dim=0)
     return int(differs.int().argmax()) if bool(differs.any()) else limit
-
-
-def gather_kv_indices(
-    req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, total: int
-) -> torch.Tensor:
-    """Concatenate req_to_token[rows[i], starts[i]:starts[i] + lens[i]] over i (int32),
-    on the table's device, without a host sync (the total is known on the host)."""
-    dev = req_to_token.device
-    row_of = torch.repeat_interleave(rows, lens, output_size=total)
-    first = torch.cumsum(lens, 0) - lens  # each request's offset in the output
-    pos = torch.arange(total, device=dev) - torch.repeat_interleave(first - starts, lens, output_size=total)
-    return req_to_token[row_of, pos]
 
 
 @dataclass(slots=True)

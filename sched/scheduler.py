@@ -377,7 +377,7 @@ class Scheduler:
         req.prefix_indices = prefix
         req.last_node = match.last_node
         if len(prefix):
-            self.pool.req_to_token[req.req_pool_idx, : len(prefix)] = prefix.to(torch.int32)
+            self.pool.write(req.req_pool_idx, 0, prefix)
         req.kv_len = len(prefix)
         self.stats["cached_tokens"] += len(prefix)
         req.cached_tokens = max(req.cached_tokens, len(prefix)) if req.retractions == 0 else req.cached_tokens

@@ -34,7 +34,7 @@ class PagedDriver:
         assert row is not None
         if shared_prefix_of is not None:
             src = self.req_pool.req_to_token[shared_prefix_of, :prefix_len]
-            self.req_pool.req_to_token[row, :prefix_len] = src
+            self.req_pool.write(row, 0, src)
         self.seq_len[row] = prefix_len
         return row
 
@@ -46,7 +46,7 @@ class PagedDriver:
             start, n = self.seq_len[row], len(toks)
             slots = self.allocator.alloc(n)
             assert slots is not None, "test KV pool too small"
-            self.req_pool.req_to_token[row, start : start + n] = slots.to(torch.int32)
+            self.req_pool.write(row, start, slots)
             self.seq_len[row] = start + n
             ids.append(torch.tensor(toks, dtype=torch.int64))
             pos.append(torch.arange(start, start + n, dtype=torch.int64))

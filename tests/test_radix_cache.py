@@ -44,7 +44,7 @@ def start(pool: ReqToTokenPool, alloc: TokenToKVPoolAllocator, cache: RadixCache
     cache.inc_lock_ref(node)
     new = alloc.alloc(len(prompt) - len(idx))
     assert new is not None
-    pool.req_to_token[row, : len(prompt)] = torch.cat([idx, new]).to(torch.int32)
+    pool.write(row, 0, torch.cat([idx, new]))
     return Req(row, list(prompt), idx, node, new)
 
 

@@ -127,7 +127,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert len(idx) == self._model_match(key)
         self._touch(key, len(idx))
         self.cache.inc_lock_ref(node)
-        self.pool.req_to_token[row, : len(idx)] = idx.to(torch.int32)
+        self.pool.write(row, 0, idx)
         self.reqs.append(Req(row, prompt[: len(idx)], idx, node, prompt))
 
     @precondition(lambda self: self.reqs)

@@ -1,0 +1,49 @@
+"""The request-to-token table's device mirror: after any sequence of range writes
+and one-slot-per-row decode writes, overlapping and overwriting each other, a sync
+leaves the mirror equal to the host table (here the mirror is a second CPU table;
+the code path is the same one CUDA takes, bar the pinned copy)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl.cache.req_to_token_pool import ReqToTokenPool, gather_kv_indices
+
+ROWS, WIDTH = 5, 24
+
+_range_write = st.tuples(st.just("write"), st.integers(0, ROWS - 1), st.integers(0, WIDTH - 1),
+                         st.lists(st.integers(1, 999), min_size=0, max_size=8))
+_decode_write = st.tuples(st.just("write_at"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=ROWS, unique=True),
+                          st.integers(0, WIDTH - 1), st.integers(1, 999))
+_sync = st.tuples(st.just("sync"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(_range_write, _decode_write, _sync), max_size=40))
+def test_mirror_equals_host_after_every_sync(ops: list[tuple]) -> None:
+    pool = ReqToTokenPool(ROWS, WIDTH)
+    for op in ops:
+        if op[0] == "write":
+            _, row, start, values = op
+            values = values[: WIDTH - start]
+            pool.write(row, start, torch.tensor(values, dtype=torch.int64))
+        elif op[0] == "write_at":
+            _, rows, pos, base = op
+            positions = torch.tensor([(pos + i) % WIDTH for i in range(len(rows))], dtype=torch.int64)
+            pool.write_at(torch.tensor(rows), positions, torch.arange(base, base + len(rows), dtype=torch.int64))
+        else:
+            pool.sync()
+            assert torch.equal(pool.mirror, pool.req_to_token)
+    pool.sync()
+    assert torch.equal(pool.mirror, pool.req_to_token)
+    pool.sync()  # nothing changed: a no-op
+    assert torch.equal(pool.mirror, pool.req_to_token)
+
+
+def test_gather_kv_indices_concatenates_row_ranges() -> None:
+    table = torch.arange(40, dtype=torch.int32).view(4, 10)
+    rows, starts, lens = torch.tensor([2, 0, 3]), torch.tensor([1, 0, 7]), torch.tensor([3, 0, 2])
+    got = gather_kv_indices(table, rows, starts, lens, 5)
+    assert got.tolist() == [21, 22, 23, 37, 38]
