@@ -7,6 +7,7 @@ and eager), the kernels of a few steps by GPU time (torch.profiler), and, on CUD
 FlashInfer's decode attention alone with and without tensor cores.
 
     python -m benchmarks.profile_decode [--bs 256] [--ctx 768] [--steps 30] [--temperature 0]
+    python -m benchmarks.profile_decode --ctx 2164 --shared 2000 --no-graphs   # W3's decode, cascade on
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from sgl.sched.req import Req
 from sgl.server_args import ServerArgs
 
 
-def make_runner(bs: int, ctx: int, steps: int, graphs: bool) -> ModelRunner:
+def make_runner(bs: int, ctx: int, steps: int, graphs: bool, cascade: bool) -> ModelRunner:
     args = ServerArgs(load_format="dummy", max_total_tokens=bs * (ctx + steps + 8), max_running_requests=bs,
                       random_seed=0, skip_tokenizer_init=True, disable_cuda_graph=not graphs,
-                      cuda_graph_max_bs=bs)
+                      cuda_graph_max_bs=bs, enable_cascade_attention=cascade)
     return ModelRunner(args, dummy_model_dir())
 
 
@@ -70,7 +71,7 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
-    runner = make_runner(a.bs, a.ctx, 3 * a.steps, graphs=cuda and not a.no_graphs)
+    runner = make_runner(a.bs, a.ctx, 3 * a.steps, graphs=cuda and not a.no_graphs, cascade=a.shared > 0)
     reqs = make_reqs(runner, a.bs, a.ctx, a.temperature, a.shared)
     rows = []
     modes = [("graph", runner.graphs), ("eager", None)] if runner.graphs else [("eager", None)]
