@@ -122,14 +122,16 @@ class TokenizerManager:
         v = self.vocab_size
         for name, toks in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias)),
                            ("token_ids_logprob", opts.token_ids_logprob or [])):
-            if any(not isinstance(t, int) or not 0 <= t < v for t in toks):
+            if not isinstance(toks, list) or any(not _is_int(t) or not 0 <= t < v for t in toks):
                 raise ValueError(f"{name}: ids must be ints in [0, {v})")
-        for name in ("return_logprob", "return_text_in_logprobs"):
+        # Every field must have its declared type here: the scheduler drops a frame it cannot
+        # decode, and a request dropped there would never be answered.
+        for name in ("return_logprob", "return_text_in_logprobs", "detokenize"):
             if not isinstance(getattr(opts, name), bool):
                 raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be a bool")
-        if not isinstance(opts.logprob_start_len, int) or not -1 <= opts.logprob_start_len < len(ids):
+        if not _is_int(opts.logprob_start_len) or not -1 <= opts.logprob_start_len < len(ids):
             raise ValueError(f"logprob_start_len={opts.logprob_start_len!r} is invalid: must be -1 or in [0, {len(ids)})")
-        if not isinstance(opts.top_logprobs_num, int) or opts.top_logprobs_num < 0:
+        if not _is_int(opts.top_logprobs_num) or opts.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num={opts.top_logprobs_num!r} is invalid: must be an int >= 0")
         if opts.custom_logit_processor is not None:
             check_allowed(opts.custom_logit_processor, self.allowed_processors)
@@ -148,6 +150,8 @@ class TokenizerManager:
         self.check(ids, params, opts)
         if rid is not None and not isinstance(rid, str):
             raise ValueError(f"rid must be a str, got {type(rid).__name__}")
+        if not isinstance(stream, bool):
+            raise ValueError(f"stream={stream!r} is invalid: must be a bool")
         rid = self.rid_prefix + (rid or uuid.uuid4().hex)
         if params.n == 1:
             gen = self._one(self._submit(rid, ids, params, stream, opts, None), stream)
@@ -430,3 +434,7 @@ async def _cancel_and_close(tasks: list[asyncio.Future[Any]], gens: list[Any]) -
     await asyncio.gather(*tasks, return_exceptions=True)
     for g in gens:
         await g.aclose()
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -198,6 +198,10 @@ def test_bad_requests_are_value_errors_naming_the_field(engine: sgl.Engine) -> N
         ({"return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
         ({"return_logprob": True, "token_ids_logprob": [VOCAB]}, "token_ids_logprob"),
         ({"no_such_option": 1}, "no_such_option"),
+        # Wrong types would make the scheduler drop the frame and the request wait forever.
+        ({"detokenize": "yes"}, "detokenize"),
+        ({"return_logprob": True, "top_logprobs_num": True}, "top_logprobs_num"),
+        ({"return_logprob": True, "token_ids_logprob": 5}, "token_ids_logprob"),
     ]
     for kwargs, field in cases:
         with pytest.raises(ValueError, match=field):
