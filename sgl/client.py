@@ -80,9 +80,12 @@ class Client:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         rid: str | list[str] | None = None,
+        **options: Any,
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """One dict for one prompt; a list of dicts, in order, for a batch."""
-        return await self._post("/generate", _payload(prompt, sampling_params, input_ids, rid, stream=False))
+        """One dict for one prompt; a list of dicts, in order, for a batch. `options`: the
+        native route's other fields (return_logprob, logprob_start_len, top_logprobs_num,
+        token_ids_logprob, return_text_in_logprobs); an unknown one is a 400."""
+        return await self._post("/generate", _payload(prompt, sampling_params, input_ids, rid, False, options))
 
     async def stream(
         self,
@@ -90,10 +93,11 @@ class Client:
         sampling_params: dict[str, Any] | None = None,
         input_ids: list[int] | None = None,
         rid: str | None = None,
+        **options: Any,
     ) -> AsyncIterator[dict[str, Any]]:
         """Delta chunks; the last has a finish_reason. Leaving early aborts the request
-        (the server sees the connection close)."""
-        payload = _payload(prompt, sampling_params, input_ids, rid, stream=True)
+        (the server sees the connection close). `options` as for generate."""
+        payload = _payload(prompt, sampling_params, input_ids, rid, True, options)
         async with self._http.stream("POST", "/generate", json=payload) as r:
             if r.status_code >= 400:
                 await r.aread()
@@ -126,8 +130,8 @@ class Client:
         return await self._post("/flush_cache", {})
 
 
-def _payload(prompt: Any, sp: Any, input_ids: Any, rid: Any, stream: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"stream": stream}
+def _payload(prompt: Any, sp: Any, input_ids: Any, rid: Any, stream: bool, options: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {**options, "stream": stream}
     for name, value in (("text", prompt), ("sampling_params", sp), ("input_ids", input_ids), ("rid", rid)):
         if value is not None:
             out[name] = value

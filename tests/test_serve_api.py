@@ -310,6 +310,16 @@ def test_client_generate_stream_abort(server: ServerProc) -> None:
             assert rest[-1]["meta_info"]["finish_reason"]["type"] == "abort"
             with pytest.raises(ValueError, match="temperature"):
                 await c.generate("x", {"temperature": -1})
+            scored = await c.generate(input_ids=[7, 8], sampling_params={"max_new_tokens": 5, "temperature": 0},
+                                      return_logprob=True, logprob_start_len=0)
+            assert isinstance(scored, dict) and scored["output_ids"] == out["output_ids"]
+            assert len(scored["meta_info"]["output_token_logprobs"]) == 5
+            assert len(scored["meta_info"]["input_token_logprobs"]) == 2
+            streamed = [ch async for ch in c.stream(input_ids=[7, 8], sampling_params={"max_new_tokens": 5,
+                                                    "temperature": 0}, return_logprob=True)]
+            assert sum(len(ch["meta_info"]["output_token_logprobs"]) for ch in streamed) == 5
+            with pytest.raises(ValueError, match="no_such_field"):
+                await c.generate(input_ids=[7], no_such_field=1)
         async with sgl.Client(server.url, api_key="nope") as c:
             with pytest.raises(PermissionError):
                 await c.generate("x")
