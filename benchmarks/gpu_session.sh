@@ -2,7 +2,7 @@
 # One call on the lent H200 (see ../shared/gpu/README.md): install the carried
 # wheels, restore FlashInfer kernels built by an earlier call (.ficache), run the
 # given steps, and hand the kernel cache back under $OUT for the next call.
-# Usage: bash benchmarks/gpu_session.sh STEP... (tests w1 w12ov w1hf w2 w2hf w3 profile profile2)
+# Usage: bash benchmarks/gpu_session.sh STEP... (jitbg tests w1 w12ov w1hf w2 w2hf w3 profile profile2 cascadeprof)
 set -uo pipefail
 eval "$(bash .whl/install-wheels.sh)"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -22,6 +22,7 @@ for step in "$@"; do
     w2hf) timeout 500 python3 -m benchmarks.w1_w2_gpu --workloads W2 2>&1 | tail -8 ;;
     w3) timeout 300 python3 -m benchmarks.w3_shared_prefix 2>&1 | tail -8 ;;
     profile) timeout 300 python3 -m benchmarks.profile_decode 2>&1 | grep -v "info \|USDT" ;;
+    cascadeprof) timeout 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 4 --no-graphs 2>&1 | grep -v "info \|USDT" ;;
     profile2) timeout 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 2>&1 | grep -v "info \|USDT" | head -30 ;;
   esac
 done
