@@ -89,13 +89,14 @@ class Client:
 
     async def stream(
         self,
-        prompt: str | None = None,
-        sampling_params: dict[str, Any] | None = None,
-        input_ids: list[int] | None = None,
-        rid: str | None = None,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
         **options: Any,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Delta chunks; the last has a finish_reason. Leaving early aborts the request
+        """Delta chunks; the last has a finish_reason. A batch's chunks interleave, each
+        with its "index" (as `AsyncEngine.stream`). Leaving early aborts the request(s)
         (the server sees the connection close). `options` as for generate."""
         payload = _payload(prompt, sampling_params, input_ids, rid, True, options)
         async with self._http.stream("POST", "/generate", json=payload) as r:

@@ -34,7 +34,8 @@ from sgl.metrics import Metrics
 from sgl.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
 from sgl.roles import ChildConfig
 from sgl.server_args import ServerArgs
-from sgl.tokenizer_manager import EngineDeadError, ReqOptions, TokenizerManager
+from sgl.sampling_params import SamplingParams
+from sgl.tokenizer_manager import EngineDeadError, ReqOptions, TokenizerManager, merge_streams
 from sgl.transports.factory import make_addresses, open_receiver, open_sender
 
 __all__ = ["AsyncEngine", "Engine", "EngineDeadError"]
@@ -205,22 +206,36 @@ class AsyncEngine:
 
     async def stream(
         self,
-        prompt: str | None = None,
-        sampling_params: dict[str, Any] | None = None,
-        input_ids: list[int] | None = None,
-        rid: str | None = None,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
         **options: Any,
     ) -> AsyncIterator[dict[str, Any]]:
         """Delta chunks: each holds the new text, ids and logprobs; the last has a
         finish_reason. With n > 1 the samples' chunks interleave, each with its "index".
-        Leaving the loop early aborts the request. Options as for `generate`."""
+        A batch (arguments as for `generate`) interleaves the chunks of all its prompts,
+        each with "index" = the prompt's position, or with n > 1 the count of samples
+        of the prompts before it plus the sample's index (prompt_index * n + sample_index
+        when every prompt has the same n). Leaving the loop early aborts every unfinished
+        request. Options as for `generate`."""
         self._check_open()
-        gen = self.tm.generate(prompt, input_ids, sampling_params, rid, stream=True, opts=_options(options))
+        items = _split_batch(prompt, input_ids, sampling_params, rid)
+        if items is None:
+            gen = self.tm.generate(prompt, input_ids, sampling_params, rid, stream=True, opts=_options(options))
+        else:
+            gen = self._stream_batch(items, _batch_options(options, len(items)))
         try:
             async for chunk in gen:
                 yield chunk
         finally:
             await gen.aclose()
+
+    def _stream_batch(self, items: list[tuple[Any, Any, Any, Any]],
+                      opts: list[ReqOptions]) -> AsyncIterator[dict[str, Any]]:
+        offsets = _index_offsets([sp for _, _, sp, _ in items])
+        gens = [self.tm.generate(p, ids, sp, r, stream=True, opts=o) for (p, ids, sp, r), o in zip(items, opts)]
+        return merge_streams(gens, offsets)
 
     async def abort(self, rid: str) -> None:
         self.tm.abort(rid)
@@ -307,6 +322,15 @@ def _split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[A
     return list(zip(prompts, ids, sps, rids))
 
 
+def _index_offsets(sps: list[Any]) -> list[int]:
+    """The first chunk index of each prompt of a streamed batch: the samples before it."""
+    offsets, total = [], 0
+    for sp in sps:
+        offsets.append(total)
+        total += SamplingParams.coerce(sp).n
+    return offsets
+
+
 _OPTION_NAMES = frozenset(f.name for f in fields(ReqOptions))
 
 
@@ -327,6 +351,15 @@ def _batch_options(options: dict[str, Any], n: int) -> list[ReqOptions]:
         for i in range(n):
             per[i][k] = v[i] if per_item else v
     return [_options(o) for o in per]
+
+
+def _check_stream_args(prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> None:
+    """The checks of `AsyncEngine.stream` that need no engine: batch shape and option names."""
+    items = _split_batch(prompt, input_ids, sp, rid)
+    if items is None:
+        _options(options)
+    else:
+        _batch_options(options, len(items))
 
 
 class _Done:
@@ -376,7 +409,8 @@ class Engine:
     ) -> Any:
         """As AsyncEngine.generate (same options); `stream=True` gives an iterator of chunks."""
         if stream:
-            _options(options)  # fail here, not in the first next()
+            # Fail here, not in the first next().
+            _check_stream_args(prompt, sampling_params, input_ids, rid, options)
             return self._stream(prompt, sampling_params, input_ids, rid, options)
         return self._run(self._engine.generate(prompt, sampling_params, input_ids, rid, **options))
 
@@ -405,7 +439,7 @@ class Engine:
     ) -> Any:
         """The awaitable twin of `generate`; with `stream=True` it returns an async iterator."""
         if stream:
-            _options(options)
+            _check_stream_args(prompt, sampling_params, input_ids, rid, options)
             return self._astream(prompt, sampling_params, input_ids, rid, options)
         fut = asyncio.run_coroutine_threadsafe(
             self._engine.generate(prompt, sampling_params, input_ids, rid, **options), self._loop

@@ -55,10 +55,6 @@ class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
     rid: str
 
 
-def is_batch(req: GenerateRequest) -> bool:
-    return isinstance(req.text, list) or bool(req.input_ids and isinstance(req.input_ids[0], list))
-
-
 def options(req: GenerateRequest) -> dict[str, Any]:
     """The request-level fields that were given, as the engine's keyword arguments."""
     return {name: v for name in _OPTION_FIELDS if (v := getattr(req, name)) is not None}
@@ -91,10 +87,6 @@ async def primed(gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, 
 async def generate(state: ServerState, request: Request, body: bytes) -> Response:
     req = decode_body(body, GenerateRequest)
     if req.stream:
-        if is_batch(req):
-            raise ApiError(400, "stream: a batch of prompts cannot be streamed; send one request per prompt", "stream")
-        if isinstance(req.sampling_params, list) or isinstance(req.rid, list):
-            raise ApiError(400, "sampling_params/rid: a single streamed request takes one of each", "sampling_params")
         chunks = await primed(state.engine.stream(req.text, req.sampling_params, req.input_ids, req.rid,
                                                   **options(req)))
         return StreamingResponse(sse_stream(chunks), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -210,15 +210,13 @@ async def completions(state: ServerState, body: bytes) -> Response:
     prompts = _prompts(req.prompt)
     opts = {} if req.logprobs is None else logprob_options(req.logprobs, req.echo)
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+    if len(prompts) > 1 and req.rid is not None:
+        raise ApiError(400, "rid: a batch of prompts takes no rid", "rid")
     if req.stream:
-        if len(prompts) != 1:
-            raise ApiError(400, "stream: a batch of prompts cannot be streamed", "stream")
-        return await _stream_completion(state, req, *prompts[0], sp, opts, cid, created)
+        return await _stream_completion(state, req, prompts, sp, opts, cid, created)
     if len(prompts) == 1:
         per_prompt = [await state.engine.generate(prompts[0][0], sp, prompts[0][1], req.rid, **opts)]
     else:
-        if req.rid is not None:
-            raise ApiError(400, "rid: a batch of prompts takes no rid", "rid")
         per_prompt = await asyncio.gather(*(state.engine.generate(t, sp, i, **opts) for t, i in prompts))
     # With n > 1 each prompt gives a list of n samples: choice index = prompt index * n + sample.
     groups = [o if isinstance(o, list) else [o] for o in per_prompt]
@@ -234,18 +232,27 @@ async def completions(state: ServerState, body: bytes) -> Response:
                           "choices": choices, "usage": total})
 
 
-async def _stream_completion(state: ServerState, req: CompletionRequest, text: str | None, ids: list[int] | None,
-                             sp: dict[str, Any], opts: dict[str, Any], cid: str, created: int) -> Response:
-    chunks = await primed(state.engine.stream(text, sp, ids, req.rid, **opts))
-    echo = _echo_text(state, text, ids) if req.echo else ""
-    offsets: dict[int, int] = {}  # each sample's text offset so far; absent before its first chunk
+async def _stream_completion(state: ServerState, req: CompletionRequest,
+                             prompts: list[tuple[str | None, list[int] | None]], sp: dict[str, Any],
+                             opts: dict[str, Any], cid: str, created: int) -> Response:
+    """One prompt's or a batch's choices, streamed interleaved; the engine numbers a
+    batch's chunks prompt_index * n + sample_index, as the choices are numbered."""
+    if len(prompts) == 1:
+        chunks = await primed(state.engine.stream(prompts[0][0], sp, prompts[0][1], req.rid, **opts))
+    else:
+        texts, ids = [t for t, _ in prompts], [i for _, i in prompts]
+        chunks = await primed(state.engine.stream(None if texts[0] is None else texts, sp,
+                                                  None if ids[0] is None else ids, **opts))
+    echoes = [_echo_text(state, t, i) if req.echo else "" for t, i in prompts]
+    offsets: dict[int, int] = {}  # each choice's text offset so far; absent before its first chunk
 
     def chunk(c: dict[str, Any]) -> dict[str, Any]:
         i = c.get("index", 0)
         lp = None
         if req.logprobs is not None:
             lp = completion_logprobs(c["meta_info"], req.echo, offsets.get(i, 0))
-        choice = {"index": i, "text": c["text"] if i in offsets else echo + c["text"], "logprobs": lp,
+        text = c["text"] if i in offsets else echoes[i // req.n] + c["text"]
+        choice = {"index": i, "text": text, "logprobs": lp,
                   "finish_reason": finish_reason(c["meta_info"]["finish_reason"])}
         offsets[i] = offsets.get(i, 0) + (sum(map(len, lp["tokens"])) if lp else 0)
         return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
@@ -331,23 +338,28 @@ def _add_usage(total: dict[str, int], samples: list[dict[str, Any]]) -> None:
 
 async def _openai_stream(chunks: AsyncIterator[dict[str, Any]], shape: Any, req: _Sampling, cid: str, obj: str,
                          created: int, model: str) -> AsyncIterator[dict[str, Any]]:
-    last: dict[int, dict[str, Any]] = {}  # each sample's latest meta_info
+    last: dict[int, dict[str, Any]] = {}  # each choice's latest meta_info
     async for c in chunks:
         last[c.get("index", 0)] = c["meta_info"]
         out = shape(c)
         if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-            out["usage"] = _stream_usage(last)
+            out["usage"] = _stream_usage(last, req.n)
         yield out
     if last and req.stream_options is not None and req.stream_options.include_usage:
         yield {"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-               "usage": _stream_usage(last)}
+               "usage": _stream_usage(last, req.n)}
 
 
-def _stream_usage(last: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def _stream_usage(last: dict[int, dict[str, Any]], n: int) -> dict[str, Any]:
+    """The usage so far of the choices seen; choice i belongs to prompt i // n."""
     if len(last) == 1:
         return usage(next(iter(last.values())))
+    per_prompt: dict[int, list[dict[str, Any]]] = {}
+    for i, m in sorted(last.items()):
+        per_prompt.setdefault(i // n, []).append({"meta_info": m})
     total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    _add_usage(total, [{"meta_info": m} for m in last.values()])
+    for samples in per_prompt.values():
+        _add_usage(total, samples)
     return total
 
 

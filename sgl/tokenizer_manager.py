@@ -173,7 +173,7 @@ class TokenizerManager:
             self._forget(rids[: len(gens)])
             raise
         if stream:
-            merged = _merge(gens)
+            merged = merge_streams(gens)
             try:
                 async for item in merged:
                     yield item
@@ -397,8 +397,13 @@ def generation_defaults(model_path: str | None) -> dict[str, Any]:
     return {k: cfg[k] for k in GENERATION_CONFIG_FIELDS if k in cfg and cfg[k] is not None}
 
 
-async def _merge(gens: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[dict[str, Any]]:
-    """Interleave the chunks of n sample streams, tagging each with its sample's index."""
+async def merge_streams(gens: list[AsyncIterator[dict[str, Any]]],
+                        offsets: list[int] | None = None) -> AsyncIterator[dict[str, Any]]:
+    """Interleave the chunks of several streams as they arrive. A chunk of stream i gets
+    "index" = offsets[i] (i by default) plus the index it already carries (a sample's,
+    when stream i is itself merged). Closing it, or an error from any stream, closes
+    them all (each unfinished request sends its abort)."""
+    starts = list(range(len(gens))) if offsets is None else offsets
     q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(i: int, g: AsyncIterator[dict[str, Any]]) -> None:
@@ -420,7 +425,7 @@ async def _merge(gens: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[dic
             elif isinstance(item, BaseException):
                 raise item
             else:
-                item["index"] = i
+                item["index"] = starts[i] + item.get("index", 0)
                 yield item
     finally:
         await _cancel_and_close(tasks, gens)

@@ -3,11 +3,13 @@ null model with SmolLM2's tokenizer (instant logits, real text): forced token
 sequences through a custom logit processor, exact Unicode round trips streamed
 or not, stop strings (trimmed, held back while streaming), min_new_tokens,
 detokenize=False, n > 1 sharing the prompt's KV, validation errors at submit
-time, and one batch that mixes all of it. KV accounting is checked after each
-test."""
+time, one batch that mixes all of it, and streamed batches (chunks by index equal
+the non-streamed results; leaving early aborts them all). KV accounting is
+checked after each test."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import shutil
@@ -304,3 +306,94 @@ def test_aborting_an_n_request_aborts_every_sample(engine: sgl.Engine) -> None:
     engine.abort("many")
     reasons = [c["meta_info"]["finish_reason"] for c in it if c["meta_info"]["finish_reason"]]
     assert [r["type"] for r in reasons] == ["abort", "abort"]
+
+
+# ---- streamed batches ------------------------------------------------------------------
+
+
+def by_index(chunks: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    per: dict[int, list[dict[str, Any]]] = {}
+    for c in chunks:
+        per.setdefault(c["index"], []).append(c)
+    return per
+
+
+def assert_stream_matches(per: list[dict[str, Any]], out: dict[str, Any]) -> None:
+    """One index's chunks add up to the non-streamed result; only the last has a finish_reason."""
+    assert [t for c in per for t in c["output_ids"]] == out["output_ids"]
+    assert "".join(c["text"] for c in per) == out["text"]
+    assert [c["meta_info"]["finish_reason"] for c in per[:-1]] == [None] * (len(per) - 1)
+    assert per[-1]["meta_info"]["finish_reason"] == out["meta_info"]["finish_reason"]
+    lps = [t for c in per for t in c["meta_info"].get("output_token_logprobs", [])]
+    assert lps == out["meta_info"].get("output_token_logprobs", [])
+
+
+def test_streamed_batch_equals_the_generated_batch(engine: sgl.Engine) -> None:
+    prompts = [[5, 6], [7], [30, 31, 32]]
+    params: list[dict[str, Any]] = [{"temperature": 0, "max_new_tokens": k, "ignore_eos": True} for k in (6, 2, 4)]
+    kw: dict[str, Any] = {"input_ids": prompts, "sampling_params": params, "return_logprob": [True, False, True],
+                          "return_text_in_logprobs": True}
+    outs = engine.generate(**kw)
+    chunks = list(engine.generate(**kw, stream=True, rid=["b0", "b1", "b2"]))
+    per = by_index(chunks)
+    assert sorted(per) == [0, 1, 2]
+    for i, out in enumerate(outs):
+        assert out["output_ids"] == null_chain(prompts[i][-1], params[i]["max_new_tokens"])
+        assert {c["meta_info"]["id"] for c in per[i]} == {f"b{i}"}
+        assert_stream_matches(per[i], out)
+
+
+def test_streamed_batch_with_n_numbers_choices_prompt_major(engine: sgl.Engine) -> None:
+    sp = {"n": 2, "temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+    prompts = ["Hello there", "Bye", "One two three"]
+    outs = engine.generate(prompts, sp)
+    per = by_index(list(engine.generate(prompts, sp, stream=True)))
+    assert sorted(per) == list(range(6))
+    for k, chunks in per.items():  # index = prompt_index * n + sample_index
+        assert_stream_matches(chunks, outs[k // 2][k % 2])
+    # Prompts with different n: each prompt's indices follow the samples of those before it.
+    mixed = [{**sp, "n": 3}, {**sp, "n": 1}, sp]
+    outs = engine.generate(prompts, mixed)
+    flat = [outs[0][0], outs[0][1], outs[0][2], outs[1], outs[2][0], outs[2][1]]
+    per = by_index(list(engine.generate(prompts, mixed, stream=True)))
+    assert sorted(per) == list(range(6))
+    for k, chunks in per.items():
+        assert_stream_matches(chunks, flat[k])
+
+
+def test_streamed_batch_interleaves_and_leaving_early_aborts_all(engine: sgl.Engine) -> None:
+    long = {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True}
+    params = [long, {**long, "max_new_tokens": 2}, {**long, "n": 2}]
+    it = engine.generate(input_ids=[[4], [5], [6]], sampling_params=params, stream=True)
+    finished = []
+    for c in it:  # the short prompt finishes while the long ones still run: chunks arrive as they come
+        if c["meta_info"]["finish_reason"] is not None:
+            finished.append(c["index"])
+            break
+    assert finished == [1]
+    it.close()
+    # The aborts reach the scheduler; the autouse check then finds every slot back.
+    for _ in range(100):
+        if engine.get_server_info()["running"] == 0:
+            break
+
+
+def test_streamed_batch_async_and_errors(engine: sgl.Engine) -> None:
+    async def main() -> None:
+        sp = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
+        stream = await engine.async_generate(input_ids=[[8], [9]], sampling_params=sp, stream=True)
+        per = by_index([c async for c in stream])
+        assert {i: [t for c in cs for t in c["output_ids"]] for i, cs in per.items()} == \
+            {0: null_chain(8, 3), 1: null_chain(9, 3)}
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="sampling_params"):  # at the call, not at the first chunk
+        engine.generate(input_ids=[[1], [2]], sampling_params=[{}], stream=True)
+    with pytest.raises(ValueError, match="top_logprobs_num"):
+        engine.generate(input_ids=[[1], [2]], top_logprobs_num=[1, 2, 3], stream=True)
+    # A bad prompt fails the stream before any chunk, and its good sibling is aborted.
+    with pytest.raises(ValueError, match="input_ids"):
+        next(engine.generate(input_ids=[[1, 2], [VOCAB]], sampling_params={"max_new_tokens": 500}, stream=True))
+    for _ in range(100):
+        if engine.get_server_info()["running"] == 0:
+            break

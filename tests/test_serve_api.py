@@ -121,6 +121,43 @@ def test_openai_n_samples(oai: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_openai_streamed_batch(oai: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"model": "smol", "prompt": ["Hello", "Bye now"], "max_tokens": 3, "temperature": 1.0,
+                          "seed": 7, "n": 2, "echo": True, "logprobs": 1, "extra_body": {"ignore_eos": True}}
+    r = oai.completions.create(**kw)
+    assert r.choices[0].text.startswith("Hello") and r.choices[2].text.startswith("Bye now")
+    assert r.choices[0].text != r.choices[1].text  # seed + i: the samples differ, so their order is checked
+    chunks = list(oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    lists: dict[int, list[list[Any]]] = {}
+    for c in chunks[:-1]:
+        (ch,) = c.choices
+        texts[ch.index] = texts.get(ch.index, "") + ch.text
+        lists[ch.index] = [a + b for a, b in zip(lists.get(ch.index, [[]] * 4), _lists(ch.logprobs))]
+    assert texts == {c.index: c.text for c in r.choices}  # index = prompt_index * n + sample_index
+    assert lists == {c.index: _lists(c.logprobs) for c in r.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+    ids = list(oai.completions.create(model="smol", prompt=[[1, 2], [3]], max_tokens=2, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True}))
+    assert sorted(ch.index for c in ids for ch in c.choices if ch.finish_reason == "length") == [0, 1]
+
+
+def test_native_streamed_batch(server: ServerProc) -> None:
+    body: dict[str, Any] = {"input_ids": [[1, 2], [3]], "rid": ["nb-0", "nb-1"], "return_logprob": [False, True],
+                            "sampling_params": [{"max_new_tokens": 3, "temperature": 0},
+                                                {"max_new_tokens": 2, "temperature": 0, "n": 2}]}
+    outs = server.post("/generate", json=body).json()
+    with httpx.stream("POST", server.url + "/generate", headers=server.headers, json={**body, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    per: dict[int, list[int]] = {}
+    for ln in lines[:-1]:
+        c = json.loads(ln[len("data:"):])
+        per[c["index"]] = per.get(c["index"], []) + c["output_ids"]
+        assert ("output_token_logprobs" in c["meta_info"]) == (c["index"] > 0)
+    assert per == {0: outs[0]["output_ids"], 1: outs[1][0]["output_ids"], 2: outs[1][1]["output_ids"]}
+
+
 def _native(server: ServerProc, **kw: Any) -> dict[str, Any]:
     """One request through an AsyncEngine attached over tcp, logprob token texts included."""
     async def main() -> dict[str, Any]:
