@@ -73,6 +73,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     runner = make_runner(a.bs, a.ctx, 3 * a.steps, graphs=cuda and not a.no_graphs, cascade=a.shared > 0)
     reqs = make_reqs(runner, a.bs, a.ctx, a.temperature, a.shared)
+    if cuda and a.shared:
+        cascade_alone(runner, reqs, a.shared)
     rows = []
     modes = [("graph", runner.graphs), ("eager", None)] if runner.graphs else [("eager", None)]
     for name, graphs in modes:
@@ -100,6 +102,87 @@ def main() -> None:
     print(f"cascade steps: {runner.cascade_steps}")
     if cuda and not a.shared:
         attention_alone(runner, reqs)
+
+
+def _time_us(fn: object, reps: int = 20) -> float:
+    """GPU microseconds per call of fn (CUDA events around reps calls, after warm-up)."""
+    for _ in range(3):
+        fn()  # type: ignore[operator]
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        fn()  # type: ignore[operator]
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) / reps * 1e3
+
+
+def _plan_ms(plan: object) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    plan()  # type: ignore[operator]
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3
+
+
+def cascade_alone(runner: ModelRunner, reqs: list[Req], shared: int) -> None:
+    """The pieces of one layer's cascade attention for this batch, each timed alone,
+    against plain decode over the whole context: which piece (or which plan) is slow."""
+    import flashinfer
+
+    from sgl.cache.req_to_token_pool import gather_kv_indices
+
+    m, dt, b = runner.model, runner.dtype, len(reqs)
+    host = runner.req_to_token_pool.req_to_token
+    lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+    rows_ = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+
+    def indptr(x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.numel() + 1, dtype=torch.int32)
+        out[1:] = x.cumsum(0)
+        return out.pin_memory()
+
+    full_ptr, own_ptr = indptr(lens), indptr(lens - shared)
+    full = gather_kv_indices(host, rows_, torch.zeros_like(lens), lens, int(full_ptr[-1])).cuda()
+    own = gather_kv_indices(host, rows_, torch.full_like(lens, shared), lens - shared, int(own_ptr[-1])).cuda()
+    shared_idx = host[reqs[0].req_pool_idx, :shared].cuda()
+    q = torch.randn(b, m.num_heads, m.head_dim, dtype=dt, device="cuda")
+    kv = (runner.kv_pool.k_buffer[0].unsqueeze(1), runner.kv_pool.v_buffer[0].unsqueeze(1))
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ones = torch.ones(b, dtype=torch.int32).pin_memory()
+    h = (m.num_heads, m.num_kv_heads, m.head_dim, 1)
+    kw = {"q_data_type": dt, "kv_data_type": dt}
+    plain = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    top = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    own_dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    own_pre = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    one = torch.tensor([0, b], dtype=torch.int32).pin_memory()
+    rng = torch.arange(b + 1, dtype=torch.int32).pin_memory()
+    plans = {
+        "plain decode plan": lambda: plain.plan(full_ptr, full, ones, *h, **kw),
+        "shared block plan": lambda: top.plan(one, torch.tensor([0, shared], dtype=torch.int32).pin_memory(),
+                                              shared_idx, ones[:1], *h, causal=False,
+                                              seq_lens=torch.tensor([shared], dtype=torch.int32).pin_memory(), **kw),
+        "suffix decode plan": lambda: own_dec.plan(own_ptr, own, ones, *h, **kw),
+        "suffix prefill plan": lambda: own_pre.plan(rng, own_ptr, own, ones, *h, causal=False,
+                                                    seq_lens=(lens - shared).to(torch.int32).pin_memory(), **kw),
+    }
+    out = [{"piece": k, "ms (host)": _plan_ms(f)} for k, f in plans.items()]
+    o1, s1 = top.run(q, kv, return_lse=True)
+    o2, s2 = own_dec.run(q, kv, return_lse=True)
+    runs = {
+        "plain decode, whole context": lambda: plain.run(q, kv),
+        "shared block (prefill, B queries x P)": lambda: top.run(q, kv, return_lse=True),
+        "suffix decode": lambda: own_dec.run(q, kv, return_lse=True),
+        "suffix via prefill": lambda: own_pre.run(q, kv, return_lse=True),
+        "merge_state": lambda: flashinfer.merge_state(o1, s1, o2, s2),
+    }
+    out += [{"piece": k, "ms (host)": float("nan"), "us/layer (GPU)": _time_us(f)} for k, f in runs.items()]
+    for row in out:
+        row.setdefault("us/layer (GPU)", float("nan"))
+    print(f"--- cascade pieces, one layer: bs={b}, shared {shared}, own ~{int(lens.float().mean()) - shared}")
+    print(table(out))
 
 
 def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
