@@ -22,6 +22,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._kv_idx: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
         self._valid: torch.Tensor | None = None
+        self._mask_rep: tuple[int, torch.Tensor] | None = None
 
     def begin_forward(self, meta: AttnMetadata) -> None:
         dev = meta.kv_indices.device
@@ -50,6 +51,7 @@ class TorchAttentionBackend(AttentionBackend):
         # Padded query rows attend to slot 0 alone, so softmax never sees an empty row.
         mask[:, :, 0] |= ~q_valid
         self._mask = mask[:, None]  # [B, 1, max_q, max_kv]
+        self._mask_rep = None
         self._valid = q_valid
 
     def forward(
@@ -58,11 +60,23 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert self._q_idx is not None and self._kv_idx is not None
         qp = q[self._q_idx].transpose(1, 2)  # [B, Hq, max_q, D]
-        k = k_cache[self._kv_idx].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_kv, D]: new tokens included
-        v = v_cache[self._kv_idx].transpose(1, 2).to(q.dtype)
-        if k.shape[1] != qp.shape[1]:
-            rep = qp.shape[1] // k.shape[1]
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=self._mask, scale=scale)
-        return out.transpose(1, 2)[self._valid]  # [T, Hq, D], in qo_indptr order
+        b, hq, lq, d = qp.shape
+        shape = (*self._kv_idx.shape, *k_cache.shape[1:])  # [B, max_kv, Hkv, D]: new tokens included
+        flat = self._kv_idx.view(-1)
+        k = k_cache.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, max_kv, D]
+        v = v_cache.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)
+        rep = hq // k.shape[1]
+        # GQA without copying K/V per query head: query head h reads KV head h // rep, so the
+        # rep query heads of a KV head become rep blocks of rows of one attention problem.
+        qg = qp.reshape(b, k.shape[1], rep * lq, d)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=self._grouped_mask(rep), scale=scale)
+        return out.reshape(b, hq, lq, d).transpose(1, 2)[self._valid]  # [T, Hq, D], in qo_indptr order
+
+    def _grouped_mask(self, rep: int) -> torch.Tensor:
+        """The mask for rep query heads stacked along the rows (built once per batch)."""
+        assert self._mask is not None
+        if rep == 1:
+            return self._mask
+        if self._mask_rep is None or self._mask_rep[0] != rep:
+            self._mask_rep = (rep, self._mask.repeat(1, 1, rep, 1))
+        return self._mask_rep[1]

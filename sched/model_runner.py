@@ -56,9 +56,11 @@ class ModelRunner:
     def __init__(self, args: ServerArgs, model_path: str) -> None:
         self.log = get_logger("scheduler")
         self.device = resolve_device(args)
+        off = args.disable_overlap_schedule
+        self.overlap = self.device.type == "cuda" if off is None else not off
         # The CPU overlap loop runs each forward on this thread; CUDA queues kernels instead.
         self.worker = (ThreadPoolExecutor(1, thread_name_prefix="sgl-forward")
-                       if self.device.type == "cpu" and not args.disable_overlap_schedule else None)
+                       if self.device.type == "cpu" and self.overlap else None)
         self.dtype = resolve_dtype(args, self.device)
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)

@@ -75,7 +75,7 @@ class Scheduler:
         self.strict = os.environ.get("SGL_STRICT_INVARIANTS") == "1"
         self.invariant_violations = 0
         self.checked_idle = False
-        self.overlap = not args.disable_overlap_schedule
+        self.overlap = self.runner.overlap
         # Loop time split: building and launching batches, waiting for results, processing them.
         self.stats: dict[str, float] = {"prefill_tokens": 0, "decode_steps": 0, "retractions": 0, "cached_tokens": 0,
                                         "build_s": 0.0, "wait_s": 0.0, "process_s": 0.0}

@@ -34,7 +34,9 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     chunked_prefill_size: int | None = None
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = False
+    # None: the overlap loop on CUDA, off on CPU (there the forward's worker thread and
+    # the scheduler fight for the same cores: W4 and W5 both ran slower with it).
+    disable_overlap_schedule: bool | None = None
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     skip_tokenizer_init: bool = False
     cuda_graph_max_bs: int = 256

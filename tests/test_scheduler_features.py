@@ -116,7 +116,8 @@ def test_soak_eviction_retraction_aborts_streams(tiny_dir: str, reference: sgl.E
 
     async def main() -> list[tuple[list[int], list[int], dict[str, Any]]]:
         async with sgl.AsyncEngine(tiny_dir, transport="ipc", skip_tokenizer_init=True, max_total_tokens=300,
-                                   max_running_requests=48, chunked_prefill_size=64) as e:
+                                   max_running_requests=48, chunked_prefill_size=64,
+                                   disable_overlap_schedule=False) as e:
             results = await asyncio.gather(*(one(e, i) for i in range(1000)))
             info = await e.get_server_info()
             assert_kv_balanced(info)
