@@ -1,10 +1,11 @@
 """The request-to-token table's device mirror: after any sequence of range writes
 and one-slot-per-row decode writes, overlapping and overwriting each other, a sync
-leaves the mirror equal to the host table (here the mirror is a second CPU table;
-the code path is the same one CUDA takes, bar the pinned copy)."""
+leaves the mirror equal to the host table: a second CPU table, and (marked gpu) a
+CUDA mirror fed by pinned asynchronous copies."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,10 +21,16 @@ _decode_write = st.tuples(st.just("write_at"), st.lists(st.integers(0, ROWS - 1)
 _sync = st.tuples(st.just("sync"))
 
 
+_DEVICES = [pytest.param("cpu", id="cpu"),
+            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(_range_write, _decode_write, _sync), max_size=40))
-def test_mirror_equals_host_after_every_sync(ops: list[tuple]) -> None:
-    pool = ReqToTokenPool(ROWS, WIDTH)
+@given(ops=st.lists(st.one_of(_range_write, _decode_write, _sync), max_size=40))
+def test_mirror_equals_host_after_every_sync(device: str, ops: list[tuple]) -> None:
+    pool = ReqToTokenPool(ROWS, WIDTH, device)
     for op in ops:
         if op[0] == "write":
             _, row, start, values = op
@@ -35,11 +42,11 @@ def test_mirror_equals_host_after_every_sync(ops: list[tuple]) -> None:
             pool.write_at(torch.tensor(rows), positions, torch.arange(base, base + len(rows), dtype=torch.int64))
         else:
             pool.sync()
-            assert torch.equal(pool.mirror, pool.req_to_token)
+            assert torch.equal(pool.mirror.cpu(), pool.req_to_token)
     pool.sync()
-    assert torch.equal(pool.mirror, pool.req_to_token)
+    assert torch.equal(pool.mirror.cpu(), pool.req_to_token)
     pool.sync()  # nothing changed: a no-op
-    assert torch.equal(pool.mirror, pool.req_to_token)
+    assert torch.equal(pool.mirror.cpu(), pool.req_to_token)
 
 
 def test_gather_kv_indices_concatenates_row_ranges() -> None:
