@@ -14,7 +14,7 @@ for step in "$@"; do
   echo "=== $step"
   case $step in
     jitbg) (python3 -c "import flashinfer.sampling as s; s.get_sampling_module()" >/tmp/jit.log 2>&1; echo "sampling JIT done rc=$?" >>/tmp/jit.log) & ;;
-    tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 ;;
+    tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests 2>&1 | tail -30 ;;
     w1) timeout 300 python3 -m benchmarks.w1_w2_gpu --workloads W1 --no-hf 2>&1 | tail -8 ;;
     w12ov) timeout 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --overlap-off 2>&1 | grep -v "info " ;;
     w1hf) timeout 400 python3 -m benchmarks.w1_w2_gpu --workloads W1 --overlap-off 2>&1 | tail -8 ;;
