@@ -20,7 +20,7 @@ import torch
 from benchmarks.common import dummy_model_dir, machine, table
 from sgl.sampling_params import SamplingParams
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.model_runner import ModelRunner
+from sgl.sched.model_runner import ModelRunner, indptr_of
 from sgl.sched.req import Req
 from sgl.server_args import ServerArgs
 
@@ -138,12 +138,7 @@ def cascade_alone(runner: ModelRunner, reqs: list[Req], shared: int) -> None:
     lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
     rows_ = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
 
-    def indptr(x: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(x.numel() + 1, dtype=torch.int32)
-        out[1:] = x.cumsum(0)
-        return out.pin_memory()
-
-    full_ptr, own_ptr = indptr(lens), indptr(lens - shared)
+    full_ptr, own_ptr = indptr_of(lens.tolist()).pin_memory(), indptr_of((lens - shared).tolist()).pin_memory()
     full = gather_kv_indices(host, rows_, torch.zeros_like(lens), lens, int(full_ptr[-1])).cuda()
     own = gather_kv_indices(host, rows_, torch.full_like(lens, shared), lens - shared, int(own_ptr[-1])).cuda()
     shared_idx = host[reqs[0].req_pool_idx, :shared].cuda()
@@ -193,8 +188,7 @@ def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
     table_ = runner.req_to_token_pool.req_to_token
     lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
     rows_ = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-    indptr = torch.zeros(len(reqs) + 1, dtype=torch.int32)
-    indptr[1:] = lens.cumsum(0)
+    indptr = indptr_of(lens.tolist())
     idx = gather_kv_indices(table_, rows_, torch.zeros_like(lens), lens, int(indptr[-1])).cuda()
     m = runner.model
     q = torch.randn(len(reqs), m.num_heads, m.head_dim, dtype=runner.dtype, device="cuda")

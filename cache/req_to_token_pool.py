@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from sgl.host_copy import to_device
+
 
 class ReqToTokenPool:
     """A [size, max_context] int32 table; `alloc` hands out free rows."""
@@ -24,7 +26,6 @@ class ReqToTokenPool:
         self.max_context = max_context
         self.req_to_token = torch.zeros((size, max_context), dtype=torch.int32)
         self.mirror = torch.zeros((size, max_context), dtype=torch.int32, device=mirror_device)
-        self._pinned = self.mirror.device.type == "cuda"
         # Per row, the range [lo, hi) written since the last sync; hi == 0: clean.
         self._lo = torch.full((size,), max_context, dtype=torch.int64)
         self._hi = torch.zeros(size, dtype=torch.int64)
@@ -70,14 +71,9 @@ class ReqToTokenPool:
         values = gather_kv_indices(self.req_to_token, rows, lo, n, total)
         self._lo[rows] = self.max_context
         self._hi[rows] = 0
-        r, lo, n, values = (self._to_mirror(t) for t in (rows, lo, n, values))
+        r, lo, n, values = (to_device(t, self.mirror.device) for t in (rows, lo, n, values))
         row_of, pos = flat_positions(r, lo, n, total)
         self.mirror[row_of, pos] = values
-
-    def _to_mirror(self, t: torch.Tensor) -> torch.Tensor:
-        if not self._pinned:
-            return t.to(self.mirror.device)
-        return t.pin_memory().to(self.mirror.device, non_blocking=True)
 
 
 def flat_positions(

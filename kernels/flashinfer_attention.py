@@ -97,7 +97,6 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _plan_cascade(self, c: CascadeMeta) -> None:
         self._mode = "cascade"
-        self._active_decode = self.decode
         b = c.suffix_indptr_host.numel() - 1
         p = c.shared_len
         # All b queries form one non-causal block over the shared slots.

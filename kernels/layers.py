@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 
 @functools.cache
-def _flashinfer() -> Any:
+def flashinfer_module() -> Any:
+    """The flashinfer package, or None where it is not installed."""
     try:
         import flashinfer
 
@@ -24,7 +25,7 @@ def _flashinfer() -> Any:
 
 def _gpu(x: torch.Tensor) -> Any:
     """FlashInfer when x lives on a GPU and FlashInfer is there, else None."""
-    return _flashinfer() if x.is_cuda and x.dtype != torch.float32 else None
+    return flashinfer_module() if x.is_cuda and x.dtype != torch.float32 else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

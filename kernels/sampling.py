@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl.kernels.layers import _flashinfer
+from sgl.kernels.layers import flashinfer_module
 
 
 def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -39,7 +39,7 @@ def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     (False skips it). Returns a new [B, V] tensor (or probs itself when neither)."""
     if not (need_top_k or need_top_p):
         return probs
-    if probs.is_cuda and (fi := _flashinfer()) is not None:
+    if probs.is_cuda and (fi := flashinfer_module()) is not None:
         # Top-p first, on the full distribution. Both filters keep a prefix of the sorted
         # row, so top-k of the top-p survivors is the shorter prefix: the same intersection
         # as below. (Top-k first would measure top-p on the renormalised survivors.)

@@ -18,6 +18,7 @@ from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.cache.req_to_token_pool import ReqToTokenPool, gather_kv_indices
 from sgl.kernels.attention import AttentionBackend, AttnMetadata, CascadeMeta
 from sgl.kernels.torch_attention import TorchAttentionBackend
+from sgl.host_copy import pinned, to_device
 from sgl.log import get_logger
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.forward_batch import ForwardBatch
@@ -151,8 +152,8 @@ class ModelRunner:
         request state so that the scheduler may change it while the batch runs.
         Nothing here waits for the device."""
         dev = self.device
-        qo_indptr = self._host(_indptr(batch.qo_lens))
-        kv_indptr = self._host(_indptr(batch.kv_lens))
+        qo_indptr = self._host(indptr_of(batch.qo_lens))
+        kv_indptr = self._host(indptr_of(batch.kv_lens))
         rows = torch.tensor(batch.rows, dtype=torch.int64)
         kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
         self.req_to_token_pool.sync()
@@ -175,7 +176,7 @@ class ModelRunner:
         )
         prefix_lens = [k - q for k, q in zip(batch.kv_lens, batch.qo_lens)]
         if not batch.is_decode and any(prefix_lens):
-            prefix_indptr = self._host(_indptr(prefix_lens))
+            prefix_indptr = self._host(indptr_of(prefix_lens))
             plens = torch.tensor(prefix_lens, dtype=torch.int64)
             meta.prefix_indptr_host = prefix_indptr
             meta.prefix_lens_host = self._host(plens.to(torch.int32))
@@ -245,21 +246,16 @@ class ModelRunner:
         table = self.req_to_token_pool.mirror
         self.cascade_steps += 1
         own = kv_lens - p
-        indptr = self._host(_indptr(own.tolist()))
+        indptr = self._host(indptr_of(own.tolist()))
         return CascadeMeta(p, table[batch.rows[0], :p].clone(), indptr,
                            gather_kv_indices(table, rows_dev, torch.full_like(rows_dev, p), kv_lens_dev - p,
                                              int(indptr[-1])))
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor the device will copy from asynchronously: pinned on CUDA."""
-        return t if self.device.type == "cpu" else t.pin_memory()
+        return pinned(t, self.device)
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
-        """Host tensor to the model's device; pinned and asynchronous on CUDA, so that
-        preparing batch N+1 never waits for batch N."""
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(t, self.device)
 
     def launch(self, p: PreparedBatch) -> Launched:
         """Start a prepared batch; `.result()` of the returned handle gives its StepResult
@@ -415,7 +411,8 @@ class _CudaLaunched:
         return self.step
 
 
-def _indptr(lens: list[int]) -> torch.Tensor:
+def indptr_of(lens: list[int]) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] as int32 on the host."""
     out = torch.zeros(len(lens) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
     return out

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from sgl.kernels.sampling import top_k_top_p
+from sgl.host_copy import to_device
 from sgl.logit_processor import OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
 from sgl.sched.req import Req
 
@@ -55,9 +56,7 @@ class SamplingBatch:
         greedy = [p.is_greedy for p in ps]
         top_k = [vocab_size if (p.top_k < 1 or p.top_k > vocab_size) else p.top_k for p in ps]
         def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-            t = torch.tensor(values, dtype=dtype)
-            # Pinned and asynchronous: building a batch must not wait for the running one.
-            return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         sb = cls(
             all_greedy=all(greedy),
@@ -108,12 +107,9 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, k) pairs over the generator's s
 
 def _sparse(items: list[tuple[int, int, float]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, ids, vals = zip(*items)
-
-    def dev(values: tuple, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
-
-    return dev(rows, torch.int64), dev(ids, torch.int64), dev(vals, torch.float32)
+    return (to_device(torch.tensor(rows, dtype=torch.int64), device),
+            to_device(torch.tensor(ids, dtype=torch.int64), device),
+            to_device(torch.tensor(vals, dtype=torch.float32), device))
 
 
 def process_logits(logits: torch.Tensor, sb: SamplingBatch, counts: torch.Tensor | None,

@@ -100,7 +100,7 @@ class TokenizerManager:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if input_ids is not None:
-            if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            if not isinstance(input_ids, list) or not all(_is_int(t) for t in input_ids):
                 raise ValueError("input_ids must be a list of ints")
             ids = input_ids
         else:
