@@ -11,7 +11,7 @@ import pytest
 
 import sgl
 from sgl.tokenizer_manager import ReqOptions
-from tests.conftest import ENGINE_VARIANTS, TRANSPORTS, null_continuation
+from tests.conftest import ENGINE_VARIANTS, TRANSPORTS, null_continuation, settle_aborts
 
 
 @pytest.fixture(scope="module", params=ENGINE_VARIANTS)
@@ -82,9 +82,7 @@ def test_leaving_a_stream_early_aborts_it(engine: sgl.Engine) -> None:
     next(it)
     it.close()
     # The abort reaches the scheduler; the autouse check then finds every slot back.
-    for _ in range(100):
-        if engine.get_server_info()["running"] == 0:
-            break
+    settle_aborts(engine)
 
 
 def test_request_too_long_is_an_error_not_a_crash(engine: sgl.Engine) -> None:
