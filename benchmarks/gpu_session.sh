@@ -11,10 +11,10 @@ ws=$FLASHINFER_WORKSPACE_BASE
 if [ -f .ficache/cache.tar.gz ]; then mkdir -p "$ws" && tar xzf .ficache/cache.tar.gz -C "$ws" && echo "kernel cache restored"; fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for step in "$@"; do
-  echo "=== $step"
+  echo "=== $step ($(date +%T))"
   case $step in
     jitbg) (python3 -c "import flashinfer.sampling as s; s.get_sampling_module()" >/tmp/jit.log 2>&1; echo "sampling JIT done rc=$?" >>/tmp/jit.log) & ;;
-    tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests 2>&1 | tail -30 ;;
+    tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider -m gpu $(grep -l "pytest.mark.gpu" tests/*.py) 2>&1 | tail -30 ;;
     w1) timeout 300 python3 -m benchmarks.w1_w2_gpu --workloads W1 --no-hf 2>&1 | tail -8 ;;
     w12ov) timeout 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --overlap-off 2>&1 | grep -v "info " ;;
     w1hf) timeout 400 python3 -m benchmarks.w1_w2_gpu --workloads W1 --overlap-off 2>&1 | tail -8 ;;
@@ -22,7 +22,7 @@ for step in "$@"; do
     w2hf) timeout 500 python3 -m benchmarks.w1_w2_gpu --workloads W2 2>&1 | tail -8 ;;
     w3) timeout 300 python3 -m benchmarks.w3_shared_prefix 2>&1 | tail -8 ;;
     profile) timeout 300 python3 -m benchmarks.profile_decode 2>&1 | grep -v "info \|USDT" ;;
-    cascadeprof) timeout 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 4 --no-graphs 2>&1 | grep -v "info \|USDT" ;;
+    cascadeprof) timeout 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 10 2>&1 | grep -v "info \|USDT" ;;
     profile2) timeout 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 2>&1 | grep -v "info \|USDT" | head -30 ;;
   esac
 done

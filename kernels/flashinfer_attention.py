@@ -52,9 +52,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self.paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.graph_decode: dict[int, object] = {}
+        self.graph_shared: dict[int, object] = {}
+        self._graph_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's, the shared block's
         self._mode = "decode"
         self._active_decode: object = self.decode
+        self._active_shared: object = self.paged
         self._ones = torch.ones(4096, dtype=torch.int32).pin_memory()
+        # The shared block's plan inputs ([0, B], [0, P], [P]), rewritten in place per plan.
+        self._shared_qo = torch.zeros(2, dtype=torch.int32).pin_memory()
+        self._shared_kv = torch.zeros(2, dtype=torch.int32).pin_memory()
+        self._shared_len = torch.zeros(1, dtype=torch.int32).pin_memory()
         # Each wrapper's plan writes its schedule into a pinned buffer and queues a copy
         # from it: the next plan may overwrite that buffer only once the copy has run.
         self._plan_copied: torch.cuda.Event | None = None
@@ -97,15 +104,19 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _plan_cascade(self, c: CascadeMeta) -> None:
         self._mode = "cascade"
-        b = c.suffix_indptr_host.numel() - 1
-        p = c.shared_len
-        # All b queries form one non-causal block over the shared slots.
-        self.paged.plan(torch.tensor([0, b], dtype=torch.int32).pin_memory(),
-                        torch.tensor([0, p], dtype=torch.int32).pin_memory(), c.shared_indices,
-                        self._last_page_len(1), self.hq, self.hkv, self.d, 1, causal=False,
-                        q_data_type=self.dtype, kv_data_type=self.dtype,
-                        seq_lens=torch.tensor([p], dtype=torch.int32).pin_memory())
+        self._active_shared, self._active_decode = self.paged, self.decode
+        self._plan_shared(self.paged, c.suffix_indptr_host.numel() - 1, c.shared_len, c.shared_indices)
         self._plan_decode(self.decode, c.suffix_indptr_host, c.suffix_indices)
+
+    def _plan_shared(self, wrapper: object, b: int, p: int, shared_indices: torch.Tensor) -> None:
+        """All b queries as one non-causal block over the p shared slots. The pinned
+        inputs are rewritten in place: `_before_plan` saw the last plan's copies done."""
+        self._shared_qo[1] = b
+        self._shared_kv[1] = p
+        self._shared_len[0] = p
+        wrapper.plan(self._shared_qo, self._shared_kv, shared_indices,  # type: ignore[attr-defined]
+                     self._last_page_len(1), self.hq, self.hkv, self.d, 1, causal=False, q_data_type=self.dtype,
+                     kv_data_type=self.dtype, seq_lens=self._shared_len)
 
     def _plan_extend(self, meta: AttnMetadata) -> None:
         qo = meta.qo_indptr_host
@@ -123,26 +134,48 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- CUDA graphs -------------------------------------------------------------
 
-    def init_graph_decode(self, bs: int) -> None:
-        """A decode wrapper with fixed buffers for batch size `bs` (before capture)."""
-        w = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+    def init_graph(self, bs: int, cascade: bool) -> None:
+        """Graph-mode wrappers for batch size `bs` (before its capture): a decode
+        wrapper, and with `cascade` a shared-block prefill wrapper too."""
+        dev = self.device
+        if self._graph_indices is None:
+            self._graph_indices = (torch.zeros(self.max_kv_tokens + bs, dtype=torch.int32, device=dev),
+                                   torch.zeros(self.max_kv_tokens, dtype=torch.int32, device=dev))
+        self.graph_decode[bs] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
-            paged_kv_indices_buffer=torch.zeros(self.max_kv_tokens + bs, dtype=torch.int32, device=self.device),
-            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=self.device),
+            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=self._graph_indices[0],
+            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=dev),
             backend="fa2",
         )
-        self.graph_decode[bs] = w
-        # A valid plan for capture: every row attends to the padding slot alone.
-        self.begin_graph_decode(bs, torch.arange(bs + 1, dtype=torch.int32).pin_memory(),
-                                torch.zeros(bs, dtype=torch.int64, device=self.device))
+        if cascade:
+            self.graph_shared[bs] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True,
+                qo_indptr_buf=torch.zeros(2, dtype=torch.int32, device=dev),
+                paged_kv_indptr_buf=torch.zeros(2, dtype=torch.int32, device=dev),
+                paged_kv_indices_buf=self._graph_indices[1],
+                paged_kv_last_page_len_buf=torch.ones(1, dtype=torch.int32, device=dev),
+                backend="fa2",
+            )
 
     def begin_graph_decode(self, bs: int, kv_indptr_host: torch.Tensor, kv_indices: torch.Tensor) -> None:
+        """Plan batch size `bs`'s decode graph (kv_indptr_host has bs + 1 entries, pinned)."""
         w = self.graph_decode[bs]
         self._mode = "decode"
         self._active_decode = w
         self._before_plan()
         self._plan_decode(w, kv_indptr_host, kv_indices)
+        self._after_plan()
+
+    def begin_graph_cascade(self, bs: int, shared_len: int, shared_indices: torch.Tensor,
+                            suffix_indptr_host: torch.Tensor, suffix_indices: torch.Tensor) -> None:
+        """Plan batch size `bs`'s cascade graph: all bs rows (padding included) attend to
+        the shared slots; suffix_indptr_host has bs + 1 entries, pinned."""
+        self._mode = "cascade"
+        self._active_shared, self._active_decode = self.graph_shared[bs], self.graph_decode[bs]
+        self._before_plan()
+        self._plan_shared(self._active_shared, bs, shared_len, shared_indices)
+        self._plan_decode(self._active_decode, suffix_indptr_host, suffix_indices)
         self._after_plan()
 
     # ---- the layer call ----------------------------------------------------------
@@ -157,8 +190,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self._mode == "extend":
             return self.ragged.run(q, k, v)
         if self._mode == "cascade":
-            o_shared, lse_shared = self.paged.run(q, kv, return_lse=True)
-            o_own, lse_own = self.decode.run(q, kv, return_lse=True)
+            o_shared, lse_shared = self._active_shared.run(q, kv, return_lse=True)  # type: ignore[attr-defined]
+            o_own, lse_own = self._active_decode.run(q, kv, return_lse=True)  # type: ignore[attr-defined]
             return self.fi.merge_state(o_shared, lse_shared, o_own, lse_own)[0]
         o_new, lse_new = self.ragged.run(q, k, v, return_lse=True)
         o_pre, lse_pre = self.paged.run(q, kv, return_lse=True)

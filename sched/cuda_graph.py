@@ -3,8 +3,10 @@ size, replayed with fresh inputs copied into fixed buffers.
 
 A batch of b requests replays the smallest captured size bs >= b; the padded rows
 read token 0 at position 0, write their KV into the padding slot 0 and attend to
-it alone, and their logits are dropped. The attention plan runs before each
-replay, outside the graph. Capture happens once, at start-up."""
+it alone (and, in a cascade batch, to the shared prefix too), and their logits are
+dropped. With cascade attention on, each size is captured twice: plain decode, and
+cascade decode (shared block + per-request suffix + merge). The attention plan
+runs before each replay, outside the graph. Capture happens once, at start-up."""
 
 from __future__ import annotations
 
@@ -25,34 +27,51 @@ _SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192
 class CudaGraphRunner:
     def __init__(self, runner: ModelRunner, max_bs: int) -> None:
         backend = runner.attn_backend
-        if not hasattr(backend, "init_graph_decode"):
+        if not hasattr(backend, "init_graph"):
             raise ValueError("CUDA graphs need attention_backend='flashinfer' (or pass disable_cuda_graph=True)")
         self.backend = backend
+        self.cascade = runner.cascade
         self.sizes = [s for s in _SIZES if s < max_bs] + [max_bs]
         dev = runner.device
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        pool = None
-        for bs in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", unit="graph",
-                       disable=None):
-            backend.init_graph_decode(bs)
-            indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev)
-            meta = AttnMetadata(True, indptr, indptr, torch.zeros(bs, dtype=torch.int32, device=dev), [1] * bs, [1] * bs)
-            fb = ForwardBatch(self.input_ids[:bs], self.positions[:bs], self.out_cache_loc[:bs],
-                              self.logits_indices[:bs], meta, backend, runner.kv_pool)
-            for _ in range(2):  # warm up: lazy initialisation must not happen inside capture
-                runner.model(fb)
-            torch.cuda.synchronize(dev)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.outputs[bs] = runner.model(fb)
-            pool = g.pool()
-            self.graphs[bs] = g
+        # (cascade?, bs) -> the graph and its output buffer
+        self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        kinds = [False, True] if self.cascade else [False]
+        with tqdm(total=len(self.sizes) * len(kinds), desc="Capturing CUDA graphs", unit="graph",
+                  disable=None) as bar:
+            for bs in sorted(self.sizes, reverse=True):
+                backend.init_graph(bs, self.cascade)
+                indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev)
+                meta = AttnMetadata(True, indptr, indptr, torch.zeros(bs, dtype=torch.int32, device=dev),
+                                    [1] * bs, [1] * bs)
+                fb = ForwardBatch(self.input_ids[:bs], self.positions[:bs], self.out_cache_loc[:bs],
+                                  self.logits_indices[:bs], meta, backend, runner.kv_pool)
+                # A valid plan for capture: every row attends to the padding slot alone
+                # (in a cascade, to a shared prefix of that one slot and a suffix of it).
+                slot0 = torch.zeros(bs, dtype=torch.int32, device=dev)
+                one_each = torch.arange(bs + 1, dtype=torch.int32).pin_memory()
+                for cascade in kinds:
+                    if cascade:
+                        backend.begin_graph_cascade(bs, 1, slot0[:1], one_each, slot0)
+                    else:
+                        backend.begin_graph_decode(bs, one_each, slot0)
+                    self.graphs[(cascade, bs)] = self._capture(runner, fb)
+                    bar.update()
         torch.cuda.synchronize(dev)
+
+    def _capture(self, runner: ModelRunner, fb: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        for _ in range(2):  # warm up: lazy initialisation must not happen inside capture
+            runner.model(fb)
+        torch.cuda.synchronize(runner.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            out = runner.model(fb)
+        self._pool = g.pool()
+        return g, out
 
     def can_run(self, b: int) -> bool:
         return b <= self.sizes[-1]
@@ -63,15 +82,28 @@ class CudaGraphRunner:
         self.input_ids[:b].copy_(input_ids)
         self.positions[:b].copy_(p.positions)
         self.out_cache_loc[:b].copy_(p.out_cache_loc)
-        indptr, indices = p.attn.kv_indptr_host, p.attn.kv_indices
-        assert indptr is not None
         if bs > b:
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()
             self.out_cache_loc[b:bs].zero_()
-            pad = torch.arange(1, bs - b + 1, dtype=torch.int32) + indptr[-1]
-            indptr = torch.cat([indptr, pad]).pin_memory()  # a pageable indptr would make plan sync
-            indices = torch.cat([indices, torch.zeros(bs - b, dtype=indices.dtype, device=indices.device)])
-        self.backend.begin_graph_decode(bs, indptr, indices)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:b]
+        c = p.attn.cascade
+        if c is None:
+            assert p.attn.kv_indptr_host is not None
+            indptr, indices = _pad(p.attn.kv_indptr_host, p.attn.kv_indices, bs)
+            self.backend.begin_graph_decode(bs, indptr, indices)
+        else:
+            indptr, indices = _pad(c.suffix_indptr_host, c.suffix_indices, bs)
+            self.backend.begin_graph_cascade(bs, c.shared_len, c.shared_indices, indptr, indices)
+        graph, out = self.graphs[(c is not None, bs)]
+        graph.replay()
+        return out[:b]
+
+
+def _pad(indptr: torch.Tensor, indices: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's KV indptr/indices with rows up to bs, each padded row on slot 0 alone."""
+    b = indptr.numel() - 1
+    if bs == b:
+        return indptr, indices
+    pad = torch.arange(1, bs - b + 1, dtype=torch.int32) + indptr[-1]
+    indptr = torch.cat([indptr, pad]).pin_memory()  # a pageable indptr would make plan sync
+    return indptr, torch.cat([indices, torch.zeros(bs - b, dtype=indices.dtype, device=indices.device)])

@@ -140,6 +140,34 @@ def test_cuda_graph_replay_equals_eager(qwen3_dir: str) -> None:
     assert graphs == eager
 
 
+def test_cascade_under_cuda_graphs_equals_plain_decode(qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cascade decode replayed from its CUDA graphs (padded sizes included) gives the
+    tokens of cascade run eagerly and of plain decode."""
+    from sgl.sched import model_runner
+
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_SAVED_TOKENS", 1)
+    rng = random.Random(2)
+    shared = [rng.randrange(2000) for _ in range(300)]
+    prompts = [shared + [rng.randrange(2000) for _ in range(rng.randint(1, 40))] for _ in range(6)]
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+    def run(**kw: object) -> tuple[list[list[int]], int]:
+        with sgl.Engine(qwen3_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
+                        attention_backend="flashinfer", max_total_tokens=20000, cuda_graph_max_bs=8, **kw) as e:
+            e.generate(input_ids=prompts[0], sampling_params=params)  # caches the shared prefix first
+            outs = e.generate(input_ids=prompts, sampling_params=params)
+            info = e.get_server_info()
+            assert_kv_balanced(info)
+        return [o["output_ids"] for o in outs], info["cascade_steps"]
+
+    plain, plain_steps = run()
+    graphs, steps = run(enable_cascade_attention=True)
+    eager, eager_steps = run(enable_cascade_attention=True, disable_cuda_graph=True)
+    assert plain_steps == 0 and steps > 0 and eager_steps > 0
+    assert graphs == eager
+    assert graphs == plain
+
+
 def test_flashinfer_layer_kernels_match_torch() -> None:
     from sgl.kernels import layers
 
