@@ -44,8 +44,10 @@ def main() -> None:
     model_dir = dummy_model_dir()
     shared = random_prompts(1, a.prefix, 151000, seed=5)[0]
     prompts = [shared + u for u in random_prompts(a.requests, a.unique, 151000, seed=6)]
-    rows = [run(model_dir, prompts, a, True), run(model_dir, prompts, a, True, cascade=True),
-            run(model_dir, prompts, a, False)]
+    rows = []
+    for radix, cascade in [(True, False), (True, True), (False, False)]:
+        rows.append(run(model_dir, prompts, a, radix, cascade))
+        print(rows[-1], flush=True)  # a partial run still reports
     print(f"W3 on {machine()}: {a.requests} x ({a.prefix} shared + {a.unique}) in, {a.output} out")
     print(table(rows))
     print(f"RESULT name=W3 radix_tok_s={rows[0]['tok/s']:.0f} no_radix_tok_s={rows[2]['tok/s']:.0f} "
