@@ -1,34 +1,76 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (see ../shared/gpu/README.md): install the carried
-# wheels, restore FlashInfer kernels built by an earlier call (.ficache), run the
-# given steps, and hand the kernel cache back under $OUT for the next call.
-# Usage: bash benchmarks/gpu_session.sh STEP... (jitbg tests topk w1 w12ov w1hf w2 w2hf w3 profile profile2 cascadeprof)
+# wheels, install FlashInfer kernels built by an earlier call (.ficache), run the
+# given steps, and hand the kernel cache back under $OUT when this call built more.
+#
+# Usage, through the device's `run` with carry [.whl, .ficache]:
+#   bash benchmarks/gpu_session.sh STEP...
+# Steps: tests topk w1 w12ov w1hf w2 w2hf w3 profile profile2 cascadeprof jit.
+#
+# What earlier calls taught (each lesson cost device time):
+# - Everything streams into $OUT/log.txt as it is printed, so a call cut short still
+#   returns what it did. Never pipe a step into `tail`: tail prints nothing until
+#   its input ends, and a killed step then shows nothing at all.
+# - The whole call stays within GPU_BUDGET_S (default 540 s, under the 600 s limit):
+#   each step gets the time left, capped by its own limit; steps that no longer fit
+#   are skipped and say so.
+# - Built kernels are installed as FlashInfer AOT modules. Restored as a JIT cache
+#   they are not enough: FlashInfer runs ninja on every load, and the fresh wheel
+#   install makes its headers newer than the cached objects, so ninja rebuilds
+#   (decode ~10 s, each prefill module ~90 s, sampling ~100 s).
 set -uo pipefail
+log=${OUT:-/tmp}/log.txt
+exec > >(tee -a "$log") 2>&1
+budget=${GPU_BUDGET_S:-540}
 eval "$(bash .whl/install-wheels.sh)"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
 ws=$FLASHINFER_WORKSPACE_BASE
-if [ -f .ficache/cache.tar.gz ]; then mkdir -p "$ws" && tar xzf .ficache/cache.tar.gz -C "$ws" && echo "kernel cache restored"; fi
+if [ -f .ficache/cache.tar.gz ]; then mkdir -p "$ws" && tar xzf .ficache/cache.tar.gz -C "$ws"; fi
+aot=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)")
+n=0
+for so in "$ws"/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+  [ -f "$so" ] || continue
+  uri=$(basename "$(dirname "$so")")
+  [ "$(basename "$so" .so)" = "$uri" ] || continue
+  mkdir -p "$aot/$uri" && cp "$so" "$aot/$uri/" && n=$((n + 1))
+done
+echo "kernel cache: $n modules installed as AOT in $aot"
 built() { find "$ws" -name '*.so' 2>/dev/null | wc -l; }
 before=$(built)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+
+# run LIMIT CMD...: CMD under the smaller of LIMIT and the budget left, output unfiltered but for info logs.
+run() {
+  local cap=$1 left=$((budget - SECONDS)); shift
+  if [ "$left" -lt 20 ]; then echo "skipped: ${left}s of the budget left"; return; fi
+  [ "$cap" -lt "$left" ] || cap=$left
+  timeout -k 5 "$cap" "$@" 2>&1 | grep --line-buffered -v "info \|USDT"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 124 ] && echo "timed out after ${cap}s"
+}
 for step in "$@"; do
-  echo "=== $step ($(date +%T))"
+  echo "=== $step ($(date +%T), ${SECONDS}s into the call)"
   case $step in
-    jitbg) (python3 -c "import flashinfer.sampling as s; s.get_sampling_module()" >/tmp/jit.log 2>&1; echo "sampling JIT done rc=$?" >>/tmp/jit.log) & ;;
-    topk) timeout 90 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=40 tests/test_gpu.py -k top_k 2>&1 | tail -60 ;;
-    tests) timeout 420 python3 -m pytest -q -x -p no:cacheprovider -m gpu $(grep -l "pytest.mark.gpu" tests/*.py) 2>&1 | tail -30 ;;
-    w1) timeout 300 python3 -m benchmarks.w1_w2_gpu --workloads W1 --no-hf 2>&1 | tail -8 ;;
-    w12ov) timeout 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --overlap-off 2>&1 | grep -v "info " ;;
-    w1hf) timeout 400 python3 -m benchmarks.w1_w2_gpu --workloads W1 --overlap-off 2>&1 | tail -8 ;;
-    w2) timeout 400 python3 -m benchmarks.w1_w2_gpu --workloads W2 --no-hf 2>&1 | tail -8 ;;
-    w2hf) timeout 500 python3 -m benchmarks.w1_w2_gpu --workloads W2 2>&1 | tail -8 ;;
-    w3) timeout 300 python3 -m benchmarks.w3_shared_prefix 2>&1 | tail -8 ;;
-    profile) timeout 300 python3 -m benchmarks.profile_decode 2>&1 | grep -v "info \|USDT" ;;
-    cascadeprof) timeout 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 10 2>&1 | grep -v "info \|USDT" ;;
-    profile2) timeout 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 2>&1 | grep -v "info \|USDT" | head -30 ;;
+    jit) run 300 python3 -c "import flashinfer.sampling as s; s.get_sampling_module()" ;;
+    topk) run 90 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=60 tests/test_gpu.py -k top_k ;;
+    tests) run 400 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
+             $(grep -l "pytest.mark.gpu" tests/*.py) ;;
+    w1) run 300 python3 -m benchmarks.w1_w2_gpu --workloads W1 --no-hf ;;
+    w12ov) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --overlap-off ;;
+    w1hf) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1 --overlap-off ;;
+    w2) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W2 --no-hf ;;
+    w2hf) run 500 python3 -m benchmarks.w1_w2_gpu --workloads W2 ;;
+    w3) run 400 python3 -m benchmarks.w3_shared_prefix ;;
+    profile) run 300 python3 -m benchmarks.profile_decode ;;
+    cascadeprof) run 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 10 ;;
+    profile2) run 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 ;;
+    *) echo "unknown step $step" ;;
   esac
 done
-wait; [ -f /tmp/jit.log ] && tail -2 /tmp/jit.log
 # Hand the kernel cache back only when this call built a kernel the carried one lacked.
-if [ -d "$ws/.cache" ] && [ "$(built)" != "$before" ]; then tar cz -C "$ws" .cache | split -b 15M - "$OUT/ficache.part."; ls -la "$OUT"; fi
+if [ -d "$ws/.cache" ] && [ "$(built)" != "$before" ]; then
+  tar cz -C "$ws" .cache | split -b 15M - "$OUT/ficache.part."
+  echo "kernel cache grew: $OUT/ficache.part.* -> cat > .ficache/cache.tar.gz"
+fi
+echo "=== done (${SECONDS}s)"
