@@ -15,7 +15,7 @@ import torch
 
 from sgl.cache.radix_cache import RadixCache
 from sgl.log import get_logger
-from sgl.logit_processor import check_allowed, resolve
+from sgl.logit_processor import resolve
 from sgl.protocol import (
     AbortReq,
     AttachReq,
@@ -32,6 +32,7 @@ from sgl.protocol import (
     Message,
     ShutdownReq,
 )
+from sgl.request_checks import RequestLimits, request_error
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.model_runner import Launched, ModelRunner, StepResult
 from sgl.sched.policy import order_waiting
@@ -64,6 +65,9 @@ class Scheduler:
         self.runner.processors = {name: resolve(name) for name in args.custom_logit_processors}
         tok_path = None if args.skip_tokenizer_init else (args.tokenizer_path or model_path)
         self.stop_strings = StopStrings(tok_path, args.trust_remote_code)
+        r = self.runner
+        self.limits = RequestLimits(r.vocab_size, r.context_length, r.max_total_tokens, self.stop_strings.available,
+                                    tuple(args.custom_logit_processors))
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -202,34 +206,10 @@ class Scheduler:
         self.waiting.append(req)
 
     def _validate(self, req: Req) -> str | None:
-        n, r = len(req.origin_input_ids), self.runner
         if req.rid in self.rids:
-            return f"duplicate request id {req.rid!r}: a request with this rid is still running"
-        if n == 0:
-            return "input_ids is empty: a request needs at least one token"
-        if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= r.vocab_size:
-            return f"input_ids contains ids outside the vocabulary [0, {r.vocab_size})"
-        if n >= r.context_length:
-            return f"the prompt has {n} tokens, which leaves no room in the context length of {r.context_length}"
-        if n + 1 > r.max_total_tokens:
-            return f"the prompt has {n} tokens but the KV cache holds only {r.max_total_tokens}: it can never fit"
-        p, v = req.sampling_params, r.vocab_size
-        for field, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", list(p.logit_bias)),
-                           ("token_ids_logprob", req.token_ids_logprob or [])):
-            if ids and max(ids) >= v:
-                return f"{field} contains ids outside the vocabulary [0, {v})"
-        if req.logprob_start_len >= n:
-            return f"logprob_start_len={req.logprob_start_len} must be < the prompt length {n} (or -1)"
-        if req.top_logprobs_num < 0:
-            return f"top_logprobs_num={req.top_logprobs_num} must be >= 0"
-        if p.stop_strs and not self.stop_strings.available:
-            return "stop: stop strings need a tokenizer, and this engine runs with skip_tokenizer_init"
-        if req.processor is not None:
-            try:
-                check_allowed(req.processor, self.args.custom_logit_processors)
-            except ValueError as e:
-                return str(e)
-        return None
+            return f"rid: duplicate request id {req.rid!r}: a request with this rid is still running"
+        return request_error(req.origin_input_ids, req.sampling_params, req.logprob_start_len, req.top_logprobs_num,
+                             req.token_ids_logprob, req.processor, self.limits)
 
     def _share_prompt(self, lead: Req) -> None:
         """n > 1: make the leader's prompt KV reachable through the radix tree for its

@@ -32,6 +32,7 @@ from sgl.launch import RoleHandle, Watchdog, start_roles, wait_all
 from sgl.log import configure, get_logger
 from sgl.metrics import Metrics
 from sgl.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
+from sgl.request_checks import RequestLimits, limits_of
 from sgl.roles import ChildConfig
 from sgl.server_args import ServerArgs
 from sgl.sampling_params import SamplingParams
@@ -91,8 +92,8 @@ class AsyncEngine:
             raise
         self.info = infos["scheduler"]
         self.tm = TokenizerManager(tokenizer, open_sender(self.addresses.to_scheduler, key), recv,
-                                   self.info["context_length"], self.info["vocab_size"], self.model_path,
-                                   self.args.custom_logit_processors, metrics=self.metrics)
+                                   limits_of(self.info, tokenizer is not None, self.args.custom_logit_processors),
+                                   self.model_path, metrics=self.metrics)
         self._watchdog = Watchdog(self._roles, self.args.watchdog_interval, self._on_role_death)
         self._watchdog.start()
         atexit.register(self.shutdown)
@@ -130,8 +131,9 @@ class AsyncEngine:
         self.addresses = make_addresses("inproc")  # unused: no roles of our own
         recv = open_receiver(f"tcp://{host}:0", key)
         client_id = "c" + uuid.uuid4().hex[:16]
-        self.tm = TokenizerManager(None, open_sender(scheduler_address, key), recv, 0, 0, client_id=client_id,
-                                   metrics=self.metrics)
+        # Limits unknown until the scheduler answers; requests wait for that anyway.
+        self.tm = TokenizerManager(None, open_sender(scheduler_address, key), recv, RequestLimits(0, 0, 0, False),
+                                   client_id=client_id, metrics=self.metrics)
         try:
             await asyncio.wait_for(self.tm.control_call(AttachReq(client_id, recv.address), AttachReqOutput), timeout)  # type: ignore[attr-defined]
             self.info = await asyncio.wait_for(self.tm.server_info(), timeout)
@@ -141,12 +143,13 @@ class AsyncEngine:
             self.tm.recv.close()
             raise ConnectionError(f"no scheduler answered at {scheduler_address} within {timeout}s "
                                   "(is it running with the tcp transport, and is the transport_key right?)") from None
-        self.tm.context_length, self.tm.vocab_size = self.info["context_length"], self.info["vocab_size"]
         self.model_path = self.info["model_path"] or resolve_model_path(self.args)
         if not skip_tokenizer_init:
             from sgl.hf import load_tokenizer
 
             self.tm.tokenizer = load_tokenizer(tokenizer_path or self.model_path, False)
+        # The scheduler's allow-list is not reported: an attached client sends no custom processors.
+        self.tm.limits = limits_of(self.info, self.tm.tokenizer is not None, None)
         self.tokenizer = self.tm.tokenizer
         self._heartbeat = asyncio.ensure_future(self._beat(scheduler_address, heartbeat_interval, timeout))
         atexit.register(self.shutdown)

@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -39,7 +39,7 @@ from sgl.protocol import (
     Logprobs,
     Message,
 )
-from sgl.logit_processor import check_allowed
+from sgl.request_checks import RequestLimits, request_error
 from sgl.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
 from sgl.transports.channel import ChannelClosed, Receiver, Sender
 
@@ -74,16 +74,13 @@ class _ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any | None, send: Sender, recv: Receiver, context_length: int, vocab_size: int,
-                 model_path: str | None = None, custom_logit_processors: list[str] | None = None,
-                 client_id: str = "", metrics: Metrics | None = None) -> None:
+    def __init__(self, tokenizer: Any | None, send: Sender, recv: Receiver, limits: RequestLimits,
+                 model_path: str | None = None, client_id: str = "", metrics: Metrics | None = None) -> None:
         self.tokenizer = tokenizer
         self.defaults = generation_defaults(model_path)
-        self.allowed_processors = list(custom_logit_processors or [])
+        self.limits = limits
         self.send = send
         self.recv = recv
-        self.context_length = context_length
-        self.vocab_size = vocab_size
         self.client_id = client_id
         self.rid_prefix = f"{client_id}:" if client_id else ""
         self.metrics = metrics
@@ -109,34 +106,27 @@ class TokenizerManager:
             if self.tokenizer is None:
                 raise ValueError("prompt: this engine was started with skip_tokenizer_init; pass input_ids")
             ids = self.tokenizer.encode(prompt)
-        if not ids:
-            raise ValueError("prompt/input_ids: empty input: a request needs at least one token")
-        if any(t < 0 or t >= self.vocab_size for t in ids):
-            raise ValueError(f"input_ids: ids must lie in [0, {self.vocab_size})")
-        if len(ids) >= self.context_length:
-            raise ValueError(f"prompt/input_ids: {len(ids)} tokens leave no room in the context length of {self.context_length}")
         return ids
 
     def check(self, ids: list[int], params: SamplingParams, opts: ReqOptions) -> None:
-        """Request-level validation that needs the vocabulary, the prompt or the engine's config."""
-        v = self.vocab_size
+        """Raise a ValueError naming the field for a request that cannot run: the types
+        here, the values in sgl/request_checks.py (which the scheduler applies too)."""
         for name, toks in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias)),
                            ("token_ids_logprob", opts.token_ids_logprob or [])):
-            if not isinstance(toks, list) or any(not _is_int(t) or not 0 <= t < v for t in toks):
-                raise ValueError(f"{name}: ids must be ints in [0, {v})")
+            if not isinstance(toks, list) or not all(_is_int(t) for t in toks):
+                raise ValueError(f"{name}: must be a list of ints")
         # Every field must have its declared type here: the scheduler drops a frame it cannot
         # decode, and a request dropped there would never be answered.
         for name in ("return_logprob", "return_text_in_logprobs", "detokenize"):
             if not isinstance(getattr(opts, name), bool):
                 raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be a bool")
-        if not _is_int(opts.logprob_start_len) or not -1 <= opts.logprob_start_len < len(ids):
-            raise ValueError(f"logprob_start_len={opts.logprob_start_len!r} is invalid: must be -1 or in [0, {len(ids)})")
-        if not _is_int(opts.top_logprobs_num) or opts.top_logprobs_num < 0:
-            raise ValueError(f"top_logprobs_num={opts.top_logprobs_num!r} is invalid: must be an int >= 0")
-        if opts.custom_logit_processor is not None:
-            check_allowed(opts.custom_logit_processor, self.allowed_processors)
-        if params.stop_strs and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
+        for name in ("logprob_start_len", "top_logprobs_num"):
+            if not _is_int(getattr(opts, name)):
+                raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be an int")
+        error = request_error(ids, params, opts.logprob_start_len, opts.top_logprobs_num, opts.token_ids_logprob,
+                              opts.custom_logit_processor, self.limits)
+        if error is not None:
+            raise ValueError(error)
 
     async def generate(
         self, prompt: str | None, input_ids: list[int] | None, sampling_params: Any, rid: str | None, stream: bool,

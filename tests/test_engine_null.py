@@ -151,6 +151,37 @@ def test_penalties_seeds_and_logprobs_survive_retraction(engine: sgl.Engine) -> 
     assert repeats(together) < repeats(free)
 
 
+@pytest.mark.parametrize("ids, params, opts", [
+    ([1, 5000], {}, {}),
+    (list(range(520)), {}, {}),
+    ([1, 2], {"stop_token_ids": [7, 99999]}, {}),
+    ([1, 2], {"logit_bias": {"70000": 1.0}}, {}),
+    ([1, 2], {"stop": "needs a tokenizer"}, {}),
+    ([1, 2], {}, {"return_logprob": True, "logprob_start_len": 2}),
+    ([1, 2], {}, {"return_logprob": True, "top_logprobs_num": -1}),
+    ([1, 2], {}, {"return_logprob": True, "token_ids_logprob": [3, 60000]}),
+], ids=["vocab", "context", "stop_token_ids", "logit_bias", "stop", "logprob_start_len", "top_logprobs_num",
+        "token_ids_logprob"])
+def test_the_scheduler_aborts_with_the_submit_error(engine: sgl.Engine, ids: list[int], params: dict,
+                                                    opts: dict) -> None:
+    """A request that skips the tokenizer manager's checks (a foreign client over tcp)
+    is aborted by the scheduler with the very message submit raises."""
+    with pytest.raises(ValueError) as raised:
+        engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2, **params}, **opts)
+
+    async def main() -> dict:
+        tm = engine._engine.tm
+        sp = sgl.SamplingParams.coerce({"max_new_tokens": 2, **params}, {})
+        gen = tm._one(tm._submit("unchecked", ids, sp, False, ReqOptions(**opts), None), False)
+        try:
+            return await gen.__anext__()
+        finally:
+            await gen.aclose()
+
+    out = engine._run(main())
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": str(raised.value)}
+
+
 def test_the_scheduler_rechecks_the_processor_allow_list(engine: sgl.Engine) -> None:
     async def main() -> dict:
         tm = engine._engine.tm

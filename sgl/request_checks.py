@@ -1,0 +1,65 @@
+"""The value checks a request must pass, in one place for the two sides that make
+them: the tokenizer manager raises the message as a ValueError when a request is
+submitted, and the scheduler aborts with the same message a request that reached it
+without that check (a client attached over tcp). Every message starts with the
+field it is about.
+
+Types are not checked here: the tokenizer manager checks the user's input first,
+and the scheduler receives decoded msgspec structs. Nothing here reads engine
+state: each side passes its limits."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sgl.logit_processor import check_allowed
+from sgl.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    vocab_size: int
+    context_length: int
+    max_total_tokens: int  # KV slots in all: a longer prompt can never run
+    has_tokenizer: bool  # stop strings are matched on text
+    allowed_processors: tuple[str, ...] = ()
+
+
+def limits_of(info: Mapping[str, Any], has_tokenizer: bool, allowed_processors: Sequence[str] | None) -> RequestLimits:
+    """The limits of the scheduler that reported `info` (its get_server_info)."""
+    return RequestLimits(info["vocab_size"], info["context_length"], info["max_total_tokens"], has_tokenizer,
+                         tuple(allowed_processors or ()))
+
+
+def request_error(
+    ids: Sequence[int], params: SamplingParams, logprob_start_len: int, top_logprobs_num: int,
+    token_ids_logprob: Sequence[int] | None, processor: str | None, limits: RequestLimits,
+) -> str | None:
+    """Why the request cannot run, or None."""
+    n, v = len(ids), limits.vocab_size
+    if n == 0:
+        return "input_ids: empty input: a request needs at least one token"
+    if min(ids) < 0 or max(ids) >= v:
+        return f"input_ids: ids must lie in [0, {v})"
+    if n >= limits.context_length:
+        return f"input_ids: {n} tokens leave no room in the context length of {limits.context_length}"
+    if n + 1 > limits.max_total_tokens:
+        return f"input_ids: {n} tokens can never fit the KV cache, which holds {limits.max_total_tokens}"
+    for name, toks in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias)),
+                       ("token_ids_logprob", token_ids_logprob or ())):
+        if toks and (min(toks) < 0 or max(toks) >= v):
+            return f"{name}: ids must lie in [0, {v})"
+    if not -1 <= logprob_start_len < n:
+        return f"logprob_start_len={logprob_start_len} is invalid: must be -1 or in [0, {n})"
+    if top_logprobs_num < 0:
+        return f"top_logprobs_num={top_logprobs_num} is invalid: must be >= 0"
+    if params.stop_strs and not limits.has_tokenizer:
+        return "stop: stop strings need a tokenizer, and this engine runs with skip_tokenizer_init"
+    if processor is not None:
+        try:
+            check_allowed(processor, list(limits.allowed_processors))
+        except ValueError as e:
+            return str(e)
+    return None
