@@ -61,6 +61,25 @@ def step(runner: ModelRunner, reqs: list[Req]) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t0
 
 
+def host_profile(runner: ModelRunner, reqs: list[Req], steps: int = 10) -> None:
+    """cProfile of the host side of a decode step (build the batch, prepare it, queue
+    the forward), where the overlap loop needs it to stay under the GPU step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        out = runner.allocator.alloc(len(reqs))
+        assert out is not None
+        prof.enable()
+        p = runner.prepare(ScheduleBatch.decode(reqs, out, runner.req_to_token_pool))
+        launched = runner.launch(p)
+        prof.disable()
+        launched.result()
+    print(f"--- host side of {steps} decode steps (build, prepare, queue), by cumulative time")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bs", type=int, default=256)
@@ -100,6 +119,8 @@ def main() -> None:
         print(f"--- kernels over 5 {name} steps, by {key}")
         print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=50))
     print(f"cascade steps: {runner.cascade_steps}")
+    if cuda:
+        host_profile(runner, reqs)
     if cuda and not a.shared:
         attention_alone(runner, reqs)
 
