@@ -202,37 +202,73 @@ def cascade_alone(runner: ModelRunner, reqs: list[Req], shared: int) -> None:
 
 
 def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
+    """FlashInfer decode attention for this batch, one layer, in the variants that
+    could make it faster: CUDA cores or tensor cores, shuffled or contiguous slots,
+    the fa3 paged-prefill kernel used for decode, and pages of 16 tokens in NHD and
+    HND layouts (separate random tensors, pages shuffled: the kernel alone)."""
     import flashinfer
 
     from sgl.cache.req_to_token_pool import gather_kv_indices
 
     table_ = runner.req_to_token_pool.req_to_token
     lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+    b = len(reqs)
     rows_ = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
     indptr = indptr_of(lens.tolist())
     idx = gather_kv_indices(table_, rows_, torch.zeros_like(lens), lens, int(indptr[-1])).cuda()
-    m = runner.model
-    q = torch.randn(len(reqs), m.num_heads, m.head_dim, dtype=runner.dtype, device="cuda")
+    m, dt = runner.model, runner.dtype
+    h = (m.num_heads, m.num_kv_heads, m.head_dim)
+    q = torch.randn(b, m.num_heads, m.head_dim, dtype=dt, device="cuda")
     kv = (runner.kv_pool.k_buffer[0].unsqueeze(1), runner.kv_pool.v_buffer[0].unsqueeze(1))
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ones = torch.ones(b, dtype=torch.int32)
+    gbytes = int(indptr[-1]) * m.num_kv_heads * m.head_dim * 2 * kv[0].element_size() / 1e9
     rows = []
-    layouts = {"shuffled": idx, "contiguous": torch.arange(1, idx.numel() + 1, dtype=torch.int32, device="cuda")}
-    for (layout, indices), tc in [(li, tc) for li in layouts.items() for tc in (False, True)]:
+
+    def record(name: str, make: object) -> None:
+        try:
+            run = make()  # type: ignore[operator]
+            us = _time_us(run, reps=50)
+            rows.append({"variant": name, "us/layer": us, "KV TB/s": gbytes / us * 1e6 / 1e3})
+        except Exception as e:  # one variant failing must not hide the others
+            rows.append({"variant": name, "us/layer": float("nan"), "KV TB/s": float("nan")})
+            print(f"{name}: {type(e).__name__}: {e}")
+
+    def decode(indices: torch.Tensor, tc: bool) -> object:
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, backend="fa2")
-        w.plan(indptr, indices, torch.ones(len(reqs), dtype=torch.int32), m.num_heads, m.num_kv_heads, m.head_dim,
-               1, q_data_type=runner.dtype, kv_data_type=runner.dtype)
-        for _ in range(5):
-            w.run(q, kv)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(50):
-            w.run(q, kv)
-        e1.record()
-        e1.synchronize()
-        us = e0.elapsed_time(e1) / 50 * 1e3
-        gbytes = int(indptr[-1]) * m.num_kv_heads * m.head_dim * 2 * runner.kv_pool.k_buffer[0].element_size() / 1e9
-        rows.append({"slots": layout, "tensor cores": tc, "us/layer": us, "KV TB/s": gbytes / us * 1e6 / 1e3})
-    print("--- FlashInfer decode attention alone, one layer")
+        w.plan(indptr, indices, ones, *h, 1, q_data_type=dt, kv_data_type=dt)
+        return lambda: w.run(q, kv)
+
+    contiguous = torch.arange(1, idx.numel() + 1, dtype=torch.int32, device="cuda")
+    for layout, indices in (("shuffled", idx), ("contiguous", contiguous)):
+        for tc in (False, True):
+            record(f"fa2 decode, page 1, {layout}, tensor cores {tc}", lambda: decode(indices, tc))
+
+    def fa3_decode() -> object:
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa3")
+        qo = torch.arange(b + 1, dtype=torch.int32)
+        w.plan(qo, indptr, idx, ones, *h, 1, causal=True, q_data_type=dt, kv_data_type=dt)
+        return lambda: w.run(q, kv)
+
+    record("fa3 paged prefill as decode, page 1, shuffled", fa3_decode)
+
+    page = 16
+    pages = ((lens + page - 1) // page).to(torch.int32)
+    pindptr = indptr_of(pages.tolist())
+    n_pages = int(pindptr[-1])
+    last = (lens - (pages.long() - 1) * page).to(torch.int32)
+    order = torch.randperm(n_pages, device="cuda").to(torch.int32)
+    for layout in ("NHD", "HND"):
+        shape = (n_pages, page, m.num_kv_heads, m.head_dim) if layout == "NHD" else (n_pages, m.num_kv_heads, page, m.head_dim)
+
+        def paged(layout: str = layout, shape: tuple = shape) -> object:
+            cache = (torch.randn(shape, dtype=dt, device="cuda"), torch.randn(shape, dtype=dt, device="cuda"))
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, layout, backend="fa2")
+            w.plan(pindptr, order, last, *h, page, q_data_type=dt, kv_data_type=dt)
+            return lambda: w.run(q, cache)
+
+        record(f"fa2 decode, page {page} {layout}, pages shuffled", paged)
+    print(f"--- FlashInfer decode attention alone, one layer: batch {b}, {int(indptr[-1])} KV tokens")
     print(table(rows))
 
 
