@@ -17,7 +17,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from sgl.http_common import SSE_HEADERS, ApiError, decode_body, json_response, read_body, sse_stream
+from sgl.http_common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
 from sgl.server_args import redacted
 
 HEALTH_TIMEOUT_S = 5.0
