@@ -11,7 +11,7 @@ import pytest
 
 import sgl
 from sgl.tokenizer_manager import ReqOptions
-from tests.conftest import ENGINE_VARIANTS, TRANSPORTS, null_continuation, settle_aborts
+from tests.conftest import ENGINE_VARIANTS, null_continuation, settle_aborts
 
 
 @pytest.fixture(scope="module", params=ENGINE_VARIANTS)
