@@ -173,6 +173,7 @@ def cascade_alone(runner: ModelRunner, reqs: list[Req], shared: int) -> None:
     top = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
     own_dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
     own_pre = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    top_whole = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
     one = torch.tensor([0, b], dtype=torch.int32).pin_memory()
     rng = torch.arange(b + 1, dtype=torch.int32).pin_memory()
     plans = {
@@ -180,6 +181,9 @@ def cascade_alone(runner: ModelRunner, reqs: list[Req], shared: int) -> None:
         "shared block plan": lambda: top.plan(one, torch.tensor([0, shared], dtype=torch.int32).pin_memory(),
                                               shared_idx, ones[:1], *h, causal=False,
                                               seq_lens=torch.tensor([shared], dtype=torch.int32).pin_memory(), **kw),
+        "shared block plan, KV not split": lambda: top_whole.plan(
+            one, torch.tensor([0, shared], dtype=torch.int32).pin_memory(), shared_idx, ones[:1], *h, causal=False,
+            seq_lens=torch.tensor([shared], dtype=torch.int32).pin_memory(), disable_split_kv=True, **kw),
         "suffix decode plan": lambda: own_dec.plan(own_ptr, own, ones, *h, **kw),
         "suffix prefill plan": lambda: own_pre.plan(rng, own_ptr, own, ones, *h, causal=False,
                                                     seq_lens=(lens - shared).to(torch.int32).pin_memory(), **kw),
@@ -190,6 +194,7 @@ def cascade_alone(runner: ModelRunner, reqs: list[Req], shared: int) -> None:
     runs = {
         "plain decode, whole context": lambda: plain.run(q, kv),
         "shared block (prefill, B queries x P)": lambda: top.run(q, kv, return_lse=True),
+        "shared block, KV not split (no merge pass)": lambda: top_whole.run(q, kv, return_lse=True),
         "suffix decode": lambda: own_dec.run(q, kv, return_lse=True),
         "suffix via prefill": lambda: own_pre.run(q, kv, return_lse=True),
         "merge_state": lambda: flashinfer.merge_state(o1, s1, o2, s2),
