@@ -110,11 +110,15 @@ def finish_reason(fin: dict[str, Any] | None) -> str | None:
     return None if fin is None else fin["type"]
 
 
-def usage(meta: dict[str, Any]) -> dict[str, Any]:
-    p, c = meta["prompt_tokens"], meta["completion_tokens"]
+def usage(groups: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """OpenAI usage from the meta_info of each prompt's samples: a prompt's tokens (and
+    how many of them the radix cache held, from its first sample, which prefilled it)
+    once, every sample's completion tokens."""
+    p = sum(g[0]["prompt_tokens"] for g in groups)
+    c = sum(m["completion_tokens"] for g in groups for m in g)
     out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-    if meta.get("cached_tokens"):
-        out["prompt_tokens_details"] = {"cached_tokens": meta["cached_tokens"]}
+    if cached := sum(g[0].get("cached_tokens") or 0 for g in groups):
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
 
 
@@ -225,11 +229,8 @@ async def completions(state: ServerState, body: bytes) -> Response:
     choices = [{"index": k, "text": echo + o["text"],
                 "logprobs": None if req.logprobs is None else completion_logprobs(o["meta_info"], req.echo, 0),
                 "finish_reason": finish_reason(o["meta_info"]["finish_reason"])} for k, (echo, o) in enumerate(outs)]
-    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    for g in groups:
-        _add_usage(total, g)
     return json_response({"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
-                          "choices": choices, "usage": total})
+                          "choices": choices, "usage": usage([[o["meta_info"] for o in g] for g in groups])})
 
 
 async def _stream_completion(state: ServerState, req: CompletionRequest,
@@ -321,19 +322,8 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
     choices = [{"index": k, "message": {"role": "assistant", "content": o["text"]},
                 "logprobs": chat_logprobs(o["meta_info"]) if req.logprobs else None,
                 "finish_reason": finish_reason(o["meta_info"]["finish_reason"])} for k, o in enumerate(outs)]
-    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    _add_usage(total, outs)
     return json_response({"id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
-                          "choices": choices, "usage": total})
-
-
-def _add_usage(total: dict[str, int], samples: list[dict[str, Any]]) -> None:
-    """Add one prompt's usage: its prompt tokens once, every sample's completion tokens."""
-    p = samples[0]["meta_info"]["prompt_tokens"]
-    c = sum(o["meta_info"]["completion_tokens"] for o in samples)
-    total["prompt_tokens"] += p
-    total["completion_tokens"] += c
-    total["total_tokens"] += p + c
+                          "choices": choices, "usage": usage([[o["meta_info"] for o in outs]])})
 
 
 async def _openai_stream(chunks: AsyncIterator[dict[str, Any]], shape: Any, req: _Sampling, cid: str, obj: str,
@@ -352,15 +342,10 @@ async def _openai_stream(chunks: AsyncIterator[dict[str, Any]], shape: Any, req:
 
 def _stream_usage(last: dict[int, dict[str, Any]], n: int) -> dict[str, Any]:
     """The usage so far of the choices seen; choice i belongs to prompt i // n."""
-    if len(last) == 1:
-        return usage(next(iter(last.values())))
     per_prompt: dict[int, list[dict[str, Any]]] = {}
     for i, m in sorted(last.items()):
-        per_prompt.setdefault(i // n, []).append({"meta_info": m})
-    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    for samples in per_prompt.values():
-        _add_usage(total, samples)
-    return total
+        per_prompt.setdefault(i // n, []).append(m)
+    return usage(list(per_prompt.values()))
 
 
 def _sse(events: AsyncIterator[dict[str, Any]]) -> Response:

@@ -66,6 +66,26 @@ def test_openai_completions(oai: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_openai_usage_reports_cached_prompt_tokens(oai: openai.OpenAI) -> None:
+    """A repeated prompt is served from the radix cache, and usage says how much of it,
+    the same way with and without streaming."""
+    kw: dict[str, Any] = {"model": "smol", "prompt": "The radix cache holds this prompt for the second call",
+                          "max_tokens": 2, "temperature": 0}
+    first = oai.completions.create(**kw)
+    second = oai.completions.create(**kw)
+    before = first.usage.prompt_tokens_details.cached_tokens if first.usage.prompt_tokens_details else 0
+    details = second.usage.prompt_tokens_details
+    assert details is not None and before < details.cached_tokens < second.usage.prompt_tokens
+    chunks = list(oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage == second.usage
+    chat = {"model": "smol", "messages": [{"role": "user", "content": "Say it again, please."}], "max_tokens": 2,
+            "temperature": 0}
+    oai.chat.completions.create(**chat)
+    again = oai.chat.completions.create(**chat)
+    assert again.usage.prompt_tokens_details is not None
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+
+
 def test_openai_chat(oai: openai.OpenAI) -> None:
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     r = oai.chat.completions.create(model="smol", messages=msgs, max_tokens=6, temperature=0,
