@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: random prompts and the result table."""
+"""Helpers shared by the benchmark scripts: random prompts, the scheduler loop split
+and the result table."""
 
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ def dummy_model_dir(config_name: str = "qwen3-0.6b") -> str:
     os.makedirs(d, exist_ok=True)
     shutil.copy(src, os.path.join(d, "config.json"))
     return d
+
+
+LOOP_FIELDS = ("decode_steps", "prefill_tokens", "cascade_steps", "build_s", "wait_s", "process_s", "gpu_busy_s",
+               "gpu_idle_s")
+
+
+def loop_split(before: dict[str, object], after: dict[str, object]) -> dict[str, float]:
+    """What the scheduler did between two get_server_info() answers: steps, tokens, its
+    loop time (building batches, waiting for results, processing them) and GPU busy/idle."""
+    return {k: round(float(after[k]) - float(before[k]), 3) for k in LOOP_FIELDS}  # type: ignore[arg-type]
 
 
 def machine() -> str:

@@ -19,7 +19,7 @@ import time
 import torch
 
 import sgl
-from benchmarks.common import dummy_model_dir, machine, random_prompts, table
+from benchmarks.common import dummy_model_dir, loop_split, machine, random_prompts, table
 
 FLOOR_W1_TOK_S = 44_000  # BENCHMARKS.md: the memory-bound floor of W1 on an H200
 
@@ -44,9 +44,7 @@ def run_sgl(model_dir: str, prompts: list[list[int]], outs: list[int], temp: flo
         res = e.generate(input_ids=prompts, sampling_params=params)
         dt = time.perf_counter() - t0
         i1 = e.get_server_info()
-    split = {k: round(i1[k] - i0[k], 3) for k in ("decode_steps", "prefill_tokens", "build_s", "wait_s", "process_s",
-                                                      "gpu_busy_s", "gpu_idle_s")}
-    print(f"sgl {kw or ''}: {dt:.2f} s, scheduler loop {split}", flush=True)
+    print(f"sgl {kw or ''}: {dt:.2f} s, scheduler loop {loop_split(i0, i1)}", flush=True)
     assert [len(r["output_ids"]) for r in res] == outs
     return dt
 

@@ -13,7 +13,7 @@ import argparse
 import time
 
 import sgl
-from benchmarks.common import dummy_model_dir, machine, random_prompts, table
+from benchmarks.common import dummy_model_dir, loop_split, machine, random_prompts, table
 
 
 def run(model_dir: str, prompts: list[list[int]], a: argparse.Namespace, radix: bool,
@@ -24,10 +24,13 @@ def run(model_dir: str, prompts: list[list[int]], a: argparse.Namespace, radix: 
                     disable_radix_cache=not radix, enable_cascade_attention=cascade, random_seed=0, **kw) as e:
         e.generate(input_ids=[list(range(1, 40))], sampling_params={**params, "max_new_tokens": 4})
         e.flush_cache()
+        i0 = e.get_server_info()
         t0 = time.perf_counter()
         outs = e.generate(input_ids=prompts, sampling_params=params)
         dt = time.perf_counter() - t0
-        steps = e.get_server_info()["cascade_steps"]
+        split = loop_split(i0, e.get_server_info())
+    print(f"radix {radix}, cascade {cascade}: {dt:.2f} s, scheduler loop {split}", flush=True)
+    steps = int(split["cascade_steps"])
     cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
     return {"radix cache": "on" if radix else "off", "cascade steps": steps, "seconds": dt, "tok/s": len(prompts) * a.output / dt,
             "cached tokens": cached}
@@ -47,7 +50,6 @@ def main() -> None:
     rows = []
     for radix, cascade in [(True, False), (True, True), (False, False)]:
         rows.append(run(model_dir, prompts, a, radix, cascade))
-        print(rows[-1], flush=True)  # a partial run still reports
     print(f"W3 on {machine()}: {a.requests} x ({a.prefix} shared + {a.unique}) in, {a.output} out")
     print(table(rows))
     print(f"RESULT name=W3 radix_tok_s={rows[0]['tok/s']:.0f} no_radix_tok_s={rows[2]['tok/s']:.0f} "
