@@ -5,7 +5,9 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: tests topk w1 w12ov w1hf w2 w2hf w3 profile profile2 cascadeprof jit.
+# Steps: tests topk w1 w12ov w1hf w2 w2hf w3 profile profile2 cascadeprof jit model
+# (model: SmolLM2's GGUF, carried in parts by benchmarks/model_parts.sh, through both
+# attention backends: benchmarks/backend_equality.py).
 #
 # What earlier calls taught (each lesson cost device time):
 # - Everything streams into $OUT/log.txt as it is printed, so a call cut short still
@@ -65,6 +67,14 @@ for step in "$@"; do
     profile) run 300 python3 -m benchmarks.profile_decode ;;
     cascadeprof) run 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 10 ;;
     profile2) run 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 ;;
+    model)
+      gguf=/tmp/$(cut -d' ' -f3 .m1/SHA256 2>/dev/null)
+      cat .m1/part.* .m2/part.* .m3/part.* .m4/part.* > "$gguf" 2>/dev/null
+      if (cd /tmp && sha256sum -c --quiet "$OLDPWD/.m1/SHA256"); then
+        run 400 python3 -m benchmarks.backend_equality --model "$gguf"
+      else
+        echo "model parts missing or damaged: $(ls -d .m? 2>/dev/null | tr '\n' ' ')(the device went cold between calls?)"
+      fi ;;
     *) echo "unknown step $step" ;;
   esac
 done
