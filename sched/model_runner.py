@@ -86,6 +86,7 @@ class ModelRunner:
         self.attn_backend = self._attention_backend(args)
         self.cascade = self.attn_backend.supports_cascade and args.enable_cascade_attention
         self._shared: tuple[tuple, int] = ((), 0)  # (decode batch identity, its shared prefix length)
+        self._sampling: tuple[tuple, SamplingBatch | None] = ((), None)  # (decode batch identity, its sampling)
         self.cascade_steps = 0
         # The future-token buffer: the last sampled token of each request row.
         self.next_token = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)
@@ -159,8 +160,10 @@ class ModelRunner:
         self.req_to_token_pool.sync()
         rows_dev, kv_lens_dev = self._dev(rows), self._dev(kv_lens)
         zeros = torch.zeros_like(rows_dev)
-        cascade = (self._cascade(batch, rows, rows_dev, kv_lens, kv_lens_dev)
-                   if batch.is_decode and self.cascade else None)
+        # A decode batch of the same requests in the same rows as the last one (the common
+        # case: nothing joined, finished or was retracted) reuses what depends on them alone.
+        key = (tuple(batch.rows), tuple(r.rid for r in batch.reqs), tuple(batch.epochs)) if batch.is_decode else ()
+        cascade = self._cascade(batch, key, rows, rows_dev, kv_lens, kv_lens_dev) if key and self.cascade else None
         table = self.req_to_token_pool.mirror
         meta = AttnMetadata(
             is_decode=batch.is_decode,
@@ -183,7 +186,10 @@ class ModelRunner:
             meta.prefix_indices = gather_kv_indices(table, rows_dev, zeros, self._dev(plens), int(prefix_indptr[-1]))
         ids = None if batch.input_ids is None else self._dev(torch.tensor(batch.input_ids, dtype=torch.int64))
         reqs = batch.reqs
-        sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, dev, self.eos_ids, self.processors, batch.is_decode)
+        same = self._sampling[1] if key and self._sampling[0] == key else None
+        sampling = SamplingBatch.from_reqs(reqs, self.vocab_size, dev, self.eos_ids, self.processors, batch.is_decode,
+                                           same_as=same)
+        self._sampling = (key, sampling if key else None)
         logits_rows = qo_indptr[1:] - 1
         sample_rows = None
         lp = None
@@ -229,15 +235,14 @@ class ModelRunner:
             counts_reset=reset,
         )
 
-    def _cascade(self, batch: ScheduleBatch, rows: torch.Tensor, rows_dev: torch.Tensor, kv_lens: torch.Tensor,
-                 kv_lens_dev: torch.Tensor) -> CascadeMeta | None:
+    def _cascade(self, batch: ScheduleBatch, key: tuple, rows: torch.Tensor, rows_dev: torch.Tensor,
+                 kv_lens: torch.Tensor, kv_lens_dev: torch.Tensor) -> CascadeMeta | None:
         """The shared-prefix split of a decode batch when reading the prefix once saves
         enough (see CASCADE_MIN_SAVED_TOKENS), else None. The prefix length is cached per
         batch identity: a running request's first slots never change while it decodes."""
         b = len(batch.rows)
         if b < 2:
             return None
-        key = (tuple(batch.rows), tuple(r.rid for r in batch.reqs), tuple(batch.epochs))
         if self._shared[0] != key:
             self._shared = (key, shared_prefix_len(self.req_to_token_pool.req_to_token, rows, int(kv_lens.min()) - 1))
         p = self._shared[1]

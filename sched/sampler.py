@@ -14,7 +14,7 @@ Nothing here loops over the vocabulary in Python."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from sgl.kernels.sampling import top_k_top_p
 from sgl.host_copy import to_device
 from sgl.logit_processor import OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
+from sgl.sampling_params import SamplingParams
 from sgl.sched.req import Req
 
 
@@ -51,37 +52,22 @@ class SamplingBatch:
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device, eos_ids: frozenset[int] = frozenset(),
-                  processors: dict[str, CustomLogitProcessor] | None = None, is_decode: bool = False) -> SamplingBatch:
+                  processors: dict[str, CustomLogitProcessor] | None = None, is_decode: bool = False,
+                  same_as: SamplingBatch | None = None) -> SamplingBatch:
+        """same_as: the batch built for the same requests in the same rows (the previous
+        decode step): its per-request tensors are reused, since a request's sampling
+        parameters never change; what depends on the tokens generated so far is rebuilt."""
         ps = [r.sampling_params for r in reqs]
-        greedy = [p.is_greedy for p in ps]
-        top_k = [vocab_size if (p.top_k < 1 or p.top_k > vocab_size) else p.top_k for p in ps]
-        def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=dtype), device)
-
-        sb = cls(
-            all_greedy=all(greedy),
-            greedy=dev(greedy, torch.bool),
-            temperature=dev([1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32)[:, None],
-            top_k=dev(top_k, torch.int64),
-            top_p=dev([p.top_p for p in ps], torch.float32),
-            min_p=dev([p.min_p for p in ps], torch.float32),
-            need_top_k=any(k < vocab_size for k in top_k),
-            need_top_p=any(p.top_p < 1.0 for p in ps),
-            need_min_p=any(p.min_p > 0.0 for p in ps),
-            generators=[None] * len(reqs),
-        )
-        if any(p.has_penalties for p in ps):
-            pen = [[p.frequency_penalty for p in ps], [p.presence_penalty for p in ps], [p.repetition_penalty for p in ps]]
-            sb.penalties = dev(pen, torch.float32)[:, :, None]
-        if any(p.logit_bias for p in ps):
-            items = [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias.items()]
-            sb.bias = _sparse(items, device)
+        if same_as is not None:
+            sb = replace(same_as, generators=[None] * len(reqs), ban=None, processors=None)
+        else:
+            sb = cls._per_request(ps, vocab_size, device)
         # Tokens generated before this one. Under overlap a decode row's one in-flight batch
         # will add a token; a prefill row's in-flight batches (earlier chunks, or batches
         # made stale by a retraction) never do.
         done = [len(r.output_ids) + (r.inflight if is_decode else 0) for r in reqs]
         for i, (p, k) in enumerate(zip(ps, done)):
-            if p.seed is not None and not greedy[i]:
+            if p.seed is not None and not p.is_greedy:
                 sb.generators[i] = torch.Generator(device).manual_seed((p.seed * _SEED_MIX + k) % (1 << 63))
         banned = [(i, t, 0.0) for i, (p, d) in enumerate(zip(ps, done)) if d < p.min_new_tokens
                   for t in (p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *eos_ids])]
@@ -99,6 +85,35 @@ class SamplingBatch:
                   for i in rows])
                 for name, rows in groups.items()
             ]
+        return sb
+
+    @classmethod
+    def _per_request(cls, ps: list[SamplingParams], vocab_size: int, device: torch.device) -> SamplingBatch:
+        """The tensors fixed by each request's parameters alone."""
+        greedy = [p.is_greedy for p in ps]
+        top_k = [vocab_size if (p.top_k < 1 or p.top_k > vocab_size) else p.top_k for p in ps]
+
+        def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(torch.tensor(values, dtype=dtype), device)
+
+        sb = cls(
+            all_greedy=all(greedy),
+            greedy=dev(greedy, torch.bool),
+            temperature=dev([1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32)[:, None],
+            top_k=dev(top_k, torch.int64),
+            top_p=dev([p.top_p for p in ps], torch.float32),
+            min_p=dev([p.min_p for p in ps], torch.float32),
+            need_top_k=any(k < vocab_size for k in top_k),
+            need_top_p=any(p.top_p < 1.0 for p in ps),
+            need_min_p=any(p.min_p > 0.0 for p in ps),
+            generators=[None] * len(ps),
+        )
+        if any(p.has_penalties for p in ps):
+            pen = [[p.frequency_penalty for p in ps], [p.presence_penalty for p in ps], [p.repetition_penalty for p in ps]]
+            sb.penalties = dev(pen, torch.float32)[:, :, None]
+        if any(p.logit_bias for p in ps):
+            items = [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias.items()]
+            sb.bias = _sparse(items, device)
         return sb
 
 

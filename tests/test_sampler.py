@@ -157,3 +157,37 @@ def test_unknown_fields_and_defaults() -> None:
     p = SamplingParams.coerce({"top_p": 0.5, "stop": "x"}, defaults={"top_p": 0.9, "top_k": 20, "temperature": 0.3})
     assert (p.top_p, p.top_k, p.temperature, p.stop) == (0.5, 20, 0.3, ["x"])
     assert SamplingParams.coerce({"logit_bias": {"12": 1}}).logit_bias == {12: 1.0}
+
+
+def _fields(sb: SamplingBatch) -> list[Any]:
+    """Every field, tensors as lists and generators as their state, for comparison."""
+    out: list[Any] = []
+    for name in SamplingBatch.__slots__:  # type: ignore[attr-defined]
+        v = getattr(sb, name)
+        if name == "generators":
+            out.append([None if g is None else g.get_state().tolist() for g in v])
+        elif isinstance(v, torch.Tensor):
+            out.append(v.tolist())
+        elif isinstance(v, tuple):
+            out.append([t.tolist() for t in v])
+        else:
+            out.append(v)
+    return out
+
+
+def test_a_decode_step_reusing_the_last_batch_equals_a_fresh_build() -> None:
+    """The model runner rebuilds a decode step's SamplingBatch from the previous step's
+    for the same requests: over steps in which tokens accrue (seeded draws move on,
+    min_new_tokens bans lift), that equals building it from scratch each step."""
+    params = [dict(temperature=0.7, seed=3, top_k=3), dict(), dict(min_new_tokens=2, stop_token_ids=[4]),
+              dict(top_p=0.5, min_p=0.1, seed=9, logit_bias={"2": 1.0}), dict(repetition_penalty=1.3, temperature=1.2)]
+    reqs = [Req(str(i), [1], SamplingParams.coerce(p), False) for i, p in enumerate(params)]
+    prev = None
+    for step in range(4):
+        fresh = SamplingBatch.from_reqs(reqs, V, torch.device("cpu"), frozenset({5}), is_decode=True)
+        reused = SamplingBatch.from_reqs(reqs, V, torch.device("cpu"), frozenset({5}), is_decode=True, same_as=prev)
+        assert _fields(reused) == _fields(fresh), step
+        assert (reused.ban is not None) == (step < 2)  # the ban lifts once two tokens are out
+        prev = reused
+        for r in reqs:
+            r.output_ids.append(step)
