@@ -6,12 +6,13 @@
   with paged prefill over the prefix (non-causal) by their log-sum-exp;
 - cascade decode (a prefix shared by the whole batch): paged prefill of all B
   queries as one block over the shared slots (read once), paged decode over each
-  request's suffix, merged by log-sum-exp (opt-in: `enable_cascade_attention`).
-  Eager only: no CUDA graph is captured for it. Numerically checked on an H200,
-  but W3 ran slower with it than without, not yet profiled (benchmarks/RESULTS.md).
-Plans run on the host, once per batch, before the layers; under CUDA graphs one
-decode wrapper per captured batch size owns fixed index buffers, and `plan` runs
-before each replay, outside the graph. This module decides nothing about batching.
+  request's suffix, merged by log-sum-exp (`enable_cascade_attention`).
+Plans run on the host, once per batch, before the layers. Under CUDA graphs each
+captured batch size has its own decode wrapper (and, with cascade, its own
+shared-block prefill wrapper) in graph mode, reading index buffers that all sizes
+share (one graph replays at a time, and plans copy into them in stream order);
+`plan` runs before each replay, outside the graph. This module decides nothing
+about batching.
 
 A plan must never wait for the GPU, or the overlap loop stalls: every host tensor
 handed to `plan` (indptrs, last-page lengths, sequence lengths) is pinned, since
