@@ -26,6 +26,10 @@ class CascadeMeta:
     shared_indices: torch.Tensor  # [P] int32 KV slot ids, on the model's device
     suffix_indptr_host: torch.Tensor  # [B + 1] int32, pinned: request i's slots from P on
     suffix_indices: torch.Tensor  # [suffix_indptr[-1]] int32
+    # Names the shared slots: equal keys mean equal shared_indices (the batch's requests,
+    # rows and retraction epochs, and P), so a backend may keep its plan of the shared
+    # block from the last step. Empty: no such promise.
+    key: tuple = ()
 
 
 @dataclass(slots=True)

@@ -54,6 +54,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.graph_decode: dict[int, object] = {}
         self.graph_shared: dict[int, object] = {}
+        self._shared_planned: dict[int, tuple] = {}  # bs -> CascadeMeta.key its shared-block wrapper holds
         self._graph_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's, the shared block's
         self._mode = "decode"
         self._active_decode: object = self.decode
@@ -169,13 +170,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._after_plan()
 
     def begin_graph_cascade(self, bs: int, shared_len: int, shared_indices: torch.Tensor,
-                            suffix_indptr_host: torch.Tensor, suffix_indices: torch.Tensor) -> None:
+                            suffix_indptr_host: torch.Tensor, suffix_indices: torch.Tensor, key: tuple = ()) -> None:
         """Plan batch size `bs`'s cascade graph: all bs rows (padding included) attend to
-        the shared slots; suffix_indptr_host has bs + 1 entries, pinned."""
+        the shared slots; suffix_indptr_host has bs + 1 entries, pinned. A non-empty `key`
+        equal to the one this size's shared block was last planned with (CascadeMeta.key)
+        skips that plan: the wrapper's buffers still hold it, as nothing else plans it."""
         self._mode = "cascade"
         self._active_shared, self._active_decode = self.graph_shared[bs], self.graph_decode[bs]
         self._before_plan()
-        self._plan_shared(self._active_shared, bs, shared_len, shared_indices)
+        if not key or self._shared_planned.get(bs) != key:
+            self._plan_shared(self._active_shared, bs, shared_len, shared_indices)
+            self._shared_planned[bs] = key
         self._plan_decode(self._active_decode, suffix_indptr_host, suffix_indices)
         self._after_plan()
 

@@ -93,7 +93,7 @@ class CudaGraphRunner:
             self.backend.begin_graph_decode(bs, indptr, indices)
         else:
             indptr, indices = _pad(c.suffix_indptr_host, c.suffix_indices, bs)
-            self.backend.begin_graph_cascade(bs, c.shared_len, c.shared_indices, indptr, indices)
+            self.backend.begin_graph_cascade(bs, c.shared_len, c.shared_indices, indptr, indices, c.key)
         graph, out = self.graphs[(c is not None, bs)]
         graph.replay()
         return out[:b]

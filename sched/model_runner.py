@@ -254,7 +254,7 @@ class ModelRunner:
         indptr = self._host(indptr_of(own.tolist()))
         return CascadeMeta(p, table[batch.rows[0], :p].clone(), indptr,
                            gather_kv_indices(table, rows_dev, torch.full_like(rows_dev, p), kv_lens_dev - p,
-                                             int(indptr[-1])))
+                                             int(indptr[-1])), (key, p))
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return pinned(t, self.device)
