@@ -68,10 +68,16 @@ class ReqToTokenPool:
         lo = self._lo[rows]
         n = self._hi[rows] - lo
         total = int(n.sum())
-        values = gather_kv_indices(self.req_to_token, rows, lo, n, total)
-        self._lo[rows] = self.max_context
         self._hi[rows] = 0
-        r, lo, n, values = (to_device(t, self.mirror.device) for t in (rows, lo, n, values))
+        self._lo[rows] = self.max_context
+        dev = self.mirror.device
+        if bool((n == 1).all()):  # one slot per row (a decode step): no ranges to expand
+            values = self.req_to_token[rows, lo]
+            r, lo, values = (to_device(t, dev) for t in (rows, lo, values))
+            self.mirror[r, lo] = values
+            return
+        values = gather_kv_indices(self.req_to_token, rows, lo, n, total)
+        r, lo, n, values = (to_device(t, dev) for t in (rows, lo, n, values))
         row_of, pos = flat_positions(r, lo, n, total)
         self.mirror[row_of, pos] = values
 
