@@ -67,7 +67,6 @@ class ReqToTokenPool:
             return
         lo = self._lo[rows]
         n = self._hi[rows] - lo
-        total = int(n.sum())
         self._hi[rows] = 0
         self._lo[rows] = self.max_context
         dev = self.mirror.device
@@ -76,6 +75,7 @@ class ReqToTokenPool:
             r, lo, values = (to_device(t, dev) for t in (rows, lo, values))
             self.mirror[r, lo] = values
             return
+        total = int(n.sum())
         values = gather_kv_indices(self.req_to_token, rows, lo, n, total)
         r, lo, n, values = (to_device(t, dev) for t in (rows, lo, n, values))
         row_of, pos = flat_positions(r, lo, n, total)
