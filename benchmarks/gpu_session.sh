@@ -5,7 +5,7 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests topk w1 w12ov w1hf w2 w2hf w3 profile profile2 cascadeprof model
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 profile profile2 cascadeprof model
 # (jit: every kernel module, built in parallel, skipped when carried: benchmarks/build_kernels.py)
 # (model: SmolLM2's GGUF, carried in parts by benchmarks/model_parts.sh, through both
 # attention backends: benchmarks/backend_equality.py).
@@ -56,7 +56,6 @@ for step in "$@"; do
   echo "=== $step ($(date +%T), ${SECONDS}s into the call)"
   case $step in
     jit) run 420 python3 -m benchmarks.build_kernels ;;
-    topk) run 90 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=60 tests/test_gpu.py -k top_k ;;
     tests) run 400 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
              $(grep -l "pytest.mark.gpu" tests/*.py) ;;
     w1) run 300 python3 -m benchmarks.w1_w2_gpu --workloads W1 --no-hf ;;
