@@ -10,7 +10,9 @@ A decode batch whose requests all start with the same KV slots (a shared system
 prompt held once by the radix cache) may instead carry a `CascadeMeta`: the
 shared slots once, and each request's own suffix. A backend that plans cascades
 reads the shared prefix once per step for the whole batch rather than once per
-request; only backends with `supports_cascade` are handed one."""
+request; only backends with `supports_cascade` are handed one, and by default
+(`enable_cascade_attention=None`) only those whose cascade saves reads
+(`cascade_by_default`)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class AttnMetadata:
 
 class AttentionBackend(ABC):
     supports_cascade = False
+    cascade_by_default = False
 
     @abstractmethod
     def begin_forward(self, meta: AttnMetadata) -> None:

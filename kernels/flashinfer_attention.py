@@ -6,7 +6,7 @@
   with paged prefill over the prefix (non-causal) by their log-sum-exp;
 - cascade decode (a prefix shared by the whole batch): paged prefill of all B
   queries as one block over the shared slots (read once), paged decode over each
-  request's suffix, merged by log-sum-exp (`enable_cascade_attention`).
+  request's suffix, merged by log-sum-exp (on unless `enable_cascade_attention=False`).
 Plans run on the host, once per batch, before the layers. Under CUDA graphs each
 captured batch size has its own decode wrapper (and, with cascade, its own
 shared-block prefill wrapper) in graph mode, reading index buffers that all sizes
@@ -32,6 +32,7 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cascade = True
+    cascade_by_default = True
 
     def __init__(
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,

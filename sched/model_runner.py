@@ -84,7 +84,9 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, "cpu")
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, self.device)
         self.attn_backend = self._attention_backend(args)
-        self.cascade = self.attn_backend.supports_cascade and args.enable_cascade_attention
+        on = args.enable_cascade_attention
+        self.cascade = self.attn_backend.supports_cascade and (
+            self.attn_backend.cascade_by_default if on is None else on)
         self._shared: tuple[tuple, int] = ((), 0)  # (decode batch identity, its shared prefix length)
         self._sampling: tuple[tuple, SamplingBatch | None] = ((), None)  # (decode batch identity, its sampling)
         self.cascade_steps = 0

@@ -41,9 +41,11 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_tokenizer_init: bool = False
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
-    # Decode batches sharing a long prefix read it once per step (eager, no CUDA graph).
-    # Off by default: correct, but measured slower on an H200 (benchmarks/RESULTS.md, W3).
-    enable_cascade_attention: bool = False
+    # Decode batches sharing a long prefix read it once per step, under CUDA graphs too.
+    # None: on where the backend reads the prefix once (flashinfer: W3 4.3x faster than
+    # radix off on an H200, benchmarks/RESULTS.md), off for the torch backend, whose
+    # cascade is a reference that gathers the prefix per request anyway.
+    enable_cascade_attention: bool | None = None
     # Names (registered) or dotted paths (pkg.mod:Class) of logit processors requests may use.
     custom_logit_processors: list[str] = []
 

@@ -62,7 +62,7 @@ def test_cascade_decode_equals_plain_decode(llama_dir: str, monkeypatch: pytest.
     prompts.append([rng.randrange(1, 500) for _ in range(20)])  # one request without the prefix
     monkeypatch.setattr(model_runner, "CASCADE_MIN_SAVED_TOKENS", 1)
     kw = {"disable_overlap_schedule": not overlap}
-    plain, plain_steps = _generate(llama_dir, prompts, **kw)
+    plain, plain_steps = _generate(llama_dir, prompts, **kw)  # the torch backend's default: off
     cascade_mixed, _ = _generate(llama_dir, prompts, enable_cascade_attention=True, **kw)
     cascade, steps = _generate(llama_dir, prompts[:-1], enable_cascade_attention=True, **kw)
     assert plain_steps == 0 and steps > 0
