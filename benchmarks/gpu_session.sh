@@ -5,10 +5,10 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 profile profile2 cascadeprof model
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 profile profile2 cascadeprof parts model
 # (jit: every kernel module, built in parallel, skipped when carried: benchmarks/build_kernels.py)
-# (model: SmolLM2's GGUF, carried in parts by benchmarks/model_parts.sh, through both
-# attention backends: benchmarks/backend_equality.py).
+# (model: SmolLM2's GGUF, carried in parts by benchmarks/model_parts.sh and stashed in
+# /tmp by `parts`, through both attention backends: benchmarks/backend_equality.py).
 #
 # What earlier calls taught (each lesson cost device time):
 # - Everything streams into $OUT/log.txt as it is printed, so a call cut short still
@@ -67,13 +67,16 @@ for step in "$@"; do
     profile) run 300 python3 -m benchmarks.profile_decode ;;
     cascadeprof) run 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 10 ;;
     profile2) run 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 ;;
+    parts)  # stash carried model parts where they outlive the call (carried folders do not)
+      mkdir -p /tmp/sgl-parts && cp .m?/* /tmp/sgl-parts/ 2>/dev/null; ls /tmp/sgl-parts ;;
     model)
-      gguf=/tmp/$(cut -d' ' -f3 .m1/SHA256 2>/dev/null)
-      cat .m1/part.* .m2/part.* .m3/part.* .m4/part.* > "$gguf" 2>/dev/null
-      if (cd /tmp && sha256sum -c --quiet "$OLDPWD/.m1/SHA256"); then
+      mkdir -p /tmp/sgl-parts && cp .m?/* /tmp/sgl-parts/ 2>/dev/null
+      gguf=/tmp/$(cut -d' ' -f3 /tmp/sgl-parts/SHA256 2>/dev/null)
+      cat /tmp/sgl-parts/part.* > "$gguf" 2>/dev/null
+      if (cd /tmp && sha256sum -c --quiet /tmp/sgl-parts/SHA256); then
         run 400 python3 -m benchmarks.backend_equality --model "$gguf"
       else
-        echo "model parts missing or damaged: $(ls -d .m? 2>/dev/null | tr '\n' ' ')(the device went cold between calls?)"
+        echo "model parts missing or damaged: $(ls /tmp/sgl-parts | tr '\n' ' ')(the device went cold between calls?)"
       fi ;;
     *) echo "unknown step $step" ;;
   esac

@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
 # Here (not on the device): cut the default model's GGUF (98 MB) into four ignored
-# folders .m1 .. .m4 that fit the device's 64 MiB carry one at a time, .m1 beside
-# .whl and .ficache. The device keeps ignored folders between calls while it stays
-# warm (it goes back after ~30 s idle), so four calls in quick succession carry the
-# whole file:
-#   run(carry=[".whl", ".ficache", ".m1"], command="bash benchmarks/gpu_session.sh tests")
-#   run(carry=[".m2"], command="ls -la .m*")
-#   run(carry=[".m3"], command="ls -la .m*")
-#   run(carry=[".m4"], command="bash benchmarks/gpu_session.sh model")
-# The `model` step checks the parts against .m1/SHA256 before it runs anything.
+# folders .m1 .. .m4 of ~24 MB. A carried folder does not outlive its call, but /tmp
+# on the device does while the machine stays warm (~30 s idle), so three calls in
+# quick succession get the whole file there (the `parts` step stashes them in /tmp):
+#   run(carry=[".m1", ".m2"], command="bash benchmarks/gpu_session.sh parts")
+#   run(carry=[".m3", ".m4"], command="bash benchmarks/gpu_session.sh parts")
+#   run(carry=[".whl", ".ficache"], command="bash benchmarks/gpu_session.sh model")
+# The `model` step checks the parts against the SHA256 before it runs anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 gguf=$(.venv/bin/python -c "from sgl.default_model import find_gguf; print(find_gguf())")
