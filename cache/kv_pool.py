@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from sgl.cache.kv_write import write_kv
+
 
 class MHATokenToKVPool:
     def __init__(
@@ -25,6 +27,9 @@ class MHATokenToKVPool:
         shape = (size + 1, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Set by the CUDA graph runner while it warms up and captures: writes go through
+        # one kernel launch per layer (sgl.cache.kv_write says why only then).
+        self.one_launch_write = False
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k_buffer, *self.v_buffer))
@@ -35,5 +40,4 @@ class MHATokenToKVPool:
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v of shape [n, kv_heads, head_dim] at slots `loc` ([n])."""
-        self.k_buffer[layer][loc] = k.to(self.dtype)
-        self.v_buffer[layer][loc] = v.to(self.dtype)
+        write_kv(self.k_buffer[layer], self.v_buffer[layer], loc, k, v, self.one_launch_write)

@@ -41,6 +41,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         kinds = [False, True] if self.cascade else [False]
+        runner.kv_pool.one_launch_write = True  # warm-ups compile it, captures record it
         with tqdm(total=len(self.sizes) * len(kinds), desc="Capturing CUDA graphs", unit="graph",
                   disable=None) as bar:
             for bs in sorted(self.sizes, reverse=True):
@@ -61,6 +62,7 @@ class CudaGraphRunner:
                         backend.begin_graph_decode(bs, one_each, slot0)
                     self.graphs[(cascade, bs)] = self._capture(runner, fb)
                     bar.update()
+        runner.kv_pool.one_launch_write = False  # eager forwards: the indexed copies
         torch.cuda.synchronize(dev)
 
     def _capture(self, runner: ModelRunner, fb: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

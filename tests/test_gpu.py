@@ -1,6 +1,6 @@
-"""GPU path (marked gpu; skipped without CUDA): the FlashInfer backend, layer kernels
-and top-k/top-p renormalisation against the torch reference on the same batches, and
-CUDA graph replay against eager."""
+"""GPU path (marked gpu; skipped without CUDA): the FlashInfer backend, layer kernels,
+the Triton KV write and top-k/top-p renormalisation against the torch reference on
+the same batches, and CUDA graph replay against eager."""
 
 from __future__ import annotations
 
@@ -195,6 +195,27 @@ def test_flashinfer_layer_kernels_match_torch() -> None:
     q_ref, k_ref = layers.apply_rope(q, k, pos, cos, sin)
     q_fi, k_fi = layers.apply_rope(q.bfloat16(), k.bfloat16(), pos, cos, sin)
     assert _rel_err(q_fi, q_ref) < 1e-2 and _rel_err(k_fi, k_ref) < 1e-2
+
+
+@pytest.mark.parametrize("n,h,d", [(256, 8, 128), (3000, 8, 128), (5, 3, 64), (17, 2, 80)])
+def test_triton_kv_write_equals_indexed_copy(n: int, h: int, d: int) -> None:
+    """One Triton launch writes K and V read in place from the strided qkv row, as the
+    two indexed copies it replaces do, element for element, and touches no other slot."""
+    from sgl.cache.kv_write import _triton_kernel, write_kv
+
+    assert _triton_kernel() is not None, "the GPU path needs Triton"
+    torch.manual_seed(0)
+    dev, dt, hq = torch.device("cuda"), torch.bfloat16, 2 * h
+    qkv = torch.randn(n, (hq + 2 * h) * d, device=dev, dtype=dt)
+    _, k, v = qkv.split([hq * d, h * d, h * d], dim=-1)
+    k, v = k.view(n, h, d), v.view(n, h, d)
+    slots = 2 * n + 1
+    loc = torch.randperm(slots - 1, device=dev)[:n] + 1
+    k_buf, v_buf = torch.randn(slots, h, d, device=dev, dtype=dt), torch.randn(slots, h, d, device=dev, dtype=dt)
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+    k_ref[loc], v_ref[loc] = k, v
+    write_kv(k_buf, v_buf, loc, k, v, one_launch=True)
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
 
 
 def test_flashinfer_top_k_top_p_matches_torch() -> None:
