@@ -276,7 +276,7 @@ class ModelRunner:
             step = self._forward(p).to_host(non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-            return _CudaLaunched(step, start, done, self.gpu_timeline)
+            return _CudaLaunched(step, start, done, self.gpu_timeline, p.attn.is_decode)
         if self.worker is not None:
             return self.worker.submit(self.execute, p)
         return _Ready(self.execute(p))
@@ -371,23 +371,33 @@ class StepResult:
 class GpuTimeline:
     """GPU busy and idle time between consecutive batches, from event pairs read once
     each batch's result is in: idle is the gap between one batch's end and the next
-    one's start on the GPU, i.e. time the GPU waited for the host."""
+    one's start on the GPU, i.e. time the GPU waited for the host. The gaps between
+    two decode steps are also summed apart (`decode_idle_s`, against `decode_busy_s`):
+    that is where the overlap loop must keep the GPU fed."""
 
     def __init__(self) -> None:
         self.busy_s = 0.0
         self.idle_s = 0.0
-        self._prev_done: torch.cuda.Event | None = None
+        self.decode_busy_s = 0.0
+        self.decode_idle_s = 0.0
+        self._prev: tuple[torch.cuda.Event, bool] | None = None  # the last batch's end, and was it decode
 
-    def record(self, start: torch.cuda.Event, done: torch.cuda.Event) -> None:
+    def record(self, start: torch.cuda.Event, done: torch.cuda.Event, decode: bool) -> None:
         """Both events have completed (the caller synchronised on `done`)."""
-        self.busy_s += start.elapsed_time(done) / 1000
-        if self._prev_done is not None:
-            self.idle_s += max(0.0, self._prev_done.elapsed_time(start) / 1000)
-        self._prev_done = done
+        busy = start.elapsed_time(done) / 1000
+        self.busy_s += busy
+        if decode:
+            self.decode_busy_s += busy
+        if self._prev is not None:
+            gap = max(0.0, self._prev[0].elapsed_time(start) / 1000)
+            self.idle_s += gap
+            if decode and self._prev[1]:
+                self.decode_idle_s += gap
+        self._prev = (done, decode)
 
     def reset_gap(self) -> None:
         """The scheduler went idle on purpose: the next gap is not the host's lateness."""
-        self._prev_done = None
+        self._prev = None
 
 
 class Launched(Protocol):
@@ -405,15 +415,15 @@ class _Ready:
 
 
 class _CudaLaunched:
-    __slots__ = ("step", "start", "done", "timeline")
+    __slots__ = ("step", "start", "done", "timeline", "decode")
 
     def __init__(self, step: StepResult, start: torch.cuda.Event, done: torch.cuda.Event,
-                 timeline: GpuTimeline) -> None:
-        self.step, self.start, self.done, self.timeline = step, start, done, timeline
+                 timeline: GpuTimeline, decode: bool) -> None:
+        self.step, self.start, self.done, self.timeline, self.decode = step, start, done, timeline, decode
 
     def result(self) -> StepResult:
         self.done.synchronize()
-        self.timeline.record(self.start, self.done)
+        self.timeline.record(self.start, self.done, self.decode)
         return self.step
 
 

@@ -106,6 +106,8 @@ class Scheduler:
             **self.stats,
             "gpu_busy_s": r.gpu_timeline.busy_s,
             "gpu_idle_s": r.gpu_timeline.idle_s,
+            "gpu_decode_busy_s": r.gpu_timeline.decode_busy_s,
+            "gpu_decode_idle_s": r.gpu_timeline.decode_idle_s,
             "cascade_steps": r.cascade_steps,
         }
 

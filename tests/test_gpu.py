@@ -128,7 +128,11 @@ def _run(model_dir: str, prompts: list[list[int]], **kw: object) -> list[list[in
         again = e.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 24,
                                                                "ignore_eos": True})
         assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
-        assert_kv_balanced(e.get_server_info())
+        info = e.get_server_info()
+        assert_kv_balanced(info)
+        # The GPU timeline: decode steps are part of all batches, and 24-token outputs decode.
+        assert 0 < info["gpu_decode_busy_s"] <= info["gpu_busy_s"]
+        assert 0 <= info["gpu_decode_idle_s"] <= info["gpu_idle_s"]
     return [o["output_ids"] for o in outs]
 
 
