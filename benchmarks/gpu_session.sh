@@ -52,6 +52,9 @@ run() {
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 124 ] && echo "timed out after ${cap}s"
 }
+# Carried model parts (benchmarks/model_parts.sh) go to /tmp, which outlives the call
+# while the machine stays warm; carried folders do not.
+stash_parts() { mkdir -p /tmp/sgl-parts && cp .m?/* /tmp/sgl-parts/ 2>/dev/null; }
 for step in "$@"; do
   echo "=== $step ($(date +%T), ${SECONDS}s into the call)"
   case $step in
@@ -67,10 +70,9 @@ for step in "$@"; do
     profile) run 300 python3 -m benchmarks.profile_decode ;;
     cascadeprof) run 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 10 ;;
     profile2) run 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 ;;
-    parts)  # stash carried model parts where they outlive the call (carried folders do not)
-      mkdir -p /tmp/sgl-parts && cp .m?/* /tmp/sgl-parts/ 2>/dev/null; ls /tmp/sgl-parts ;;
+    parts) stash_parts; ls /tmp/sgl-parts ;;
     model)
-      mkdir -p /tmp/sgl-parts && cp .m?/* /tmp/sgl-parts/ 2>/dev/null
+      stash_parts
       gguf=/tmp/$(cut -d' ' -f3 /tmp/sgl-parts/SHA256 2>/dev/null)
       cat /tmp/sgl-parts/part.* > "$gguf" 2>/dev/null
       if (cd /tmp && sha256sum -c --quiet /tmp/sgl-parts/SHA256); then
