@@ -9,7 +9,7 @@
 # The `model` step checks the parts against the SHA256 before it runs anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-gguf=$(.venv/bin/python -c "from sgl.default_model import find_gguf; print(find_gguf())")
+gguf=$(.venv/bin/python -c "from sgl.sched.models.default_model import find_gguf; print(find_gguf())")
 grep -qx '/.m\*/' .git/info/exclude || echo '/.m*/' >> .git/info/exclude
 rm -rf .m1 .m2 .m3 .m4 && mkdir -p .m1 .m2 .m3 .m4
 tmp=$(mktemp -d)

@@ -18,11 +18,11 @@ import time
 import torch
 
 from benchmarks.common import dummy_model_dir, machine, table
-from sgl.sampling_params import SamplingParams
+from sgl.core.sampling_params import SamplingParams
+from sgl.core.server_args import ServerArgs
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.model_runner import ModelRunner, indptr_of
 from sgl.sched.req import Req
-from sgl.server_args import ServerArgs
+from sgl.sched.runner.model_runner import ModelRunner, indptr_of
 
 
 def make_runner(bs: int, ctx: int, steps: int, graphs: bool, cascade: bool) -> ModelRunner:

@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--transport", default="ipc")
     a = ap.parse_args()
-    from sgl.default_model import default_model_dir
+    from sgl.sched.models.default_model import default_model_dir
 
     model_dir = default_model_dir()
     rows = [asyncio.run(run(model_dir, a, overlap)) for overlap in (True, False)]

@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--transport", default="ipc")
     a = ap.parse_args()
-    from sgl.default_model import default_model_dir
+    from sgl.sched.models.default_model import default_model_dir
 
     model_dir = default_model_dir()
     prompts = random_prompts(a.requests, a.input, 49152)

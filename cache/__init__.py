@@ -1,2 +1,3 @@
 """KV-cache memory: the request-to-token table, the KV slot allocator, the KV pools
-and (later) the radix prefix cache. Imports nothing of the rest of sgl."""
+(their sizing, construction and writes), the radix prefix cache, and pinned
+host-to-device copies. Imports nothing of the rest of sgl."""

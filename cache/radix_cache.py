@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import NamedTuple, Protocol, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl.host_copy import to_device
+from sgl.cache.host_copy import to_device
 
 
 class ReqToTokenPool:

@@ -1,3 +1,4 @@
-"""The scheduler role: request state, batching, the model runner, the sampler and
-model code. Imports the bottom of sgl, transports, cache and kernels; never the
-caller-side roles."""
+"""The scheduler role: the loop, admission (the prefill adder), decode and
+retraction, result processing, request and batch state, policies; model execution
+in runner/ and model code in models/. Imports sgl.core, transports, cache and
+kernels; never the caller-side roles."""

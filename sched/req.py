@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from sgl.protocol import GenerateReqInput, Logprobs
-from sgl.sampling_params import SamplingParams
+from sgl.core.protocol import GenerateReqInput, Logprobs
+from sgl.core.sampling_params import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from sgl.cache.radix_cache import RadixCache
-from sgl.log import get_logger
-from sgl.logit_processor import resolve
-from sgl.protocol import (
+from sgl.core.log import get_logger
+from sgl.core.logit_processor import resolve
+from sgl.core.protocol import (
     AbortReq,
     AttachReq,
-    DetachReq,
     BatchTokenIDOutput,
+    DetachReq,
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -32,13 +32,13 @@ from sgl.protocol import (
     Message,
     ShutdownReq,
 )
-from sgl.request_checks import RequestLimits, request_error
+from sgl.core.request_checks import RequestLimits, request_error
+from sgl.core.server_args import ServerArgs
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.model_runner import Launched, ModelRunner, StepResult
 from sgl.sched.policy import order_waiting
 from sgl.sched.req import Req
+from sgl.sched.runner.model_runner import Launched, ModelRunner, StepResult
 from sgl.sched.stop import StopStrings
-from sgl.server_args import ServerArgs
 from sgl.transports.channel import Receiver, Sender
 
 INIT_NEW_TOKEN_RATIO = 0.7

@@ -24,7 +24,7 @@ class StopStrings:
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from sgl.hf import load_tokenizer
+            from sgl.sched.models.tokenizer import load_tokenizer
 
             assert self.path is not None
             self._tokenizer = load_tokenizer(self.path, self.trust_remote_code)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sgl.sampling_params import SamplingParams
-from sgl.server_args import ServerArgs
+from sgl.core.sampling_params import SamplingParams
+from sgl.core.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from sgl.client import Client
+    from sgl.core.logit_processor import CustomLogitProcessor
     from sgl.engine import AsyncEngine, Engine
-    from sgl.logit_processor import CustomLogitProcessor
 
 __all__ = ["AsyncEngine", "Client", "CustomLogitProcessor", "Engine", "SamplingParams", "ServerArgs"]
 __version__ = "0.1.0"
@@ -33,7 +33,7 @@ def __getattr__(name: str) -> Any:
 
         return Client
     if name == "CustomLogitProcessor":
-        from sgl.logit_processor import CustomLogitProcessor
+        from sgl.core.logit_processor import CustomLogitProcessor
 
         return CustomLogitProcessor
     raise AttributeError(f"module 'sgl' has no attribute {name!r}")

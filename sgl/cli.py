@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from sgl.serve import serve
+    from sgl.server.serve import serve
 
     return serve(server_args_from(ns))
 

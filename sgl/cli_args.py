@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from sgl.server_args import ServerArgs
+from sgl.core.server_args import ServerArgs
 
 # A flag's value type for msgspec's type descriptions; anything else is a str.
 _SCALARS: dict[type, Any] = {

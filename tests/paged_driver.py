@@ -14,7 +14,7 @@ from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.cache.req_to_token_pool import ReqToTokenPool
 from sgl.kernels.attention import AttnMetadata
 from sgl.kernels.torch_attention import TorchAttentionBackend
-from sgl.sched.forward_batch import ForwardBatch
+from sgl.sched.models.forward_batch import ForwardBatch
 
 
 class PagedDriver:
@@ -97,7 +97,7 @@ class PagedDriver:
 
 def converted_default_model(cache_dir: str) -> str:
     """The default model converted into `cache_dir` (once: later calls reuse it)."""
-    from sgl.default_model import default_model_dir
+    from sgl.sched.models.default_model import default_model_dir
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SGL_CACHE_DIR", cache_dir)

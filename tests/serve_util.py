@@ -25,7 +25,7 @@ class ServerProc:
         if api_key is not None:
             cmd += ["--api-key", api_key]
         self.api_key = api_key
-        self._stderr = open(stderr_path, "wb") if stderr_path else None  # noqa: SIM115 - closed in stop()
+        self._stderr = open(stderr_path, "wb") if stderr_path else None
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr)
         self.scheduler_address: str | None = None
         self.url = self._wait_ready()

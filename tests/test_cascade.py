@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sgl
-from sgl.sched import model_runner
-from sgl.sched.model_runner import shared_prefix_len
+from sgl.sched.runner import model_runner
+from sgl.sched.runner.model_runner import shared_prefix_len
 from tests.conftest import assert_kv_balanced, tiny_model_dir
 
 

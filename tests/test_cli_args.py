@@ -10,7 +10,7 @@ import pytest
 
 from sgl.cli import build_parser
 from sgl.cli_args import server_args_from
-from sgl.server_args import ServerArgs
+from sgl.core.server_args import ServerArgs
 
 
 def _serve_ns(*argv: str) -> argparse.Namespace:

@@ -9,14 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sgl.detokenizer import Detokenizer
-from sgl.protocol import BatchTokenIDOutput
+from sgl.core.protocol import BatchTokenIDOutput
+from sgl.runtime.detokenizer import Detokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from sgl.default_model import default_model_dir
-    from sgl.hf import load_tokenizer
+    from sgl.sched.models.default_model import default_model_dir
+    from sgl.sched.models.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir())
 

@@ -27,7 +27,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def smollm_dir() -> str:
-    from sgl.default_model import default_model_dir
+    from sgl.sched.models.default_model import default_model_dir
 
     return default_model_dir()
 

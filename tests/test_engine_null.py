@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import sgl
-from sgl.tokenizer_manager import ReqOptions
+from sgl.runtime.tokenizer_manager import ReqOptions
 from tests.conftest import ENGINE_VARIANTS, null_continuation, settle_aborts
 
 

@@ -20,7 +20,7 @@ import torch
 from paged_driver import PagedDriver, converted_default_model
 from test_models_vs_hf import CASES, PROMPTS, hf_greedy, make_hf_dir
 
-import sgl.default_model as dm
+import sgl.sched.models.default_model as dm
 from sgl.sched.models.llama import rope_settings
 from sgl.sched.models.loader import GGUFCheckpoint, load_model
 

@@ -147,7 +147,7 @@ def test_cuda_graph_replay_equals_eager(qwen3_dir: str) -> None:
 def test_cascade_under_cuda_graphs_equals_plain_decode(qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Cascade decode replayed from its CUDA graphs (padded sizes included), on by
     default with flashinfer, gives the tokens of cascade run eagerly and of plain decode."""
-    from sgl.sched import model_runner
+    from sgl.sched.runner import model_runner
 
     monkeypatch.setattr(model_runner, "CASCADE_MIN_SAVED_TOKENS", 1)
     rng = random.Random(2)

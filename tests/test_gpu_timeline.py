@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from sgl.sched.model_runner import GpuTimeline
+from sgl.sched.runner.model_runner import GpuTimeline
 
 
 @dataclass(frozen=True)

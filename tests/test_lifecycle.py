@@ -12,11 +12,10 @@ import sys
 import textwrap
 import time
 
-
 import pytest
 
 import sgl
-from sgl.tokenizer_manager import EngineDeadError
+from sgl.runtime.tokenizer_manager import EngineDeadError
 from tests.conftest import null_continuation
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sgl.output_router import OutputRouter
-from sgl.protocol import BatchStrOutput, Logprobs, Message
+from sgl.core.protocol import BatchStrOutput, Logprobs, Message
+from sgl.runtime.output_router import OutputRouter
 from sgl.transports.channel import Sender
 
 

@@ -26,7 +26,7 @@ from tests.conftest import ENGINE_VARIANTS, settle_aborts
 VOCAB = 49152
 EOS = 2
 FORCE = "force_tokens"
-FORCE_PATH = "sgl.logit_processor:ForceTokens"
+FORCE_PATH = "sgl.core.logit_processor:ForceTokens"
 
 
 def null_next(t: int) -> int:
@@ -44,7 +44,7 @@ def null_chain(last: int, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def tok_null_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The null model over SmolLM2's vocabulary, with its tokenizer files."""
-    from sgl.default_model import default_model_dir
+    from sgl.sched.models.default_model import default_model_dir
 
     src = default_model_dir()
     d = tmp_path_factory.mktemp("null-tok")
@@ -272,7 +272,7 @@ def test_logprob_texts_on_request(engine: sgl.Engine) -> None:
 
 
 def test_generation_config_defaults_fill_unset_fields(tmp_path: Any, tok_null_dir: str) -> None:
-    from sgl.tokenizer_manager import generation_defaults
+    from sgl.runtime.tokenizer_manager import generation_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": None,
                                                                  "do_sample": True, "max_length": 20}))

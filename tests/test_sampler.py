@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from sgl.sampling_params import SamplingParams
+from sgl.core.sampling_params import SamplingParams
 from sgl.sched.req import Req
-from sgl.sched.sampler import SamplingBatch, process_logits, sample
+from sgl.sched.runner.sampler import SamplingBatch, process_logits, sample
 
 V = 6
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])

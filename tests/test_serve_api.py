@@ -30,7 +30,7 @@ TRANSPORT_KEY = "ab" * 32
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProc]:
-    from sgl.default_model import default_model_dir
+    from sgl.sched.models.default_model import default_model_dir
 
     s = ServerProc("--model-path", default_model_dir(), "--load-format", "null", "--transport", "tcp",
                    "--transport-key", TRANSPORT_KEY, "--max-total-tokens", "4000", "--served-model-name", "smol",
@@ -104,8 +104,8 @@ def test_openai_chat(oai: openai.OpenAI) -> None:
 @functools.cache
 def oai_tok() -> Any:
     """The served model's tokenizer."""
-    from sgl.default_model import default_model_dir
-    from sgl.hf import load_tokenizer
+    from sgl.sched.models.default_model import default_model_dir
+    from sgl.sched.models.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir())
 

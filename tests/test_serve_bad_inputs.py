@@ -20,8 +20,8 @@ import pytest
 import zmq
 
 import sgl
-from sgl.protocol import GenerateReqInput
-from sgl.sampling_params import SamplingParams
+from sgl.core.protocol import GenerateReqInput
+from sgl.core.sampling_params import SamplingParams
 from tests.serve_util import ServerProc
 
 API_KEY = "sk-bad-inputs"
@@ -31,7 +31,7 @@ BODY_LIMIT = 100_000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    from sgl.default_model import default_model_dir
+    from sgl.sched.models.default_model import default_model_dir
 
     log = tmp_path_factory.mktemp("bad-inputs") / "server.log"
     s = ServerProc("--model-path", default_model_dir(), "--load-format", "null", "--transport", "tcp",

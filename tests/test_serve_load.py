@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 import sgl
-from sgl.tokenizer_manager import EngineDeadError
+from sgl.runtime.tokenizer_manager import EngineDeadError
 from tests.conftest import null_continuation
 from tests.serve_util import ServerProc, alive
 

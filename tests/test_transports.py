@@ -7,18 +7,18 @@ import asyncio
 import msgspec
 import pytest
 
-from sgl.protocol import (
+from sgl.core.protocol import (
     AbortReq,
     BatchStrOutput,
     BatchTokenIDOutput,
     FlushCacheReqOutput,
     GenerateReqInput,
-    Logprobs,
     GetServerInfoReqOutput,
     HealthCheckReq,
+    Logprobs,
     ShutdownReq,
 )
-from sgl.sampling_params import SamplingParams
+from sgl.core.sampling_params import SamplingParams
 from sgl.transports.codec import Codec, DecodeError
 from sgl.transports.factory import make_addresses, open_receiver, open_sender
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from sgl.protocol import Message
+from sgl.core.protocol import Message
 
 
 class Sender(ABC):

@@ -1,11 +1,11 @@
 """Encode and decode protocol messages. No pickle: a frame is MessagePack of one
-tagged Struct from sgl.protocol.Message; anything else fails to decode."""
+tagged Struct from sgl.core.protocol.Message; anything else fails to decode."""
 
 from __future__ import annotations
 
 import msgspec
 
-from sgl.protocol import Message
+from sgl.core.protocol import Message
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 

@@ -11,7 +11,7 @@ import threading
 
 import structlog
 
-from sgl.protocol import Message
+from sgl.core.protocol import Message
 from sgl.transports.channel import ChannelClosed, Receiver, Sender
 from sgl.transports.codec import Codec, DecodeError
 

@@ -10,14 +10,13 @@ a key refuses any address but loopback."""
 
 from __future__ import annotations
 
+import structlog
 import zmq
 import zmq.asyncio
 
-import structlog
-
-from sgl.protocol import Message
-from sgl.transports.channel import Receiver, Sender
+from sgl.core.protocol import Message
 from sgl.transports.auth import TAG_BYTES, AuthError, is_loopback, sign, verify
+from sgl.transports.channel import Receiver, Sender
 from sgl.transports.codec import MAX_FRAME_BYTES, Codec, DecodeError
 
 log = structlog.get_logger("sgl.transport")

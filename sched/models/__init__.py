@@ -1,1 +1,3 @@
-"""Model code and weight loaders."""
+"""Model code and what loads it: the Llama-family model, the null model, weight
+loaders (HF directory, GGUF, dummy), the default model, tokenizer loading, and the
+ForwardBatch a model reads."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgl.kernels.layers import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, silu_and_mul
-from sgl.sched.forward_batch import ForwardBatch
+from sgl.sched.models.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

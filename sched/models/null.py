@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sgl.sched.forward_batch import ForwardBatch
+from sgl.sched.models.forward_batch import ForwardBatch
 
 
 def null_next_token(token: int, vocab_size: int) -> int:

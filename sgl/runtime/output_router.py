@@ -8,8 +8,8 @@ decodes text and never drops an output of a known client."""
 
 from __future__ import annotations
 
-from sgl.log import get_logger
-from sgl.protocol import (
+from sgl.core.log import get_logger
+from sgl.core.protocol import (
     CONTROL_REPLIES,
     AttachReq,
     AttachReqOutput,

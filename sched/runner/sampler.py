@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from sgl.cache.host_copy import to_device
+from sgl.core.logit_processor import OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
+from sgl.core.sampling_params import SamplingParams
 from sgl.kernels.sampling import top_k_top_p
-from sgl.host_copy import to_device
-from sgl.logit_processor import OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
-from sgl.sampling_params import SamplingParams
 from sgl.sched.req import Req
 
 

@@ -20,9 +20,8 @@ from typing import Any, Literal
 import msgspec
 from starlette.responses import Response, StreamingResponse
 
-from sgl.http_common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
-from sgl.http_native import ServerState, primed
-
+from sgl.server.common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
+from sgl.server.native import ServerState, primed
 
 MAX_LOGPROBS = 20  # the most top logprobs a position may ask for (vLLM's default max_logprobs)
 

@@ -17,7 +17,7 @@ from types import FrameType
 
 import msgspec
 
-from sgl.server_args import ServerArgs
+from sgl.core.server_args import ServerArgs
 
 GRACEFUL_SHUTDOWN_S = 3
 
@@ -39,7 +39,7 @@ async def _serve(args: ServerArgs) -> None:
     import uvicorn
 
     from sgl.engine import AsyncEngine
-    from sgl.http_app import build_app
+    from sgl.server.app import build_app
 
     sock = _listen(args.host, args.port)
     # While the roles start, SIGTERM unwinds like Ctrl-C: started children are

@@ -10,7 +10,7 @@ from typing import Any, Union
 
 import msgspec
 
-from sgl.sampling_params import SamplingParams
+from sgl.core.sampling_params import SamplingParams
 
 # {"type": "stop", "matched": int | str} | {"type": "length", "length": int} |
 # {"type": "abort", "message": str}

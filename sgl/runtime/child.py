@@ -1,4 +1,4 @@
-"""Entry point of a child role: `python -m sgl.child READY_FD`.
+"""Entry point of a child role: `python -m sgl.runtime.child READY_FD`.
 
 The config arrives as one JSON line on stdin; readiness or the startup error goes
 back as one JSON line on the READY_FD pipe. Stdin then stays open: when it hits
@@ -27,8 +27,8 @@ def _exit_when_parent_dies() -> None:
 
 def main() -> None:
     ready_fd = int(sys.argv[1])
-    from sgl.log import configure
-    from sgl.roles import ChildConfig, run_role
+    from sgl.core.log import configure
+    from sgl.runtime.roles import ChildConfig, run_role
 
     cfg = msgspec.json.decode(sys.stdin.buffer.readline(), type=ChildConfig)
     configure(cfg.server_args.log_level)

@@ -16,10 +16,10 @@ import torch
 from tqdm import tqdm
 
 from sgl.kernels.attention import AttnMetadata
-from sgl.sched.forward_batch import ForwardBatch
+from sgl.sched.models.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from sgl.sched.model_runner import ModelRunner, PreparedBatch
+    from sgl.sched.runner.model_runner import ModelRunner, PreparedBatch
 
 _SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sgl.log import get_logger
-from sgl.protocol import (
+from sgl.core.log import get_logger
+from sgl.core.protocol import (
     CONTROL_REPLIES,
     AttachReq,
     BatchStrOutput,

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sgl.logit_processor import check_allowed
-from sgl.sampling_params import SamplingParams
+from sgl.core.logit_processor import check_allowed
+from sgl.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

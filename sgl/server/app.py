@@ -17,11 +17,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from sgl import http_native as native
-from sgl import http_openai as openai
-from sgl.http_common import ApiError, api_error_of, check_api_key, error_response, read_body
-from sgl.http_native import ServerState
-from sgl.log import get_logger
+from sgl.core.log import get_logger
+from sgl.server import native
+from sgl.server import openai_api as openai
+from sgl.server.common import ApiError, api_error_of, check_api_key, error_response, read_body
+from sgl.server.native import ServerState
 
 Handler = Callable[[ServerState, Request, bytes], Awaitable[Response]]
 log = get_logger("http")

@@ -1,6 +1,6 @@
 """Starting and watching the child roles.
 
-Processes are fresh interpreters (`python -m sgl.child`), never forks: the
+Processes are fresh interpreters (`python -m sgl.runtime.child`), never forks: the
 caller's main module is not re-imported, so no `__main__` guard is needed, and a
 CUDA-initialised caller is safe. Under the inproc transport the roles run on
 daemon threads instead. Either way the caller waits for each role's readiness
@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from sgl.roles import ChildConfig, run_role
+from sgl.runtime.roles import ChildConfig, run_role
 
 
 class ChildStartupError(RuntimeError):
@@ -54,7 +54,7 @@ class ProcessRole(RoleHandle):
         self.name = cfg.role
         r, w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sgl.child", str(w)],
+            [sys.executable, "-m", "sgl.runtime.child", str(w)],
             stdin=subprocess.PIPE,
             pass_fds=(w,),
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -24,9 +24,8 @@ from typing import Any
 
 import msgspec
 
-from sgl.log import get_logger
-from sgl.metrics import Metrics
-from sgl.protocol import (
+from sgl.core.log import get_logger
+from sgl.core.protocol import (
     AbortReq,
     BatchStrOutput,
     FlushCacheReq,
@@ -39,8 +38,9 @@ from sgl.protocol import (
     Logprobs,
     Message,
 )
-from sgl.request_checks import RequestLimits, request_error
-from sgl.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
+from sgl.core.request_checks import RequestLimits, request_error
+from sgl.core.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
+from sgl.runtime.metrics import Metrics
 from sgl.transports.channel import ChannelClosed, Receiver, Sender
 
 

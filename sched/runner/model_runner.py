@@ -6,28 +6,28 @@ It decides nothing about which requests run: that is the scheduler's job."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from sgl.cache.host_copy import pinned, to_device
 from sgl.cache.kv_allocator import TokenToKVPoolAllocator
 from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.cache.req_to_token_pool import ReqToTokenPool, gather_kv_indices
+from sgl.core.log import get_logger
+from sgl.core.logit_processor import CustomLogitProcessor
+from sgl.core.server_args import ServerArgs
 from sgl.kernels.attention import AttentionBackend, AttnMetadata, CascadeMeta
 from sgl.kernels.torch_attention import TorchAttentionBackend
-from sgl.host_copy import pinned, to_device
-from sgl.log import get_logger
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.forward_batch import ForwardBatch
-from sgl.logit_processor import CustomLogitProcessor
-from sgl.sched.sampler import SamplingBatch, process_logits, sample
-from sgl.server_args import ServerArgs
+from sgl.sched.models.forward_batch import ForwardBatch
+from sgl.sched.runner.sampler import SamplingBatch, process_logits, sample
 
 if TYPE_CHECKING:
-    from sgl.sched.cuda_graph import CudaGraphRunner
+    from sgl.sched.runner.cuda_graph import CudaGraphRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_TOKENS = 65536
@@ -102,7 +102,7 @@ class ModelRunner:
         self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null":
-            from sgl.sched.cuda_graph import CudaGraphRunner
+            from sgl.sched.runner.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self, min(args.cuda_graph_max_bs, self.max_running_requests))
         self.log.info(

@@ -1,7 +1,7 @@
 """What a child role runs: build the scheduler or the detokenizer from a
 ChildConfig, report readiness (or the startup error) once, then loop.
 
-The same function runs in a child process (`python -m sgl.child`) and, for the
+The same function runs in a child process (`python -m sgl.runtime.child`) and, for the
 inproc transport, on a thread of the caller's process."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from sgl.log import get_logger
-from sgl.server_args import ServerArgs
+from sgl.core.log import get_logger
+from sgl.core.server_args import ServerArgs
 from sgl.transports.factory import Addresses, open_receiver, open_sender
 
 Role = Literal["scheduler", "detokenizer"]
@@ -53,9 +53,9 @@ def _build(cfg: ChildConfig) -> Any:
 
         recv = open_receiver(a.to_scheduler, key)
         return Scheduler(cfg.server_args, cfg.model_path, recv, open_sender(a.to_detokenizer, key))
-    from sgl.detokenizer import Detokenizer
-    from sgl.hf import load_tokenizer
-    from sgl.output_router import OutputRouter
+    from sgl.runtime.detokenizer import Detokenizer
+    from sgl.runtime.output_router import OutputRouter
+    from sgl.sched.models.tokenizer import load_tokenizer
 
     tok = None if cfg.server_args.skip_tokenizer_init else load_tokenizer(cfg.tokenizer_path or cfg.model_path)
     recv = open_receiver(a.to_detokenizer, key)

@@ -1,11 +1,6 @@
-"""The public engines.
-
-`AsyncEngine` is for code already inside an event loop: its tokenizer manager
-runs on the caller's loop, no threads drive it. `Engine` is for scripts, REPLs
-and notebooks: it owns a private event loop on one background thread and runs
-the AsyncEngine there, so it works even where the caller's thread already has a
-running loop. Both start the scheduler and detokenizer roles (processes, or
-threads under inproc) and shut them down at exit.
+"""`AsyncEngine`: the engine for code already inside an event loop. Its tokenizer
+manager runs on the caller's loop. It starts the scheduler and detokenizer roles
+(processes, or threads under inproc) and shuts them down at exit.
 
 `AsyncEngine.connect(scheduler_address, ...)` attaches to the scheduler of an
 engine running in another process (tcp transport): it binds its own receive
@@ -17,29 +12,26 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
-import queue
 import secrets
 import shutil
-import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import fields
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 
-from sgl.launch import RoleHandle, Watchdog, start_roles, wait_all
-from sgl.log import configure, get_logger
-from sgl.metrics import Metrics
-from sgl.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
-from sgl.request_checks import RequestLimits, limits_of
-from sgl.roles import ChildConfig
-from sgl.server_args import ServerArgs
-from sgl.sampling_params import SamplingParams
-from sgl.tokenizer_manager import EngineDeadError, ReqOptions, TokenizerManager, merge_streams
+from sgl.core.log import configure, get_logger
+from sgl.core.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
+from sgl.core.request_checks import RequestLimits, limits_of
+from sgl.core.server_args import ServerArgs
+from sgl.engine.batch_args import batch_options, index_offsets, options_of, split_batch
+from sgl.runtime.launch import RoleHandle, Watchdog, start_roles, wait_all
+from sgl.runtime.metrics import Metrics
+from sgl.runtime.roles import ChildConfig
+from sgl.runtime.tokenizer_manager import EngineDeadError, ReqOptions, TokenizerManager, merge_streams
 from sgl.transports.factory import make_addresses, open_receiver, open_sender
 
-__all__ = ["AsyncEngine", "Engine", "EngineDeadError"]
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 def resolve_model_path(args: ServerArgs) -> str:
@@ -49,7 +41,7 @@ def resolve_model_path(args: ServerArgs) -> str:
                 f"model_path={args.model_path!r} does not exist: pass a Hugging Face model directory or a .gguf file"
             )
         return args.model_path
-    from sgl.default_model import default_model_dir
+    from sgl.sched.models.default_model import default_model_dir
 
     return default_model_dir()
 
@@ -73,7 +65,7 @@ class AsyncEngine:
         tokenizer_path = self.args.tokenizer_path or self.model_path
         tokenizer = None
         if not self.args.skip_tokenizer_init:
-            from sgl.hf import load_tokenizer
+            from sgl.sched.models.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer_path, self.args.trust_remote_code)
         self.tokenizer = tokenizer
@@ -145,7 +137,7 @@ class AsyncEngine:
                                   "(is it running with the tcp transport, and is the transport_key right?)") from None
         self.model_path = self.info["model_path"] or resolve_model_path(self.args)
         if not skip_tokenizer_init:
-            from sgl.hf import load_tokenizer
+            from sgl.sched.models.tokenizer import load_tokenizer
 
             self.tm.tokenizer = load_tokenizer(tokenizer_path or self.model_path, False)
         # The scheduler's allow-list is not reported: an attached client sends no custom processors.
@@ -186,10 +178,10 @@ class AsyncEngine:
         token_ids_logprob, return_text_in_logprobs, custom_logit_processor, detokenize.
         Logprobs are log_softmax of the model's raw logits (before logit_bias,
         penalties, processors and temperature), as SGLang returns by default."""
-        items = _split_batch(prompt, input_ids, sampling_params, rid)
+        items = split_batch(prompt, input_ids, sampling_params, rid)
         if items is None:
-            return await self._one(prompt, input_ids, sampling_params, rid, _options(options))  # type: ignore[arg-type]
-        opts = _batch_options(options, len(items))
+            return await self._one(prompt, input_ids, sampling_params, rid, options_of(options))  # type: ignore[arg-type]
+        opts = batch_options(options, len(items))
         tasks = [asyncio.ensure_future(self._one(*it, o)) for it, o in zip(items, opts)]
         try:
             return list(await asyncio.gather(*tasks))
@@ -223,11 +215,11 @@ class AsyncEngine:
         when every prompt has the same n). Leaving the loop early aborts every unfinished
         request. Options as for `generate`."""
         self._check_open()
-        items = _split_batch(prompt, input_ids, sampling_params, rid)
+        items = split_batch(prompt, input_ids, sampling_params, rid)
         if items is None:
-            gen = self.tm.generate(prompt, input_ids, sampling_params, rid, stream=True, opts=_options(options))
+            gen = self.tm.generate(prompt, input_ids, sampling_params, rid, stream=True, opts=options_of(options))
         else:
-            gen = self._stream_batch(items, _batch_options(options, len(items)))
+            gen = self._stream_batch(items, batch_options(options, len(items)))
         try:
             async for chunk in gen:
                 yield chunk
@@ -236,7 +228,7 @@ class AsyncEngine:
 
     def _stream_batch(self, items: list[tuple[Any, Any, Any, Any]],
                       opts: list[ReqOptions]) -> AsyncIterator[dict[str, Any]]:
-        offsets = _index_offsets([sp for _, _, sp, _ in items])
+        offsets = index_offsets([sp for _, _, sp, _ in items])
         gens = [self.tm.generate(p, ids, sp, r, stream=True, opts=o) for (p, ids, sp, r), o in zip(items, opts)]
         return merge_streams(gens, offsets)
 
@@ -304,206 +296,3 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-def _split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[Any, Any, Any, Any]] | None:
-    """Per-item arguments when the call is a batch, None when it is one request."""
-    if isinstance(prompt, list):
-        n, prompts, ids = len(prompt), prompt, [None] * len(prompt)
-    elif isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
-        n, prompts, ids = len(input_ids), [None] * len(input_ids), input_ids
-    else:
-        return None
-    if n == 0:
-        raise ValueError("prompt: an empty batch")
-    sps = sp if isinstance(sp, list) else [sp] * n
-    rids = rid if isinstance(rid, list) else [None] * n if rid is None else None
-    if rids is None:
-        raise ValueError("rid: a batch needs a list of rids, one per prompt")
-    if len(sps) != n or len(rids) != n:
-        raise ValueError(f"sampling_params/rid: a batch of {n} needs {n} of each")
-    return list(zip(prompts, ids, sps, rids))
-
-
-def _index_offsets(sps: list[Any]) -> list[int]:
-    """The first chunk index of each prompt of a streamed batch: the samples before it."""
-    offsets, total = [], 0
-    for sp in sps:
-        offsets.append(total)
-        total += SamplingParams.coerce(sp).n
-    return offsets
-
-
-_OPTION_NAMES = frozenset(f.name for f in fields(ReqOptions))
-
-
-def _options(options: dict[str, Any]) -> ReqOptions:
-    unknown = set(options) - _OPTION_NAMES
-    if unknown:
-        raise ValueError(f"{sorted(unknown)[0]}: unknown argument of generate (known: {sorted(_OPTION_NAMES)})")
-    return ReqOptions(**options)
-
-
-def _batch_options(options: dict[str, Any], n: int) -> list[ReqOptions]:
-    """Per-prompt options: a list value gives one per prompt (token_ids_logprob: a list of lists)."""
-    per: list[dict[str, Any]] = [{} for _ in range(n)]
-    for k, v in options.items():
-        per_item = isinstance(v, list) and (k != "token_ids_logprob" or (v and isinstance(v[0], list)))
-        if per_item and len(v) != n:
-            raise ValueError(f"{k}: a batch of {n} needs {n} values, got {len(v)}")
-        for i in range(n):
-            per[i][k] = v[i] if per_item else v
-    return [_options(o) for o in per]
-
-
-def _check_stream_args(prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> None:
-    """The checks of `AsyncEngine.stream` that need no engine: batch shape and option names."""
-    items = _split_batch(prompt, input_ids, sp, rid)
-    if items is None:
-        _options(options)
-    else:
-        _batch_options(options, len(items))
-
-
-class _Done:
-    pass
-
-
-class Engine:
-    """The synchronous engine for scripts, REPLs and notebooks.
-
-    `Engine(model_path=None, transport="ipc", **server_args)`; `generate` returns a
-    dict (a list for a batch) or, with `stream=True`, an iterator of delta chunks."""
-
-    def __init__(self, model_path: str | None = None, transport: str = "ipc", **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="sgl-engine-loop", daemon=True)
-        self._thread.start()
-        self._closed = False
-        try:
-            self._engine = AsyncEngine(model_path, transport=transport, **kwargs)
-        except BaseException:
-            self._stop_loop()
-            raise
-        atexit.register(self.shutdown)
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._engine.tokenizer
-
-    @property
-    def server_args(self) -> ServerArgs:
-        return self._engine.args
-
-    def _run(self, coro: Any) -> Any:
-        if self._closed:
-            coro.close()
-            raise RuntimeError("this engine has been shut down")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def generate(
-        self,
-        prompt: str | list[str] | None = None,
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        stream: bool = False,
-        rid: str | list[str] | None = None,
-        **options: Any,
-    ) -> Any:
-        """As AsyncEngine.generate (same options); `stream=True` gives an iterator of chunks."""
-        if stream:
-            # Fail here, not in the first next().
-            _check_stream_args(prompt, sampling_params, input_ids, rid, options)
-            return self._stream(prompt, sampling_params, input_ids, rid, options)
-        return self._run(self._engine.generate(prompt, sampling_params, input_ids, rid, **options))
-
-    def _stream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        q: queue.Queue[Any] = queue.Queue()
-        if self._closed:
-            raise RuntimeError("this engine has been shut down")
-        fut = asyncio.run_coroutine_threadsafe(self._pump(q.put, prompt, sp, input_ids, rid, options), self._loop)
-        try:
-            while (item := q.get()) is not _Done:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            if not fut.done():
-                self._loop.call_soon_threadsafe(fut.cancel)
-
-    async def async_generate(
-        self,
-        prompt: str | list[str] | None = None,
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        stream: bool = False,
-        rid: str | list[str] | None = None,
-        **options: Any,
-    ) -> Any:
-        """The awaitable twin of `generate`; with `stream=True` it returns an async iterator."""
-        if stream:
-            _check_stream_args(prompt, sampling_params, input_ids, rid, options)
-            return self._astream(prompt, sampling_params, input_ids, rid, options)
-        fut = asyncio.run_coroutine_threadsafe(
-            self._engine.generate(prompt, sampling_params, input_ids, rid, **options), self._loop
-        )
-        return await asyncio.wrap_future(fut)
-
-    async def _astream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any,
-                       options: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        caller = asyncio.get_running_loop()
-        q: asyncio.Queue[Any] = asyncio.Queue()
-
-        def put(item: Any) -> None:
-            caller.call_soon_threadsafe(q.put_nowait, item)
-
-        fut = asyncio.run_coroutine_threadsafe(self._pump(put, prompt, sp, input_ids, rid, options), self._loop)
-        try:
-            while (item := await q.get()) is not _Done:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            if not fut.done():
-                self._loop.call_soon_threadsafe(fut.cancel)
-
-    async def _pump(self, put: Any, prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> None:
-        """On the engine's loop: hand each chunk, then an error if any, then _Done to `put`
-        (which crosses to the consuming thread or loop)."""
-        try:
-            async for chunk in self._engine.stream(prompt, sp, input_ids, rid, **options):
-                put(chunk)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            put(e)
-        finally:
-            put(_Done)
-
-    def abort(self, rid: str) -> None:
-        self._run(self._engine.abort(rid))
-
-    def flush_cache(self) -> dict[str, Any]:
-        return self._run(self._engine.flush_cache())
-
-    def get_server_info(self) -> dict[str, Any]:
-        return self._run(self._engine.get_server_info())
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        try:
-            self._run(self._engine.aclose())
-        finally:
-            self._closed = True
-            self._stop_loop()
-            atexit.unregister(self.shutdown)
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop.close()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()

@@ -17,8 +17,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from sgl.http_common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
-from sgl.server_args import redacted
+from sgl.core.server_args import redacted
+from sgl.server.common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
 
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0

@@ -1,0 +1,70 @@
+"""The arguments of a generate or stream call that describe a batch: splitting a
+batch call into per-prompt items, per-prompt options, and the chunk index offsets
+of a streamed batch. Pure functions: nothing here touches an engine."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from sgl.core.sampling_params import SamplingParams
+from sgl.runtime.tokenizer_manager import ReqOptions
+
+
+def split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[Any, Any, Any, Any]] | None:
+    """Per-item arguments when the call is a batch, None when it is one request."""
+    if isinstance(prompt, list):
+        n, prompts, ids = len(prompt), prompt, [None] * len(prompt)
+    elif isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        n, prompts, ids = len(input_ids), [None] * len(input_ids), input_ids
+    else:
+        return None
+    if n == 0:
+        raise ValueError("prompt: an empty batch")
+    sps = sp if isinstance(sp, list) else [sp] * n
+    rids = rid if isinstance(rid, list) else [None] * n if rid is None else None
+    if rids is None:
+        raise ValueError("rid: a batch needs a list of rids, one per prompt")
+    if len(sps) != n or len(rids) != n:
+        raise ValueError(f"sampling_params/rid: a batch of {n} needs {n} of each")
+    return list(zip(prompts, ids, sps, rids))
+
+
+def index_offsets(sps: list[Any]) -> list[int]:
+    """The first chunk index of each prompt of a streamed batch: the samples before it."""
+    offsets, total = [], 0
+    for sp in sps:
+        offsets.append(total)
+        total += SamplingParams.coerce(sp).n
+    return offsets
+
+
+_OPTION_NAMES = frozenset(f.name for f in fields(ReqOptions))
+
+
+def options_of(options: dict[str, Any]) -> ReqOptions:
+    unknown = set(options) - _OPTION_NAMES
+    if unknown:
+        raise ValueError(f"{sorted(unknown)[0]}: unknown argument of generate (known: {sorted(_OPTION_NAMES)})")
+    return ReqOptions(**options)
+
+
+def batch_options(options: dict[str, Any], n: int) -> list[ReqOptions]:
+    """Per-prompt options: a list value gives one per prompt (token_ids_logprob: a list of lists)."""
+    per: list[dict[str, Any]] = [{} for _ in range(n)]
+    for k, v in options.items():
+        per_item = isinstance(v, list) and (k != "token_ids_logprob" or (v and isinstance(v[0], list)))
+        if per_item and len(v) != n:
+            raise ValueError(f"{k}: a batch of {n} needs {n} values, got {len(v)}")
+        for i in range(n):
+            per[i][k] = v[i] if per_item else v
+    return [options_of(o) for o in per]
+
+
+def check_stream_args(prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> None:
+    """The checks of `AsyncEngine.stream` that need no engine: batch shape and option names."""
+    items = split_batch(prompt, input_ids, sp, rid)
+    if items is None:
+        options_of(options)
+    else:
+        batch_options(options, len(items))

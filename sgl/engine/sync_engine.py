@@ -1,0 +1,160 @@
+"""The synchronous engine for scripts, REPLs and notebooks: a private event loop on
+one background thread runs an AsyncEngine, so `Engine` works even where the
+caller's thread already has a running loop (a notebook)."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from sgl.core.server_args import ServerArgs
+from sgl.engine.async_engine import AsyncEngine
+from sgl.engine.batch_args import check_stream_args
+
+
+class _Done:
+    pass
+
+
+class Engine:
+    """The synchronous engine for scripts, REPLs and notebooks.
+
+    `Engine(model_path=None, transport="ipc", **server_args)`; `generate` returns a
+    dict (a list for a batch) or, with `stream=True`, an iterator of delta chunks."""
+
+    def __init__(self, model_path: str | None = None, transport: str = "ipc", **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sgl-engine-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self._engine = AsyncEngine(model_path, transport=transport, **kwargs)
+        except BaseException:
+            self._stop_loop()
+            raise
+        atexit.register(self.shutdown)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    @property
+    def server_args(self) -> ServerArgs:
+        return self._engine.args
+
+    def _run(self, coro: Any) -> Any:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("this engine has been shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        **options: Any,
+    ) -> Any:
+        """As AsyncEngine.generate (same options); `stream=True` gives an iterator of chunks."""
+        if stream:
+            # Fail here, not in the first next().
+            check_stream_args(prompt, sampling_params, input_ids, rid, options)
+            return self._stream(prompt, sampling_params, input_ids, rid, options)
+        return self._run(self._engine.generate(prompt, sampling_params, input_ids, rid, **options))
+
+    def _stream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        q: queue.Queue[Any] = queue.Queue()
+        if self._closed:
+            raise RuntimeError("this engine has been shut down")
+        fut = asyncio.run_coroutine_threadsafe(self._pump(q.put, prompt, sp, input_ids, rid, options), self._loop)
+        try:
+            while (item := q.get()) is not _Done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not fut.done():
+                self._loop.call_soon_threadsafe(fut.cancel)
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        **options: Any,
+    ) -> Any:
+        """The awaitable twin of `generate`; with `stream=True` it returns an async iterator."""
+        if stream:
+            check_stream_args(prompt, sampling_params, input_ids, rid, options)
+            return self._astream(prompt, sampling_params, input_ids, rid, options)
+        fut = asyncio.run_coroutine_threadsafe(
+            self._engine.generate(prompt, sampling_params, input_ids, rid, **options), self._loop
+        )
+        return await asyncio.wrap_future(fut)
+
+    async def _astream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any,
+                       options: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        caller = asyncio.get_running_loop()
+        q: asyncio.Queue[Any] = asyncio.Queue()
+
+        def put(item: Any) -> None:
+            caller.call_soon_threadsafe(q.put_nowait, item)
+
+        fut = asyncio.run_coroutine_threadsafe(self._pump(put, prompt, sp, input_ids, rid, options), self._loop)
+        try:
+            while (item := await q.get()) is not _Done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not fut.done():
+                self._loop.call_soon_threadsafe(fut.cancel)
+
+    async def _pump(self, put: Any, prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> None:
+        """On the engine's loop: hand each chunk, then an error if any, then _Done to `put`
+        (which crosses to the consuming thread or loop)."""
+        try:
+            async for chunk in self._engine.stream(prompt, sp, input_ids, rid, **options):
+                put(chunk)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            put(e)
+        finally:
+            put(_Done)
+
+    def abort(self, rid: str) -> None:
+        self._run(self._engine.abort(rid))
+
+    def flush_cache(self) -> dict[str, Any]:
+        return self._run(self._engine.flush_cache())
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self._run(self._engine.get_server_info())
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._run(self._engine.aclose())
+        finally:
+            self._closed = True
+            self._stop_loop()
+            atexit.unregister(self.shutdown)
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

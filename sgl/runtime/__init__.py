@@ -1,0 +1,5 @@
+"""The caller-side roles and their plumbing: the tokenizer manager (in the caller's
+event loop), the detokenizer and its output router, role launching (child
+processes or threads), the children's entry point, the watchdog, request metrics.
+Imports core, transports and sched (to build a scheduler role); never the engines,
+the server or the CLI."""
