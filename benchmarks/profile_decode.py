@@ -22,7 +22,8 @@ from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.req import Req
-from sgl.sched.runner.model_runner import ModelRunner, indptr_of
+from sgl.sched.runner.model_runner import ModelRunner
+from sgl.sched.runner.prepare import indptr_of
 
 
 def make_runner(bs: int, ctx: int, steps: int, graphs: bool, cascade: bool) -> ModelRunner:
@@ -237,7 +238,7 @@ def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
             run = make()  # type: ignore[operator]
             us = _time_us(run, reps=50)
             rows.append({"variant": name, "us/layer": us, "KV TB/s": gbytes * kv_bytes / us * 1e6 / 1e3})
-        except Exception as e:  # one variant failing must not hide the others
+        except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others; it is reported
             rows.append({"variant": name, "us/layer": float("nan"), "KV TB/s": float("nan")})
             print(f"{name}: {type(e).__name__}: {e}")
 
@@ -249,7 +250,8 @@ def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
     contiguous = torch.arange(1, idx.numel() + 1, dtype=torch.int32, device="cuda")
     for layout, indices in (("shuffled", idx), ("contiguous", contiguous)):
         for tc in (False, True):
-            record(f"fa2 decode, page 1, {layout}, tensor cores {tc}", lambda: decode(indices, tc))
+            record(f"fa2 decode, page 1, {layout}, tensor cores {tc}",
+                   lambda indices=indices, tc=tc: decode(indices, tc))
 
     fp8 = torch.float8_e4m3fn
     kv8 = (kv[0].to(fp8), kv[1].to(fp8))
@@ -260,7 +262,7 @@ def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
         return lambda: w.run(q, kv8)
 
     for tc in (False, True):
-        record(f"fa2 decode, page 1, shuffled, fp8 KV, tensor cores {tc}", lambda: fp8_decode(tc),
+        record(f"fa2 decode, page 1, shuffled, fp8 KV, tensor cores {tc}", lambda tc=tc: fp8_decode(tc),
                kv_bytes=fp8.itemsize / kv[0].element_size())
 
     def fa3_decode() -> object:
@@ -278,7 +280,11 @@ def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
     last = (lens - (pages.long() - 1) * page).to(torch.int32)
     order = torch.randperm(n_pages, device="cuda").to(torch.int32)
     for layout in ("NHD", "HND"):
-        shape = (n_pages, page, m.num_kv_heads, m.head_dim) if layout == "NHD" else (n_pages, m.num_kv_heads, page, m.head_dim)
+        shape = (
+            (n_pages, page, m.num_kv_heads, m.head_dim)
+            if layout == "NHD"
+            else (n_pages, m.num_kv_heads, page, m.head_dim)
+        )
 
         def paged(layout: str = layout, shape: tuple = shape) -> object:
             cache = (torch.randn(shape, dtype=dt, device="cuda"), torch.randn(shape, dtype=dt, device="cuda"))

@@ -315,7 +315,11 @@ class RadixCache:
         that set, never takes a locked node); free + evictable + protected + tails ==
         allocator.size, and every slot 1..size has exactly one owner, slot 0 none."""
         size = self.allocator.size
-        tails = self._empty.cpu() if running_tail_slots is None else running_tail_slots.reshape(-1).to("cpu", torch.int64)
+        tails = (
+            self._empty.cpu()
+            if running_tail_slots is None
+            else running_tail_slots.reshape(-1).to("cpu", torch.int64)
+        )
         free = self.allocator.free_slots()
         if self.root.key or self.root.value.numel() or self.root.lock_ref:
             raise AssertionError("the root must have an empty key and value and no lock")
@@ -329,12 +333,16 @@ class RadixCache:
                 if child.parent is not node:
                     raise AssertionError(f"{child} is a child of {node} but points to {child.parent}")
                 if len(child.key) != len(child.value) or not child.key:
-                    raise AssertionError(f"{child}: len(key)={len(child.key)} != len(value)={len(child.value)} or empty")
+                    raise AssertionError(
+                        f"{child}: len(key)={len(child.key)} != len(value)={len(child.value)} or empty"
+                    )
                 if len(child.key) % self.page_size:
                     raise AssertionError(f"{child}: key of {len(child.key)} tokens is not whole pages")
                 if ck != self._child_key(child.key):
                     # Children are stored by first token/page, so this also makes siblings differ there.
-                    raise AssertionError(f"{child} stored under {ck!r} but its key starts {self._child_key(child.key)!r}")
+                    raise AssertionError(
+                        f"{child} stored under {ck!r} but its key starts {self._child_key(child.key)!r}"
+                    )
                 if child.lock_ref < 0 or (node is not self.root and node.lock_ref < child.lock_ref):
                     raise AssertionError(f"lock_ref: parent {node}, child {child}")
                 if node is not self.root and node.last_access < child.last_access:
@@ -349,11 +357,13 @@ class RadixCache:
                 stack.append(child)
         if leaves != self._evictable_leaves:
             raise AssertionError(
-                f"evictable leaf set: missing {leaves - self._evictable_leaves}, extra {self._evictable_leaves - leaves}"
+                f"evictable leaf set: missing {leaves - self._evictable_leaves}, "
+                f"extra {self._evictable_leaves - leaves}"
             )
         if (evictable, protected) != (self._evictable_size, self._protected_size):
             raise AssertionError(
-                f"counters (evictable, protected)={self._evictable_size, self._protected_size}, recount={evictable, protected}"
+                f"counters (evictable, protected)={self._evictable_size, self._protected_size}, "
+                f"recount={evictable, protected}"
             )
         if free.numel() + evictable + protected + tails.numel() != size:
             raise AssertionError(

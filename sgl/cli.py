@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("prompt")
-    g.add_argument("--model-path", default=None, help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model-path", default=None, help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--transport", choices=["inproc", "ipc", "tcp"], default="ipc")

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sgl
-from sgl.sched.runner import model_runner
-from sgl.sched.runner.model_runner import shared_prefix_len
+from sgl.sched.runner import prepare
+from sgl.sched.runner.prepare import shared_prefix_len
 from tests.conftest import assert_kv_balanced, tiny_model_dir
 
 
@@ -27,8 +27,8 @@ def test_shared_prefix_len_matches_plain_model(data: st.DataObject) -> None:
     common = data.draw(st.integers(0, width))
     # Rows share `common` slots, then draw freely from a tiny alphabet (so accidental agreement happens).
     head = data.draw(st.lists(st.integers(0, 3), min_size=common, max_size=common))
-    table = torch.tensor([head + data.draw(st.lists(st.integers(0, 3), min_size=width - common, max_size=width - common))
-                          for _ in range(n_rows)], dtype=torch.int32)
+    tail = st.lists(st.integers(0, 3), min_size=width - common, max_size=width - common)
+    table = torch.tensor([head + data.draw(tail) for _ in range(n_rows)], dtype=torch.int32)
     rows = torch.tensor(data.draw(st.permutations(range(n_rows))), dtype=torch.int64)
     limit = data.draw(st.integers(0, width))
     expected = 0
@@ -60,7 +60,7 @@ def test_cascade_decode_equals_plain_decode(llama_dir: str, monkeypatch: pytest.
     # Different suffix lengths, so requests finish their prompts and join decode at different steps.
     prompts = [shared + [rng.randrange(1, 500) for _ in range(rng.randint(1, 9))] for _ in range(6)]
     prompts.append([rng.randrange(1, 500) for _ in range(20)])  # one request without the prefix
-    monkeypatch.setattr(model_runner, "CASCADE_MIN_SAVED_TOKENS", 1)
+    monkeypatch.setattr(prepare, "CASCADE_MIN_SAVED_TOKENS", 1)
     kw = {"disable_overlap_schedule": not overlap}
     plain, plain_steps = _generate(llama_dir, prompts, **kw)  # the torch backend's default: off
     cascade_mixed, _ = _generate(llama_dir, prompts, enable_cascade_attention=True, **kw)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import sgl
-from sgl.runtime.tokenizer_manager import ReqOptions
+from sgl.runtime.req_options import ReqOptions
 from tests.conftest import ENGINE_VARIANTS, null_continuation, settle_aborts
 
 
@@ -117,7 +117,9 @@ def test_async_generate_and_stream(engine: sgl.Engine) -> None:
     async def main() -> None:
         out = await engine.async_generate(input_ids=[8], sampling_params={**GREEDY, "max_new_tokens": 3})
         assert out["output_ids"] == null_continuation(8, 3)
-        stream = await engine.async_generate(input_ids=[9], sampling_params={**GREEDY, "max_new_tokens": 3}, stream=True)
+        stream = await engine.async_generate(
+            input_ids=[9], sampling_params={**GREEDY, "max_new_tokens": 3}, stream=True
+        )
         ids = [t async for c in stream for t in c["output_ids"]]
         assert ids == null_continuation(9, 3)
 

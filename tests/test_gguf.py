@@ -24,7 +24,11 @@ import sgl.sched.models.default_model as dm
 from sgl.sched.models.llama import rope_settings
 from sgl.sched.models.loader import GGUFCheckpoint, load_model
 
-CHECKED = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight")
+CHECKED = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+)
 
 
 @pytest.fixture(scope="module")

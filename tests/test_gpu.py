@@ -147,9 +147,9 @@ def test_cuda_graph_replay_equals_eager(qwen3_dir: str) -> None:
 def test_cascade_under_cuda_graphs_equals_plain_decode(qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Cascade decode replayed from its CUDA graphs (padded sizes included), on by
     default with flashinfer, gives the tokens of cascade run eagerly and of plain decode."""
-    from sgl.sched.runner import model_runner
+    from sgl.sched.runner import prepare
 
-    monkeypatch.setattr(model_runner, "CASCADE_MIN_SAVED_TOKENS", 1)
+    monkeypatch.setattr(prepare, "CASCADE_MIN_SAVED_TOKENS", 1)
     rng = random.Random(2)
     shared = [rng.randrange(2000) for _ in range(300)]
     prompts = [shared + [rng.randrange(2000) for _ in range(rng.randint(1, 40))] for _ in range(6)]
@@ -190,14 +190,15 @@ def test_flashinfer_layer_kernels_match_torch() -> None:
     wh = torch.rand(128, device=dev) + 0.5
     view = qkv.bfloat16()[:, 2048:3072].view(37, 8, 128)
     assert not view.is_contiguous()
-    assert _rel_err(layers.rms_norm(view, wh.bfloat16(), 1e-6), layers.rms_norm(qkv[:, 2048:3072].view(37, 8, 128), wh, 1e-6)) < 1e-2
+    ref = layers.rms_norm(qkv[:, 2048:3072].view(37, 8, 128), wh, 1e-6)
+    assert _rel_err(layers.rms_norm(view, wh.bfloat16(), 1e-6), ref) < 1e-2
     gu = torch.randn(37, 2 * 3072, device=dev)
     assert _rel_err(layers.silu_and_mul(gu.bfloat16()), layers.silu_and_mul(gu)) < 1e-2
-    cos, sin = layers.rope_cos_sin(128, 4096, 1e6, None, dev)
+    rope = layers.rope_tables(128, 4096, 1e6, None, dev)
     q, k = torch.randn(37, 16, 128, device=dev), torch.randn(37, 8, 128, device=dev)
     pos = torch.randint(0, 4096, (37,), device=dev)
-    q_ref, k_ref = layers.apply_rope(q, k, pos, cos, sin)
-    q_fi, k_fi = layers.apply_rope(q.bfloat16(), k.bfloat16(), pos, cos, sin)
+    q_ref, k_ref = layers.apply_rope(q, k, pos, rope)
+    q_fi, k_fi = layers.apply_rope(q.bfloat16(), k.bfloat16(), pos, rope)
     assert _rel_err(q_fi, q_ref) < 1e-2 and _rel_err(k_fi, k_ref) < 1e-2
 
 

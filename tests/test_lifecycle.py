@@ -40,7 +40,9 @@ def test_bad_model_path_raises_in_caller() -> None:
 
 @pytest.mark.parametrize("transport", ["ipc", "inproc"])
 def test_loader_error_in_the_scheduler_reaches_the_caller(tmp_path, transport: str) -> None:
-    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "llama", "vocab_size": 10}')
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["NoSuchForCausalLM"], "model_type": "llama", "vocab_size": 10}'
+    )
     before = set(_children_of(os.getpid()))
     t0 = time.monotonic()
     with pytest.raises(Exception, match="NoSuchForCausalLM"):

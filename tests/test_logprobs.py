@@ -114,8 +114,10 @@ def test_penalised_greedy_equals_a_reference_loop_over_hf(engine: sgl.Engine, hf
     pen = {"frequency_penalty": 0.7, "presence_penalty": 0.3, "repetition_penalty": 1.6}
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True, **pen}
     prompts = [PROMPT[:9], PROMPT[3:30]]
-    outs = engine.generate(input_ids=[*prompts, PROMPT[:5]],
-                           sampling_params=[params, params, {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}])
+    outs = engine.generate(
+        input_ids=[*prompts, PROMPT[:5]],
+        sampling_params=[params, params, {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}],
+    )
     for prompt, out in zip(prompts, outs):
         ids: list[int] = []
         for _ in range(12):

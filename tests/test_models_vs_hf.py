@@ -47,7 +47,11 @@ CASES = {
         tie_word_embeddings=False,
         rope_theta=500000.0,
         rope_scaling=dict(
-            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
         ),
     ),
     "llama-linear-rope": dict(

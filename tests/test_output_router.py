@@ -23,9 +23,12 @@ def test_split_keeps_every_column_per_client() -> None:
     router = OutputRouter(local, None)
     router.routes["c1"] = remote
     lp = Logprobs(output_vals=[-0.5])
-    b = BatchStrOutput(["a", "c1:b", "c"], ["x", "y", "z"], [[1], [2], [3]], [None, {"type": "length", "length": 1}, None],
+    b = BatchStrOutput(["a", "c1:b", "c"], ["x", "y", "z"], [[1], [2], [3]],
+                       [None, {"type": "length", "length": 1}, None],
                        [4, 5, 6], [1, 1, 1], [0, 2, 0], [None, lp, None])
     router.send(b)
-    assert remote.got == [BatchStrOutput(["c1:b"], ["y"], [[2]], [{"type": "length", "length": 1}], [5], [1], [2], [lp])]
+    assert remote.got == [
+        BatchStrOutput(["c1:b"], ["y"], [[2]], [{"type": "length", "length": 1}], [5], [1], [2], [lp])
+    ]
     assert local.got == [BatchStrOutput(["a", "c"], ["x", "z"], [[1], [3]], [None, None], [4, 6], [1, 1], [0, 0],
                                         [None, None])]

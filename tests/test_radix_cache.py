@@ -21,7 +21,9 @@ class Req:
     tail: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
 
-def make(size: int = 32, page_size: int = 1, disable: bool = False) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator, RadixCache]:
+def make(
+    size: int = 32, page_size: int = 1, disable: bool = False
+) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator, RadixCache]:
     pool = ReqToTokenPool(4, 64)
     alloc = TokenToKVPoolAllocator(size)
     return pool, alloc, RadixCache(pool, alloc, page_size=page_size, disable=disable)
@@ -129,7 +131,9 @@ def test_unfinished_req_takes_ownership_and_moves_lock() -> None:
     other = start(pool, alloc, cache, [1, 2, 3, 4, 5, 7])  # computes 4, 5 too
     cache.cache_unfinished_req(other)
     cache.cache_unfinished_req(req)  # its 4, 5 are duplicates now: freed, row rewritten
-    assert req.prefix_indices.tolist() == other.prefix_indices[:5].tolist() + [pool.req_to_token[req.req_pool_idx, 5].item()]
+    assert req.prefix_indices.tolist() == (
+        other.prefix_indices[:5].tolist() + [pool.req_to_token[req.req_pool_idx, 5].item()]
+    )
     assert pool.req_to_token[req.req_pool_idx, :6].tolist() == req.prefix_indices.tolist()
     assert req.last_node.key == [6] and req.last_node.lock_ref == 1 and req.last_node.parent.lock_ref == 2
     cache.check_invariants()

@@ -16,7 +16,8 @@ ROWS, WIDTH = 5, 24
 
 _range_write = st.tuples(st.just("write"), st.integers(0, ROWS - 1), st.integers(0, WIDTH - 1),
                          st.lists(st.integers(1, 999), min_size=0, max_size=8))
-_decode_write = st.tuples(st.just("write_at"), st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=ROWS, unique=True),
+_decode_write = st.tuples(st.just("write_at"),
+                          st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=ROWS, unique=True),
                           st.integers(0, WIDTH - 1), st.integers(1, 999))
 _sync = st.tuples(st.just("sync"))
 

@@ -78,7 +78,9 @@ def encode(engine: sgl.Engine, text: str) -> list[int]:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc", "Cn", "Co"]), min_size=1, max_size=30)
-       | st.sampled_from(["😀🎉 ok", "日本語のテキスト", "e\u0301\u0302 combining", "👩‍👩‍👧 family", "mixed 中文 and ✓"]))
+       | st.sampled_from([
+           "😀🎉 ok", "日本語のテキスト", "e\u0301\u0302 combining",
+           "👩‍👩‍👧 family", "mixed 中文 and ✓"]))
 def test_forced_ids_round_trip_any_text(engine: sgl.Engine, text: str) -> None:
     ids = encode(engine, text)
     expected = engine.tokenizer.decode(ids)
@@ -272,7 +274,7 @@ def test_logprob_texts_on_request(engine: sgl.Engine) -> None:
 
 
 def test_generation_config_defaults_fill_unset_fields(tmp_path: Any, tok_null_dir: str) -> None:
-    from sgl.runtime.tokenizer_manager import generation_defaults
+    from sgl.runtime.req_options import generation_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": None,
                                                                  "do_sample": True, "max_length": 20}))

@@ -57,7 +57,9 @@ def test_shared_prefix_is_reused_and_output_unchanged(tiny_dir: str, reference: 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
 @pytest.mark.parametrize("radix", [True, False])
-def test_chunked_prefill_and_policies_keep_outputs(tiny_dir: str, reference: sgl.Engine, policy: str, radix: bool) -> None:
+def test_chunked_prefill_and_policies_keep_outputs(
+    tiny_dir: str, reference: sgl.Engine, policy: str, radix: bool
+) -> None:
     rng = random.Random(2)
     base = [rng.randrange(1, 500) for _ in range(90)]
     prompts = [base[: 30 + 7 * i] + [rng.randrange(1, 500) for _ in range(i % 3)] for i in range(8)]

@@ -423,7 +423,8 @@ def test_attached_engine_over_tcp(server: ServerProc) -> None:
             assert over_http.json()["output_ids"] == out["output_ids"]
             both = await asyncio.gather(
                 e.generate(input_ids=[9], sampling_params={"max_new_tokens": 3, "temperature": 0}),
-                asyncio.to_thread(server.post, "/generate", json={"input_ids": [9], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}))
+                asyncio.to_thread(server.post, "/generate",
+                                  json={"input_ids": [9], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}))
             assert both[0]["output_ids"] == both[1].json()["output_ids"]
             chunks = [c async for c in e.stream(input_ids=[9], sampling_params={"max_new_tokens": 3, "temperature": 0})]
             assert [t for c in chunks for t in c["output_ids"]] == both[0]["output_ids"]

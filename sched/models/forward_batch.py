@@ -17,7 +17,8 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     out_cache_loc: torch.Tensor  # [T] int64: KV slot of each new token
-    logits_indices: torch.Tensor  # [R] int64: the packed rows whose logits are wanted (each request's last, and prompt-logprob rows)
+    # [R] int64: the packed rows whose logits are wanted (each request's last, and prompt-logprob rows)
+    logits_indices: torch.Tensor
     attn: AttnMetadata
     attn_backend: AttentionBackend
     kv_pool: MHATokenToKVPool

@@ -10,13 +10,13 @@ allocates KV slots and never imports transformers' modelling code."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgl.kernels.layers import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, silu_and_mul
+from sgl.kernels.layers import RopeTables, add_rms_norm, apply_rope, rms_norm, rope_tables, silu_and_mul
 from sgl.sched.models.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -40,7 +40,9 @@ def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
@@ -94,7 +96,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: RopeTables) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -102,7 +104,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, fb.positions, cos, sin)
+        q, k = apply_rope(q, k, fb.positions, rope)
         fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
         o = fb.attn_backend.forward(
             q, k, v, fb.kv_pool.k_buffer[self.layer_id], fb.kv_pool.v_buffer[self.layer_id], self.scale
@@ -140,14 +142,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
+        self, h: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, rope: RopeTables
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ln = self.input_layernorm
         if residual is None:
             residual, x = h, ln(h)
         else:
             x, residual = add_rms_norm(h, residual, ln.weight, ln.eps)
-        h = self.self_attn(x, fb, cos, sin)
+        h = self.self_attn(x, fb, rope)
         ln = self.post_attention_layernorm
         x, residual = add_rms_norm(h, residual, ln.weight, ln.eps)
         return self.mlp(x), residual
@@ -155,7 +157,13 @@ class DecoderLayer(nn.Module):
 
 class Backbone(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype: torch.dtype, device: torch.device
+        self,
+        config: PretrainedConfig,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        dtype: torch.dtype,
+        device: torch.device,
     ):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
@@ -172,7 +180,9 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     o_bias_follows_config = True
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self, config: PretrainedConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ):
         super().__init__()
         device = torch.device(device)
         self.config = config
@@ -184,9 +194,11 @@ class LlamaForCausalLM(nn.Module):
         o_bias = attn_bias and self.o_bias_follows_config
         self.model = Backbone(config, qkv_bias, o_bias, self.qk_norm, dtype, device)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.lm_head = (
+            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        )
 
-        attn = self.model.layers[0].self_attn
+        attn = cast(DecoderLayer, self.model.layers[0]).self_attn
         self.num_layers: int = config.num_hidden_layers
         self.num_heads: int = attn.num_heads
         self.num_kv_heads: int = attn.num_kv_heads
@@ -197,9 +209,8 @@ class LlamaForCausalLM(nn.Module):
         window = getattr(config, "sliding_window", None) if not layer_types else None
         self.context_len: int = min(config.max_position_embeddings, window or config.max_position_embeddings)
         theta, scaling = rope_settings(config)
-        cos, sin = rope_cos_sin(self.head_dim, config.max_position_embeddings, theta, scaling, device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # This model's own tables: two engines in one process never share them.
+        self.rope = rope_tables(self.head_dim, config.max_position_embeddings, theta, scaling, device)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -208,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(fb.input_ids)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            h, residual = layer(h, residual, fb, self.rope_cos, self.rope_sin)
+            h, residual = layer(h, residual, fb, self.rope)
         assert residual is not None
         # Norm and LM head only on the rows that predict a token: prefill computes the others for the KV alone.
         h = h[fb.logits_indices] + residual[fb.logits_indices]
@@ -256,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
             if shard is None:
                 dst = param.data
             else:
-                layer = self.model.layers[int(parts[2])]
+                layer = cast(DecoderLayer, self.model.layers[int(parts[2])])
                 lo, hi = self._shard_range(target.split(".")[-2], shard, layer)
                 dst = param.data[lo:hi]
             if tuple(dst.shape) != tuple(tensor.shape):

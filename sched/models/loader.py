@@ -14,6 +14,7 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
+from sgl.sched.models.llama import LlamaForCausalLM
 from sgl.sched.models.registry import model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -100,13 +102,16 @@ def _gguf_file(path: Path, load_format: str) -> Path | None:
             if load_format == "safetensors":
                 raise ValueError(f"load_format='safetensors' but {str(path)!r} is a GGUF file: use 'auto' or 'gguf'")
             return path
-        raise ValueError(f"{str(path)!r} is a file but not a .gguf file: pass a Hugging Face model directory or a .gguf file")
+        raise ValueError(
+            f"{str(path)!r} is a file but not a .gguf file: pass a Hugging Face model directory or a .gguf file"
+        )
     if load_format != "gguf":
         return None
     found = sorted(path.glob("*.gguf"))
     if len(found) != 1:
         raise ValueError(
-            f"load_format='gguf' needs exactly one .gguf file in {str(path)!r}, found {len(found)}: pass the file itself"
+            f"load_format='gguf' needs exactly one .gguf file in {str(path)!r}, found {len(found)}: "
+            "pass the file itself"
         )
     return found[0]
 
@@ -120,7 +125,7 @@ def _hf_config(path: Path) -> PretrainedConfig:
 # ---- filling weights ----
 
 
-def _fill(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], total: int, source: str) -> None:
+def _fill(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], total: int, source: str) -> None:
     bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", disable=not sys.stderr.isatty())
     try:
         loaded = model.load_weights(bar)
@@ -209,7 +214,7 @@ class GGUFCheckpoint:
             )
         self.config = self._build_config(tie=("output.weight" not in names))
 
-    def field(self, key: str, default: object = None) -> object:
+    def field(self, key: str, default: Any = None) -> Any:
         f = self.reader.get_field(key)
         if f is None:
             return default

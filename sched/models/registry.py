@@ -3,11 +3,9 @@ class. It only looks names up; it never builds or loads a model."""
 
 from __future__ import annotations
 
-from torch import nn
-
 from sgl.sched.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -19,7 +17,7 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def model_class(architectures: list[str] | None) -> type[nn.Module]:
+def model_class(architectures: list[str] | None) -> type[LlamaForCausalLM]:
     """The class for a config's `architectures` list (its first entry decides)."""
     if not architectures:
         raise ValueError(

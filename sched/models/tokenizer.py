@@ -14,5 +14,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
         d, name = os.path.split(os.path.abspath(path))
         return AutoTokenizer.from_pretrained(d, gguf_file=name)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"model path {path!r} is not a directory: pass a Hugging Face model directory or a .gguf file")
+        raise FileNotFoundError(
+            f"model path {path!r} is not a directory: pass a Hugging Face model directory or a .gguf file"
+        )
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

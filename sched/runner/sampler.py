@@ -109,7 +109,11 @@ class SamplingBatch:
             generators=[None] * len(ps),
         )
         if any(p.has_penalties for p in ps):
-            pen = [[p.frequency_penalty for p in ps], [p.presence_penalty for p in ps], [p.repetition_penalty for p in ps]]
+            pen = [
+                [p.frequency_penalty for p in ps],
+                [p.presence_penalty for p in ps],
+                [p.repetition_penalty for p in ps],
+            ]
             sb.penalties = dev(pen, torch.float32)[:, :, None]
         if any(p.logit_bias for p in ps):
             items = [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias.items()]
@@ -120,7 +124,9 @@ class SamplingBatch:
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, k) pairs over the generator's seed space
 
 
-def _sparse(items: list[tuple[int, int, float]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sparse(
+    items: list[tuple[int, int, float]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, ids, vals = zip(*items)
     return (to_device(torch.tensor(rows, dtype=torch.int64), device),
             to_device(torch.tensor(ids, dtype=torch.int64), device),
@@ -158,14 +164,16 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch, counts: torch.Tensor
     return logits
 
 
-def _apply(proc: CustomLogitProcessor, logits: torch.Tensor, rows: torch.Tensor, params: list[dict[str, Any]]) -> str | None:
+def _apply(
+    proc: CustomLogitProcessor, logits: torch.Tensor, rows: torch.Tensor, params: list[dict[str, Any]]
+) -> str | None:
     try:
         new = proc(logits[rows], params)
         if not isinstance(new, torch.Tensor) or new.shape != (len(params), logits.shape[1]):
             raise ValueError(f"returned {getattr(new, 'shape', type(new).__name__)}, not [{len(params)}, V]")
         logits[rows] = new.to(logits.dtype)
         return None
-    except Exception as e:  # user code: it fails its own requests, never the scheduler
+    except Exception as e:  # noqa: BLE001 - user code: it fails its own requests, never the scheduler
         return str(e) or type(e).__name__
 
 

@@ -6,7 +6,7 @@ Request ids (rids) are strings chosen by the tokenizer manager."""
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -139,22 +139,22 @@ class ShutdownReq(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
     pass
 
 
-Message = Union[
-    GenerateReqInput,
-    AbortReq,
-    BatchTokenIDOutput,
-    BatchStrOutput,
-    FlushCacheReq,
-    FlushCacheReqOutput,
-    GetServerInfoReq,
-    GetServerInfoReqOutput,
-    HealthCheckReq,
-    HealthCheckOutput,
-    AttachReq,
-    AttachReqOutput,
-    DetachReq,
-    ShutdownReq,
-]
+Message = (
+    GenerateReqInput
+    | AbortReq
+    | BatchTokenIDOutput
+    | BatchStrOutput
+    | FlushCacheReq
+    | FlushCacheReqOutput
+    | GetServerInfoReq
+    | GetServerInfoReqOutput
+    | HealthCheckReq
+    | HealthCheckOutput
+    | AttachReq
+    | AttachReqOutput
+    | DetachReq
+    | ShutdownReq
+)
 
 # Control replies travel scheduler -> detokenizer -> tokenizer manager unchanged.
 CONTROL_REPLIES = (FlushCacheReqOutput, GetServerInfoReqOutput, HealthCheckOutput)

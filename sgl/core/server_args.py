@@ -13,7 +13,8 @@ Transport = Literal["inproc", "ipc", "tcp"]
 class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model_path: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
     tokenizer_path: str | None = None
-    load_format: Literal["auto", "safetensors", "gguf", "dummy", "null"] = "auto"  # null: instant fake logits (pipeline benchmarks)
+    # null: instant fake logits (pipeline benchmarks)
+    load_format: Literal["auto", "safetensors", "gguf", "dummy", "null"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     trust_remote_code: bool = False
@@ -46,6 +47,7 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # radix off on an H200, benchmarks/RESULTS.md), off for the torch backend, whose
     # cascade is a reference that gathers the prefix per request anyway.
     enable_cascade_attention: bool | None = None
+    max_top_logprobs_num: int = 20  # the most top logprobs a request may ask for per token (OpenAI's bound)
     # Names (registered) or dotted paths (pkg.mod:Class) of logit processors requests may use.
     custom_logit_processors: list[str] = []
 
@@ -55,7 +57,7 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _positive(self, "max_total_tokens", "context_length", "max_running_requests", "chunked_prefill_size",
-                  "cuda_graph_max_bs")
+                  "cuda_graph_max_bs", "max_top_logprobs_num")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} is invalid: must be >= 1")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:

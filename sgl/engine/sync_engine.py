@@ -68,7 +68,9 @@ class Engine:
             return self._stream(prompt, sampling_params, input_ids, rid, options)
         return self._run(self._engine.generate(prompt, sampling_params, input_ids, rid, **options))
 
-    def _stream(self, prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def _stream(
+        self, prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]
+    ) -> Iterator[dict[str, Any]]:
         q: queue.Queue[Any] = queue.Queue()
         if self._closed:
             raise RuntimeError("this engine has been shut down")

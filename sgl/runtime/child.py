@@ -41,7 +41,7 @@ def main() -> None:
 
     try:
         run_role(cfg, report)
-    except BaseException:  # already logged with its traceback by run_role
+    except BaseException:  # noqa: BLE001 - any failure exits 1; already logged with its traceback by run_role
         os._exit(1)  # not a normal shutdown: the stdin watcher thread would abort it
     os._exit(0)
 

@@ -96,7 +96,9 @@ class ProcessRole(RoleHandle):
             os.close(self._ready_r)
         if not buf:
             self.proc.wait(5)
-            raise ChildStartupError(f"the {self.name} process {self.exit_description()} before it was ready; its log is above")
+            raise ChildStartupError(
+                f"the {self.name} process {self.exit_description()} before it was ready; its log is above"
+            )
         return _ready_or_raise(self.name, json.loads(buf))
 
     def stop(self, timeout: float) -> None:
@@ -123,7 +125,7 @@ class ThreadRole(RoleHandle):
     def _run(self, cfg: ChildConfig) -> None:
         try:
             run_role(cfg, self._reports.put)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - the thread hands its crash to the parent via self.error
             self.error = e
 
     def alive(self) -> bool:

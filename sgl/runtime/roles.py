@@ -32,7 +32,7 @@ def run_role(cfg: ChildConfig, report: Callable[[dict[str, Any]], None]) -> None
     log = get_logger(cfg.role)
     try:
         role = _build(cfg)
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - any start-up error is reported to the parent, which raises it
         report({"status": "error", "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()})
         return
     report({"status": "ready", "info": role.info() if hasattr(role, "info") else {}})
