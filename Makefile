@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-long install clean
+.PHONY: run test test-long lint typecheck install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,21 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/sgl generate "What is the capital of France?"
 
-test: $(STAMP)
+test: lint typecheck
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check sgl transports sched cache kernels tests benchmarks
+
+# mypy reads the package as it installs: sgl.transports, sgl.sched, ... live in their
+# own top-level folders (pyproject's package-dir), so a tree of links puts them where
+# mypy looks for them.
+TYPECHECK := build/typecheck
+typecheck: $(STAMP)
+	rm -rf $(TYPECHECK)/sgl && mkdir -p $(TYPECHECK)/sgl
+	for f in sgl/*.py sgl/*/; do ln -s ../../../$${f%/} $(TYPECHECK)/sgl/; done
+	for d in transports sched cache kernels; do ln -s ../../../$$d $(TYPECHECK)/sgl/$$d; done
+	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p sgl
 
 test-long: $(STAMP)
 	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/test_radix_cache_props.py

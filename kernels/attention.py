@@ -69,3 +69,12 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: the new tokens' [T, Hkv, D], already written to the pool;
         k_cache, v_cache: the layer's pool [slots, Hkv, D]. Returns [T, Hq, D]."""
+
+    # CUDA-graph decode: backends that can be captured plan each padded batch size into
+    # buffers that a graph replays. The torch reference is never captured.
+    def begin_graph_decode(self, bs: int, kv_indptr_host: torch.Tensor, kv_indices: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not run under CUDA graphs")
+
+    def begin_graph_cascade(self, bs: int, shared_len: int, shared_indices: torch.Tensor,
+                            suffix_indptr_host: torch.Tensor, suffix_indices: torch.Tensor, key: tuple = ()) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not run under CUDA graphs")

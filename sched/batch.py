@@ -10,6 +10,7 @@ mutate requests while the batch runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -52,19 +53,20 @@ class ScheduleBatch:
                 lp_in.append((start, 0))
             input_ids.extend(r.all_ids[start : start + n])
             positions.append(torch.arange(start, start + n, dtype=torch.int64))
-            pool.write(r.req_pool_idx, start, out_cache_loc[offset : offset + n])
+            pool.write(cast(int, r.req_pool_idx), start, out_cache_loc[offset : offset + n])
             offset += n
             r.kv_len = start + n
             qo_lens.append(n)
             kv_lens.append(r.kv_len)
             partial.append(r.kv_len < r.seq_len)
-        return cls(reqs, False, input_ids, [r.req_pool_idx for r in reqs], torch.cat(positions), out_cache_loc,
+        rows = cast(list[int], [r.req_pool_idx for r in reqs])  # every admitted request holds a row
+        return cls(reqs, False, input_ids, rows, torch.cat(positions), out_cache_loc,
                    qo_lens, kv_lens, [r.epoch for r in reqs], partial, lp_in)
 
     @classmethod
     def decode(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool) -> ScheduleBatch:
         """One step: each req's newest token is written at its own new slot."""
-        rows = [r.req_pool_idx for r in reqs]
+        rows = cast(list[int], [r.req_pool_idx for r in reqs])  # every running request holds a row
         pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
         pool.write_at(torch.tensor(rows), pos, out_cache_loc)
         for r in reqs:

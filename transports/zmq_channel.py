@@ -25,7 +25,7 @@ log = structlog.get_logger("sgl.transport")
 class ZmqSender(Sender):
     def __init__(self, address: str, key: bytes | None = None) -> None:
         self._key = key if address.startswith("tcp://") else None
-        self._sock = zmq.Context.instance().socket(zmq.PUSH)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 1000)  # let a final shutdown message out
         self._sock.connect(address)
@@ -50,7 +50,7 @@ class ZmqReceiver(Receiver):
         if address.startswith("tcp://") and key is None and not is_loopback(address):
             raise ValueError(f"refusing to listen on {address} without a transport_key: "
                              "only loopback addresses may go unauthenticated")
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         # Frames up to twice the limit arrive and are dropped with a log line; larger
         # ones make ZMQ drop the sending peer's connection (it reconnects).

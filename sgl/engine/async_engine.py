@@ -24,11 +24,13 @@ from sgl.core.log import configure, get_logger
 from sgl.core.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
 from sgl.core.request_checks import RequestLimits, limits_of
 from sgl.core.server_args import ServerArgs
-from sgl.engine.batch_args import batch_options, index_offsets, options_of, split_batch
+from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
 from sgl.runtime.launch import RoleHandle, Watchdog, start_roles, wait_all
 from sgl.runtime.metrics import Metrics
+from sgl.runtime.req_options import ReqOptions
 from sgl.runtime.roles import ChildConfig
-from sgl.runtime.tokenizer_manager import EngineDeadError, ReqOptions, TokenizerManager, merge_streams
+from sgl.runtime.streams import merge_streams
+from sgl.runtime.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl.transports.factory import make_addresses, open_receiver, open_sender
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
@@ -49,12 +51,14 @@ def resolve_model_path(args: ServerArgs) -> str:
 class AsyncEngine:
     """`async with AsyncEngine(model_path) as e: out = await e.generate("Hi")`."""
 
+    _heartbeat: asyncio.Future[None] | None = None  # an attached engine's health checks
+
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         if self.args.transport == "tcp" and self.args.transport_key is None:
             # Every tcp frame is signed; the children get this key through their config.
-            key = os.environ.get("SGL_TRANSPORT_KEY") or secrets.token_hex(32)
-            self.args = ServerArgs.from_kwargs(**{**msgspec.structs.asdict(self.args), "transport_key": key})
+            made = os.environ.get("SGL_TRANSPORT_KEY") or secrets.token_hex(32)
+            self.args = ServerArgs.from_kwargs(**{**msgspec.structs.asdict(self.args), "transport_key": made})
         configure(self.args.log_level)
         self.log = get_logger("engine")
         self._closed = False
@@ -180,7 +184,8 @@ class AsyncEngine:
         penalties, processors and temperature), as SGLang returns by default."""
         items = split_batch(prompt, input_ids, sampling_params, rid)
         if items is None:
-            return await self._one(prompt, input_ids, sampling_params, rid, options_of(options))  # type: ignore[arg-type]
+            p, ids, r = one_request(prompt, input_ids, rid)
+            return await self._one(p, ids, sampling_params, r, options_of(options))
         opts = batch_options(options, len(items))
         tasks = [asyncio.ensure_future(self._one(*it, o)) for it, o in zip(items, opts)]
         try:
@@ -217,7 +222,8 @@ class AsyncEngine:
         self._check_open()
         items = split_batch(prompt, input_ids, sampling_params, rid)
         if items is None:
-            gen = self.tm.generate(prompt, input_ids, sampling_params, rid, stream=True, opts=options_of(options))
+            p, ids, r = one_request(prompt, input_ids, rid)
+            gen = self.tm.generate(p, ids, sampling_params, r, stream=True, opts=options_of(options))
         else:
             gen = self._stream_batch(items, batch_options(options, len(items)))
         try:
@@ -285,7 +291,7 @@ class AsyncEngine:
             atexit.unregister(self.shutdown)
 
     async def aclose(self) -> None:
-        beat = getattr(self, "_heartbeat", None)
+        beat = self._heartbeat
         if beat is not None:
             beat.cancel()
         await self.tm.close()

@@ -8,7 +8,7 @@ from dataclasses import fields
 from typing import Any
 
 from sgl.core.sampling_params import SamplingParams
-from sgl.runtime.tokenizer_manager import ReqOptions
+from sgl.runtime.req_options import ReqOptions
 
 
 def split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[Any, Any, Any, Any]] | None:
@@ -68,3 +68,9 @@ def check_stream_args(prompt: Any, sp: Any, input_ids: Any, rid: Any, options: d
         options_of(options)
     else:
         batch_options(options, len(items))
+
+
+def one_request(prompt: Any, input_ids: Any, rid: Any) -> tuple[str | None, list[int] | None, str | None]:
+    """The arguments of a call that `split_batch` found not to be a batch, typed as one
+    request takes them (the tokenizer manager checks their values)."""
+    return prompt, input_ids, rid
