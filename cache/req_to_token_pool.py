@@ -30,20 +30,29 @@ class ReqToTokenPool:
         self._lo = torch.full((size,), max_context, dtype=torch.int64)
         self._hi = torch.zeros(size, dtype=torch.int64)
         self._free: list[int] = list(range(size - 1, -1, -1))  # pop() hands out row 0 first
+        self._is_free = [True] * size  # a row freed twice is an error at once, never a row with two owners
 
     def available_size(self) -> int:
         return len(self._free)
 
     def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        row = self._free.pop()
+        self._is_free[row] = False
+        return row
 
     def free(self, row: int) -> None:
         if not 0 <= row < self.size:
             raise ValueError(f"row {row} out of range [0, {self.size})")
+        if self._is_free[row]:
+            raise RuntimeError(f"request row double free: row {row} is already free")
+        self._is_free[row] = True
         self._free.append(row)
 
     def clear(self) -> None:
         self._free = list(range(self.size - 1, -1, -1))
+        self._is_free = [True] * self.size
 
     # ---- writes and the device mirror ----
 

@@ -6,6 +6,7 @@ installed, pure torch otherwise (CPU, and the reference the tests compare with).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,10 +60,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope_cos_sin(
+@dataclass(frozen=True, slots=True)
+class RopeTables:
+    """One model's rotary tables, built once with the model and owned by it (never a
+    process-wide cache: two engines in one process each keep their own)."""
+
+    cos: torch.Tensor  # [max_positions, head_dim] float32
+    sin: torch.Tensor
+    cos_sin: torch.Tensor  # FlashInfer's layout: [max_positions, head_dim], cos halves then sin halves
+
+
+def rope_tables(
     head_dim: int, max_positions: int, theta: float, scaling: dict | None, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of [max_positions, head_dim], float32."""
+) -> RopeTables:
+    """The cos and sin tables of [max_positions, head_dim], float32, and FlashInfer's view of them."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling)
@@ -71,7 +82,9 @@ def rope_cos_sin(
     t = torch.arange(max_positions, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float().to(device), emb.sin().float().to(device)
+    cos, sin = emb.cos().float().to(device), emb.sin().float().to(device)
+    half = head_dim // 2
+    return RopeTables(cos, sin, torch.cat([cos[:, :half], sin[:, :half]], dim=-1).contiguous())
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -89,17 +102,17 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: RopeTables
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]."""
     if (fi := _gpu(q)) is not None:
         q, k = q.contiguous(), k.contiguous()
         d = q.shape[-1]
         fi.rope.apply_rope_with_cos_sin_cache_inplace(
-            positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), d, _cos_sin_cache(cos, sin), is_neox=True)
+            positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), d, rope.cos_sin, is_neox=True)
         return q, k
-    c = cos[positions].unsqueeze(1)
-    s = sin[positions].unsqueeze(1)
+    c = rope.cos[positions].unsqueeze(1)
+    s = rope.sin[positions].unsqueeze(1)
 
     def rot(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -108,17 +121,3 @@ def apply_rope(
         return (xf * c + rotated * s).to(x.dtype)
 
     return rot(q), rot(k)
-
-
-_COS_SIN: dict[int, torch.Tensor] = {}
-
-
-def _cos_sin_cache(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """FlashInfer's [positions, head_dim] float32 table: cos halves, then sin halves.
-    Built once per model (first forward, before any CUDA graph capture)."""
-    key = cos.data_ptr()
-    table = _COS_SIN.get(key)
-    if table is None:
-        half = cos.shape[-1] // 2
-        table = _COS_SIN[key] = torch.cat([cos[:, :half], sin[:, :half]], dim=-1).float().contiguous()
-    return table

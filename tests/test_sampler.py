@@ -141,7 +141,9 @@ def test_bias_penalties_and_min_new_tokens_equal_the_reference() -> None:
 @pytest.mark.parametrize("field,value,allowed", [
     ("temperature", -0.1, ">= 0"), ("top_p", 0.0, "(0, 1]"), ("top_k", 0, "-1"), ("min_p", 1.5, "[0, 1]"),
     ("frequency_penalty", 2.5, "[-2, 2]"), ("presence_penalty", -3, "[-2, 2]"), ("repetition_penalty", 0, "(0, 2]"),
-    ("repetition_penalty", 2.1, "(0, 2]"), ("n", 0, ">= 1"), ("max_new_tokens", -1, ">= 0"),
+    ("repetition_penalty", 2.1, "(0, 2]"), ("n", 0, "in [1, 128]"), ("n", 129, "in [1, 128]"),
+    ("seed", 2**64, "64-bit"), ("top_k", 2**64, "64-bit"), ("stop", ["a"] * 65, "at most 64"),
+    ("stop", ["a" * 513], "at most 512"), ("max_new_tokens", -1, ">= 0"),
     ("min_new_tokens", 200, "max_new_tokens"), ("stop", [""], "non-empty"), ("stop_token_ids", [-1], "non-negative"),
     ("logit_bias", {"1": math.inf}, "finite"),
 ])

@@ -25,12 +25,16 @@ class RequestLimits:
     max_total_tokens: int  # KV slots in all: a longer prompt can never run
     has_tokenizer: bool  # stop strings are matched on text
     allowed_processors: tuple[str, ...] = ()
+    max_top_logprobs_num: int = 20  # OpenAI's bound; ServerArgs.max_top_logprobs_num
+
+
+MAX_TOKEN_IDS_LOGPROB = 256
 
 
 def limits_of(info: Mapping[str, Any], has_tokenizer: bool, allowed_processors: Sequence[str] | None) -> RequestLimits:
     """The limits of the scheduler that reported `info` (its get_server_info)."""
     return RequestLimits(info["vocab_size"], info["context_length"], info["max_total_tokens"], has_tokenizer,
-                         tuple(allowed_processors or ()))
+                         tuple(allowed_processors or ()), info.get("max_top_logprobs_num", 20))
 
 
 def request_error(
@@ -47,14 +51,24 @@ def request_error(
         return f"input_ids: {n} tokens leave no room in the context length of {limits.context_length}"
     if n + 1 > limits.max_total_tokens:
         return f"input_ids: {n} tokens can never fit the KV cache, which holds {limits.max_total_tokens}"
+    # A request that could never finish is refused now, not after it filled the cache (vLLM and SGLang alike).
+    m = params.max_new_tokens
+    if n + m > limits.context_length:
+        return (f"max_new_tokens={m} is invalid: the prompt's {n} tokens plus {m} new ones exceed the context "
+                f"length of {limits.context_length} by {n + m - limits.context_length}")
+    if n + m > limits.max_total_tokens:
+        return (f"max_new_tokens={m} is invalid: the prompt's {n} tokens plus {m} new ones can never fit the KV "
+                f"cache, which holds {limits.max_total_tokens} tokens ({n + m - limits.max_total_tokens} too many)")
     for name, toks in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias)),
                        ("token_ids_logprob", token_ids_logprob or ())):
         if toks and (min(toks) < 0 or max(toks) >= v):
             return f"{name}: ids must lie in [0, {v})"
     if not -1 <= logprob_start_len < n:
         return f"logprob_start_len={logprob_start_len} is invalid: must be -1 or in [0, {n})"
-    if top_logprobs_num < 0:
-        return f"top_logprobs_num={top_logprobs_num} is invalid: must be >= 0"
+    if not 0 <= top_logprobs_num <= limits.max_top_logprobs_num:
+        return f"top_logprobs_num={top_logprobs_num} is invalid: must be in [0, {limits.max_top_logprobs_num}]"
+    if token_ids_logprob is not None and len(token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:
+        return f"token_ids_logprob: at most {MAX_TOKEN_IDS_LOGPROB} ids, got {len(token_ids_logprob)}"
     if params.stop_strs and not limits.has_tokenizer:
         return "stop: stop strings need a tokenizer, and this engine runs with skip_tokenizer_init"
     if processor is not None:

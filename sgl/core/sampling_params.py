@@ -14,6 +14,15 @@ import msgspec
 # Fields a model's generation_config.json may default when the request leaves them unset.
 GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
+# Bounds on what one request may ask for, so that no request can make the engine build
+# unbounded state (n samples, stop strings matched every step, a logit-bias table).
+MAX_N = 128
+MAX_STOP_STRS = 64
+MAX_STOP_STR_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 4096
+INT64_MAX = 2**63 - 1  # every integer travels as a 64-bit MessagePack int
+
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     max_new_tokens: int = 128
@@ -37,6 +46,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     custom_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "seed"):
+            v = getattr(self, name)
+            _check(v is None or -INT64_MAX <= v <= INT64_MAX, name, v, "a 64-bit integer")
         _check(self.max_new_tokens >= 0, "max_new_tokens", self.max_new_tokens, ">= 0")
         _check(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", self.min_new_tokens,
                f"in [0, max_new_tokens={self.max_new_tokens}]")
@@ -48,13 +60,24 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]")
         _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", self.repetition_penalty, "in (0, 2]")
-        _check(self.n >= 1, "n", self.n, ">= 1")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "non-negative ids")
-        _check(all(k >= 0 and math.isfinite(v) for k, v in self.logit_bias.items()), "logit_bias", self.logit_bias,
-               "a map of non-negative token ids to finite floats")
+        _check(1 <= self.n <= MAX_N, "n", self.n, f"in [1, {MAX_N}]")
+        _check(self.seed is None or self.seed >= 0, "seed", self.seed, ">= 0")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"<{len(self.stop_token_ids)} ids>",
+               f"at most {MAX_STOP_TOKEN_IDS} ids")
+        _check(all(0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+               "non-negative ids")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(self.logit_bias)} entries>",
+               f"at most {MAX_LOGIT_BIAS} entries")
+        _check(all(0 <= k <= INT64_MAX and math.isfinite(v) for k, v in self.logit_bias.items()), "logit_bias",
+               self.logit_bias, "a map of non-negative token ids to finite floats")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(self.stop is None or all(s for s in self.stop), "stop", self.stop, "non-empty strings")
+        stops = self.stop or []
+        _check(len(stops) <= MAX_STOP_STRS, "stop", f"<{len(stops)} strings>", f"at most {MAX_STOP_STRS} strings")
+        _check(all(s for s in stops), "stop", self.stop, "non-empty strings")
+        longest = max(map(len, stops), default=0)
+        _check(longest <= MAX_STOP_STR_CHARS, "stop", f"<a string of {longest} characters>",
+               f"strings of at most {MAX_STOP_STR_CHARS} characters")
 
     @property
     def is_greedy(self) -> bool:

@@ -94,6 +94,8 @@ def sampling_dict(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
         v = getattr(req, name)
         if v is not None and _NEUTRAL.get(name, object()) != v:
             sp[name] = v
+    if "min_tokens" in sp:
+        sp["min_new_tokens"] = sp.pop("min_tokens")  # vLLM's name for SGLang's field
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
     if req.n != 1:
@@ -175,7 +177,7 @@ def completion_logprobs(meta: dict[str, Any], prompt: bool, offset: int) -> dict
             "top_logprobs": [_top_dict(t, row) for t, row in zip(toks, tops)], "text_offset": offsets}
 
 
-def _top_dict(chosen: Triple, row: list[Triple] | None) -> dict[str, float] | None:
+def _top_dict(chosen: Triple, row: list[Triple] | None) -> dict[str, float | None] | None:
     if chosen[0] is None:
         return None  # the first prompt token has no logprob
     top = {text: v for v, _, text in row or ()}
