@@ -9,20 +9,21 @@ that loop.
 A tokenizer manager attached from another process (`AsyncEngine.connect`) has a
 client id: its rids go on the wire as "<client_id>:<rid>" and its control
 requests carry `origin=client_id`, so the detokenizer can route replies to it.
-Callers only ever see their own rids."""
+Callers only ever see their own rids.
+
+It must not decode token ids into output text (the detokenizer does) nor decide
+when a request ends (the scheduler does). Request options and type checks live in
+sgl/runtime/req_options.py, stream merging in sgl/runtime/streams.py, logprob
+formatting in sgl/runtime/logprob_format.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
-
-import msgspec
 
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
@@ -35,30 +36,19 @@ from sgl.core.protocol import (
     GetServerInfoReqOutput,
     HealthCheckOutput,
     HealthCheckReq,
-    Logprobs,
     Message,
 )
 from sgl.core.request_checks import RequestLimits, request_error
-from sgl.core.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
+from sgl.core.sampling_params import SamplingParams
+from sgl.runtime.logprob_format import format_logprobs
 from sgl.runtime.metrics import Metrics
+from sgl.runtime.req_options import ReqOptions, generation_defaults, is_int, is_int_list, replace_params
+from sgl.runtime.streams import cancel_and_close, merge_streams
 from sgl.transports.channel import ChannelClosed, Receiver, Sender
 
 
 class EngineDeadError(RuntimeError):
     """The scheduler or detokenizer is gone; no request can complete."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReqOptions:
-    """Request-level arguments of generate() beyond the sampling parameters (SGLang's names)."""
-
-    return_logprob: bool = False
-    logprob_start_len: int = -1  # first prompt position with a logprob; -1: output logprobs only
-    top_logprobs_num: int = 0
-    token_ids_logprob: list[int] | None = None
-    return_text_in_logprobs: bool = False
-    custom_logit_processor: str | None = None
-    detokenize: bool = True
 
 
 @dataclass(slots=True)
@@ -97,7 +87,7 @@ class TokenizerManager:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if input_ids is not None:
-            if not _is_int_list(input_ids):
+            if not is_int_list(input_ids):
                 raise ValueError("input_ids must be a list of ints")
             ids = input_ids
         else:
@@ -113,7 +103,7 @@ class TokenizerManager:
         here, the values in sgl/request_checks.py (which the scheduler applies too)."""
         for name, toks in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias)),
                            ("token_ids_logprob", opts.token_ids_logprob or [])):
-            if not _is_int_list(toks):
+            if not is_int_list(toks):
                 raise ValueError(f"{name}: must be a list of ints")
         # Every field must have its declared type here: the scheduler drops a frame it cannot
         # decode, and a request dropped there would never be answered.
@@ -121,7 +111,7 @@ class TokenizerManager:
             if not isinstance(getattr(opts, name), bool):
                 raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be a bool")
         for name in ("logprob_start_len", "top_logprobs_num"):
-            if not _is_int(getattr(opts, name)):
+            if not is_int(getattr(opts, name)):
                 raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be an int")
         error = request_error(ids, params, opts.logprob_start_len, opts.top_logprobs_num, opts.token_ids_logprob,
                               opts.custom_logit_processor, self.limits)
@@ -131,7 +121,7 @@ class TokenizerManager:
     async def generate(
         self, prompt: str | None, input_ids: list[int] | None, sampling_params: Any, rid: str | None, stream: bool,
         opts: ReqOptions | None = None,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """Yield delta chunks when streaming, else one final dict. Aborted on close.
         n > 1: one list of n final dicts, or chunks from all samples, each with its "index"."""
         opts = opts or ReqOptions()
@@ -154,7 +144,7 @@ class TokenizerManager:
         # Sample 0 prefills the prompt; the others reuse its KV through the radix cache.
         # Sample i draws with seed + i, so seeded samples differ but are reproducible.
         rids = [f"{rid}-{i}" for i in range(params.n)]
-        gens = []
+        gens: list[AsyncGenerator[dict[str, Any], None]] = []
         try:
             for i, r in enumerate(rids):
                 p = replace_params(params, n=1, seed=None if params.seed is None else params.seed + i)
@@ -171,11 +161,11 @@ class TokenizerManager:
                 await merged.aclose()
                 self._forget(rids)
             return
-        tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(g.__anext__()) for g in gens]
         try:
             yield list(await asyncio.gather(*tasks))
         finally:
-            await _cancel_and_close(tasks, gens)
+            await cancel_and_close(tasks, gens)
             self._forget(rids)
 
     def _forget(self, rids: list[str]) -> None:
@@ -197,7 +187,7 @@ class TokenizerManager:
             opts.token_ids_logprob, opts.custom_logit_processor, opts.detokenize, leader))
         return rid
 
-    async def _one(self, rid: str, stream: bool) -> AsyncIterator[dict[str, Any]]:
+    async def _one(self, rid: str, stream: bool) -> AsyncGenerator[dict[str, Any], None]:
         st = self.states[rid]
         finished = False
         try:
@@ -294,7 +284,7 @@ class TokenizerManager:
             if fin is not None:
                 meta["e2e_latency"] = now - st.created
             if (lp := b.logprobs[i]) is not None:
-                delta = self._format_logprobs(lp, b.new_ids[i], st.opts)
+                delta = format_logprobs(lp, b.new_ids[i], st.opts, self.tokenizer)
                 for k, v in delta.items():
                     st.logprobs.setdefault(k, []).extend(v)
                 meta.update(delta)
@@ -313,31 +303,6 @@ class TokenizerManager:
         if fin is not None:
             self.metrics.finished(b.prompt_tokens[i], b.completion_tokens[i], b.cached_tokens[i],
                                   now - st.created, fin.get("type") == "abort")
-
-    def _format_logprobs(self, lp: Logprobs, new_ids: list[int], opts: ReqOptions) -> dict[str, list[Any]]:
-        """SGLang's meta_info lists of (logprob, token_id, text) triples; text is None unless
-        return_text_in_logprobs."""
-        texts = opts.return_text_in_logprobs and self.tokenizer is not None
-        every = [*new_ids, *lp.input_ids, *(i for row in lp.output_top_ids for i in row),
-                 *(i for row in lp.input_top_ids if row for i in row), *(opts.token_ids_logprob or [])]
-        names = dict(zip(every, self.tokenizer.batch_decode([[i] for i in every]))) if texts and every else {}
-
-        def triples(vals: list[Any], ids: list[int]) -> list[tuple[Any, int, str | None]]:
-            return [(v, t, names.get(t)) for v, t in zip(vals, ids)]
-
-        def rows(vals: list[Any], ids: list[Any]) -> list[Any]:
-            return [None if v is None else triples(v, t) for v, t in zip(vals, ids)]
-
-        out = {"output_token_logprobs": triples(lp.output_vals, new_ids),
-               "input_token_logprobs": triples(lp.input_vals, lp.input_ids)}
-        if opts.top_logprobs_num:
-            out["output_top_logprobs"] = rows(lp.output_top_vals, lp.output_top_ids)
-            out["input_top_logprobs"] = rows(lp.input_top_vals, lp.input_top_ids)
-        if opts.token_ids_logprob:
-            req_ids = opts.token_ids_logprob
-            out["output_token_ids_logprobs"] = rows(lp.output_ids_vals, [req_ids] * len(lp.output_ids_vals))
-            out["input_token_ids_logprobs"] = rows(lp.input_ids_vals, [req_ids] * len(lp.input_ids_vals))
-        return out
 
     # ---- failure ---------------------------------------------------------------
 
@@ -370,78 +335,3 @@ class TokenizerManager:
             except asyncio.CancelledError:
                 pass
 
-
-def replace_params(p: SamplingParams, **changes: Any) -> SamplingParams:
-    return msgspec.structs.replace(p, **changes)
-
-
-def generation_defaults(model_path: str | None) -> dict[str, Any]:
-    """Sampling defaults from the model's generation_config.json (the fields SGLang takes from it)."""
-    if model_path is None or not os.path.isdir(model_path):
-        return {}
-    try:
-        with open(os.path.join(model_path, "generation_config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return {k: cfg[k] for k in GENERATION_CONFIG_FIELDS if k in cfg and cfg[k] is not None}
-
-
-async def merge_streams(gens: list[AsyncIterator[dict[str, Any]]],
-                        offsets: list[int] | None = None) -> AsyncIterator[dict[str, Any]]:
-    """Interleave the chunks of several streams as they arrive. A chunk of stream i gets
-    "index" = offsets[i] (i by default) plus the index it already carries (a sample's,
-    when stream i is itself merged). Closing it, or an error from any stream, closes
-    them all (each unfinished request sends its abort)."""
-    starts = list(range(len(gens))) if offsets is None else offsets
-    q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def pump(i: int, g: AsyncIterator[dict[str, Any]]) -> None:
-        try:
-            async for chunk in g:
-                await q.put((i, chunk))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            await q.put((i, e))
-        finally:
-            await q.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    live = len(gens)
-    try:
-        while live:
-            i, item = await q.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                item["index"] = starts[i] + item.get("index", 0)
-                yield item
-    finally:
-        await _cancel_and_close(tasks, gens)
-
-
-async def _cancel_and_close(tasks: list[asyncio.Future[Any]], gens: list[Any]) -> None:
-    """Cancel the tasks driving sample generators, let them unwind, then close the
-    generators (one that never finished sends its abort)."""
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for g in gens:
-        await g.aclose()
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_int_list(x: object) -> bool:
-    """A list of ints, bools excluded: msgspec checks a 2,000-id prompt in ~10 us, a
-    Python loop over it in ~200 us (values are checked in sgl/request_checks.py)."""
-    if not isinstance(x, list):
-        return False
-    try:
-        msgspec.convert(x, list[int], strict=True)
-    except msgspec.ValidationError:
-        return False
-    return True
