@@ -1,60 +1,72 @@
-"""Request metrics of one server and their Prometheus text rendering.
+"""Request metrics of one server, kept with prometheus_client, and their Prometheus text.
 
 The tokenizer manager feeds it (time to first token, inter-token latency,
 end-to-end latency, token counts) as outputs arrive; gauges that belong to the
 scheduler (running, queued, KV usage) are read from its server info when
-/metrics is scraped. It imports nothing of sgl and never blocks."""
+/metrics is scraped and are never stored. Every metric has its sgl_* name and,
+for the ones SGLang has, SGLang's sglang:* name too (with SGLang's model_name
+label), so SGLang dashboards work unchanged; both carry the same values.
+
+Each Metrics owns its CollectorRegistry: it must never register anything in
+prometheus_client's global default registry (two engines in one process would
+collide, and a library must not add globals). It imports nothing of sgl and
+never blocks."""
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0, 2.5)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
-
-@dataclass(slots=True)
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; last is +Inf
-    total: float = 0.0
-    n: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        acc = 0
-        for bound, c in zip(self.buckets, self.counts):
-            acc += c
-            lines.append(f'{name}_bucket{{le="{bound}"}} {acc}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
-        lines.append(f"{name}_sum {self.total}")
-        lines.append(f"{name}_count {self.n}")
-        return lines
+# sgl_* family -> SGLang's family of the same meaning (sample names follow: *_total, *_bucket, ...).
+SGLANG_NAMES = {
+    "sgl_prompt_tokens": "sglang:prompt_tokens",
+    "sgl_generation_tokens": "sglang:generation_tokens",
+    "sgl_cached_tokens": "sglang:cached_tokens",
+    "sgl_requests": "sglang:num_requests",
+    "sgl_cache_hit_rate": "sglang:cache_hit_rate",
+    "sgl_num_running_reqs": "sglang:num_running_reqs",
+    "sgl_num_queue_reqs": "sglang:num_queue_reqs",
+    "sgl_token_usage": "sglang:token_usage",
+    "sgl_time_to_first_token_seconds": "sglang:time_to_first_token_seconds",
+    "sgl_inter_token_latency_seconds": "sglang:inter_token_latency_seconds",
+    "sgl_e2e_request_latency_seconds": "sglang:e2e_request_latency_seconds",
+}
 
 
 class Metrics:
-    """What the tokenizer manager observes. Single-threaded: called on its loop only."""
+    """What the tokenizer manager observes. Called on its loop; prometheus_client's
+    metrics are thread-safe, so a scrape from another thread is fine too.
 
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.cached_tokens = 0
-        self.requests = 0
-        self.aborted = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+    `registry` holds the observed metrics (sgl_* names); `render` adds the scheduler's
+    gauges and the sglang:* names at scrape time. `model_name` is the label value of
+    the sglang:* series unless render is given one."""
+
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
+        self.registry = r = CollectorRegistry()
+        self.prompt_tokens = Counter("sgl_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("sgl_generation_tokens", "Generated tokens of finished requests.",
+                                         registry=r)
+        self.cached_tokens = Counter("sgl_cached_tokens", "Prompt tokens served from the radix cache.", registry=r)
+        self.requests = Counter("sgl_requests", "Finished requests.", registry=r)
+        self.aborted = Counter("sgl_aborted_requests", "Requests that ended with an abort.", registry=r)
+        self._prompt = 0  # the hit rate's terms, without reading the counters' private values
+        self._cached = 0
+        Gauge("sgl_cache_hit_rate", "Cached share of all prompt tokens so far.", registry=r).set_function(
+            lambda: self._cached / self._prompt if self._prompt else 0.0)
+        self.ttft = Histogram("sgl_time_to_first_token_seconds", "Time to first token (streaming requests).",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("sgl_inter_token_latency_seconds", "Time between tokens (streaming requests).",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("sgl_e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=E2E_BUCKETS, registry=r)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -64,37 +76,61 @@ class Metrics:
             self.itl.observe(seconds / n_tokens)
 
     def finished(self, prompt: int, completion: int, cached: int, e2e: float, aborted: bool) -> None:
-        self.requests += 1
-        self.aborted += aborted
-        self.prompt_tokens += prompt
-        self.generation_tokens += completion
-        self.cached_tokens += cached
+        self.requests.inc()
+        if aborted:
+            self.aborted.inc()
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(completion)
+        self.cached_tokens.inc(cached)
+        self._prompt += prompt
+        self._cached += cached
         self.e2e.observe(e2e)
 
-    def render(self, info: dict[str, Any] | None) -> str:
-        """Prometheus text format; `info` is the scheduler's server info (None: unreachable)."""
-        out: list[str] = []
+    def render(self, info: dict[str, Any] | None, model_name: str | None = None) -> str:
+        """Prometheus text format; `info` is the scheduler's server info (None: unreachable,
+        and then its gauges are left out but sgl_scheduler_up, which reads 0)."""
+        label = self.model_name if model_name is None else model_name
+        return generate_latest(_Scrape(self.registry, info, label)).decode()
 
-        def scalar(name: str, kind: str, help_text: str, value: float) -> None:
-            out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"])
 
-        scalar("sgl_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens)
-        scalar("sgl_generation_tokens_total", "counter", "Generated tokens of finished requests.", self.generation_tokens)
-        scalar("sgl_cached_tokens_total", "counter", "Prompt tokens served from the radix cache.", self.cached_tokens)
-        scalar("sgl_requests_total", "counter", "Finished requests.", self.requests)
-        scalar("sgl_aborted_requests_total", "counter", "Requests that ended with an abort.", self.aborted)
-        hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-        scalar("sgl_cache_hit_rate", "gauge", "Cached share of all prompt tokens so far.", hit)
-        scalar("sgl_scheduler_up", "gauge", "1 while the scheduler answers.", 0 if info is None else 1)
-        if info is not None:
-            total = info["max_total_tokens"]
-            used = total - info["kv_free"] - info["kv_evictable"]
-            scalar("sgl_num_running_reqs", "gauge", "Requests in the running batch.", info["running"])
-            scalar("sgl_num_queue_reqs", "gauge", "Requests waiting to be scheduled.", info["waiting"])
-            scalar("sgl_token_usage", "gauge", "Share of KV slots held by requests.", used / total if total else 0.0)
-            scalar("sgl_kv_used_tokens", "gauge", "KV slots held by requests.", used)
-            scalar("sgl_kv_total_tokens", "gauge", "KV slots in the pool.", total)
-        out += self.ttft.render("sgl_time_to_first_token_seconds", "Time to first token (streaming requests).")
-        out += self.itl.render("sgl_inter_token_latency_seconds", "Time between tokens (streaming requests).")
-        out += self.e2e.render("sgl_e2e_request_latency_seconds", "End-to-end request latency.")
-        return "\n".join(out) + "\n"
+class _Scrape:
+    """One scrape: the registry's families, the scheduler's gauges from `info`, then all
+    of those that SGLang has under its names, labelled with the model name. Read once by
+    generate_latest; holds nothing afterwards."""
+
+    def __init__(self, registry: CollectorRegistry, info: dict[str, Any] | None, model_name: str) -> None:
+        self.registry = registry
+        self.info = info
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        families = [*self.registry.collect(), *_scheduler_families(self.info)]
+        yield from families
+        yield from _sglang_families(families, self.model_name)
+
+
+def _scheduler_families(info: dict[str, Any] | None) -> Iterator[Metric]:
+    yield GaugeMetricFamily("sgl_scheduler_up", "1 while the scheduler answers.", 0 if info is None else 1)
+    if info is None:
+        return
+    total = info["max_total_tokens"]
+    used = total - info["kv_free"] - info["kv_evictable"]
+    yield GaugeMetricFamily("sgl_num_running_reqs", "Requests in the running batch.", info["running"])
+    yield GaugeMetricFamily("sgl_num_queue_reqs", "Requests waiting to be scheduled.", info["waiting"])
+    yield GaugeMetricFamily("sgl_token_usage", "Share of KV slots held by requests.", used / total if total else 0.0)
+    yield GaugeMetricFamily("sgl_kv_used_tokens", "KV slots held by requests.", used)
+    yield GaugeMetricFamily("sgl_kv_total_tokens", "KV slots in the pool.", total)
+
+
+def _sglang_families(families: Iterable[Metric], model_name: str) -> Iterator[Metric]:
+    """Copies of the families SGLang has, renamed to SGLang's names, every sample
+    labelled model_name: same values by construction."""
+    for fam in families:
+        new = SGLANG_NAMES.get(fam.name)
+        if new is None:
+            continue
+        out = Metric(new, fam.documentation, fam.type, fam.unit)
+        for s in fam.samples:
+            out.add_sample(new + s.name[len(fam.name):], {**s.labels, "model_name": model_name}, s.value,
+                           s.timestamp, s.exemplar)
+        yield out

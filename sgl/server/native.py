@@ -149,4 +149,6 @@ async def metrics(state: ServerState) -> Response:
         info = await asyncio.wait_for(state.engine.get_server_info(), HEALTH_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - a dead or slow scheduler still yields the counters
         info = None
-    return Response(state.engine.metrics.render(info), media_type="text/plain; version=0.0.4; charset=utf-8")
+    # The sglang:* series carry the served model name, as SGLang labels them.
+    return Response(state.engine.metrics.render(info, state.model_name),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
