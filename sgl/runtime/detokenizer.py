@@ -6,12 +6,21 @@ last chunk makes the concatenated stream equal the full decode exactly. A
 stream holds back a tail that may begin a stop string until it is resolved; the
 final text is trimmed at the matched stop (string or id) unless no_stop_trim.
 Requests with detokenize=False cost no decode work. It never sees prompts and
-never decides when a request ends."""
+never decides when a request ends.
+
+With a fast tokenizer (a `tokenizers.Tokenizer` behind it) each request steps a
+`tokenizers` DecodeStream instead, the same two-offset algorithm run in Rust; the
+Python offset path stays for slow tokenizers, for options whose decode the
+tokenizer does not leave to its backend (found by a probe, e.g. clean-up of
+spaces, or spaces_between_special_tokens in a tokenizer that honours it), and for
+a stream that fails mid-request. Both paths release the same text."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenizers import Tokenizer
 
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
@@ -25,6 +34,17 @@ from sgl.core.protocol import (
 )
 from sgl.transports.channel import Receiver, Sender
 
+try:
+    from tokenizers.decoders import DecodeStream
+
+    HAVE_DECODE_STREAM = True
+except ImportError:  # tokenizers < 0.21: the offset path alone
+    HAVE_DECODE_STREAM = False
+
+# Decoded by the tokenizer and by its backend on a probe of these, with special tokens
+# around: any clean-up of spaces or special-token spacing the tokenizer adds shows here.
+_PROBE = "Hello , world . Isn't it ? Yes ! I 'm , you 're ; we 've it 's do n't ' x ' 日本語 😀 e\u0301"
+
 
 @dataclass(slots=True)
 class _DecodeState:
@@ -33,6 +53,7 @@ class _DecodeState:
     read_offset: int = 0
     decoded: str = ""  # text decoded so far
     sent: str = ""  # the part of it released (decoded minus a held-back stop-string prefix)
+    stream: Any | None = None  # its DecodeStream while on the fast path (the offsets mirror it)
 
 
 class Detokenizer:
@@ -42,6 +63,10 @@ class Detokenizer:
         self.send = send
         self.states: dict[str, _DecodeState] = {}
         self.log = get_logger("detokenizer")
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self.backend = backend if HAVE_DECODE_STREAM and isinstance(backend, Tokenizer) else None
+        self._streamable: dict[tuple[bool, bool], bool] = {}  # (skip, spaces) -> the probe agreed
+        self._list_steps = True  # DecodeStream.step takes a list of ids (recent tokenizers do)
 
     def run(self) -> None:
         while True:
@@ -69,9 +94,14 @@ class Detokenizer:
         st = self.states.get(rid)
         if st is None:
             st = self.states[rid] = _DecodeState()
+            if self.backend is not None and self._can_stream(o):
+                st.stream = DecodeStream(skip_special_tokens=o.skip)
         st.ids.extend(new_ids)
         if fin is None:
-            self._delta(st, o, final=False)
+            if st.stream is None:
+                self._delta(st, o, final=False)
+            elif new_ids:
+                self._stream_delta(st, new_ids, o)
             hold = _held(st.decoded, o.stops) if o.stops else 0
             out = st.decoded[len(st.sent) : len(st.decoded) - hold]
             st.sent += out
@@ -96,7 +126,53 @@ class Detokenizer:
         st.decoded += text[len(surrounding) :]
         st.prefix_offset, st.read_offset = st.read_offset, len(st.ids)
 
+    def _stream_delta(self, st: _DecodeState, new_ids: list[int], o: _Opts) -> None:
+        """Step the request's DecodeStream over this batch's ids: all at once, as `_delta`
+        takes them (one id at a time where tokenizers' step takes no list). The offsets
+        follow each release, so `_delta` can take over at any point."""
+        assert st.stream is not None
+        try:
+            if self._list_steps:
+                try:
+                    self._released(st, st.stream.step(self.backend, new_ids), len(st.ids))
+                    return
+                except TypeError:  # rejected before any id went in
+                    self._list_steps = False
+            start = len(st.ids) - len(new_ids)
+            for k, i in enumerate(new_ids):
+                self._released(st, st.stream.step(self.backend, i), start + k + 1)
+        except Exception as e:  # noqa: BLE001 - e.g. a prefix the backend decodes differently
+            self.log.debug("decode stream failed; offset path from here", error=str(e))
+            st.stream = None
+            self._delta(st, o, final=False)
+
+    @staticmethod
+    def _released(st: _DecodeState, text: str | None, end: int) -> None:
+        """Text the stream released through id `end`: the offsets move as `_delta` moves them."""
+        if text is not None:
+            st.decoded += text
+            st.prefix_offset, st.read_offset = st.read_offset, end
+
+    def _can_stream(self, o: _Opts) -> bool:
+        """Whether the tokenizer's decode is its backend's for these options (cached)."""
+        key = (o.skip, o.spaces)
+        ok = self._streamable.get(key)
+        if ok is None:
+            ok = self._streamable[key] = self._probe(o)
+        return ok
+
+    def _probe(self, o: _Opts) -> bool:
+        assert self.backend is not None and self.tokenizer is not None
+        try:
+            text = self.tokenizer.encode(_PROBE, add_special_tokens=False)
+            specials = [int(i) for i in getattr(self.tokenizer, "all_special_ids", [])][:8]
+            ids = [*specials, *text, *specials, *specials[::-1], *text[::-1]]
+            return bool(ids) and self._decode(ids, o) == self.backend.decode(ids, skip_special_tokens=o.skip)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot be probed keeps the offset path
+            return False
+
     def _decode(self, ids: list[int], o: _Opts) -> str:
+        assert self.tokenizer is not None
         return self.tokenizer.decode(ids, skip_special_tokens=o.skip, spaces_between_special_tokens=o.spaces)
 
 
