@@ -1,4 +1,4 @@
-"""The scheduler's GPU timeline (sched.model_runner.GpuTimeline), on fake events: busy
+"""The scheduler's GPU timeline (sgl.sched.runner.gpu_timeline.GpuTimeline), on fake events: busy
 time per batch, idle gaps between batches, and the gaps between two decode steps
 summed apart, which is what the overlap loop's idle target is measured by."""
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from sgl.sched.runner.model_runner import GpuTimeline
+from sgl.sched.runner.gpu_timeline import GpuTimeline
 
 
 @dataclass(frozen=True)

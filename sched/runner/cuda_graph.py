@@ -19,7 +19,8 @@ from sgl.kernels.attention import AttnMetadata
 from sgl.sched.models.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from sgl.sched.runner.model_runner import ModelRunner, PreparedBatch
+    from sgl.sched.runner.model_runner import ModelRunner
+    from sgl.sched.runner.prepare import PreparedBatch
 
 _SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 

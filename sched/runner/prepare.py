@@ -1,0 +1,197 @@
+"""Batch preparation, on the host at build time: every tensor a forward needs (KV
+indices and attention metadata with the cascade split of a decode batch, the
+sampling batch, the logprob plan, penalty count resets), copied from the request
+state so that the scheduler may change it while the batch runs.
+
+Nothing here waits for the device, runs the model or decides which requests run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sgl.cache.host_copy import pinned, to_device
+from sgl.cache.req_to_token_pool import gather_kv_indices
+from sgl.kernels.attention import AttnMetadata, CascadeMeta
+from sgl.sched.batch import ScheduleBatch
+from sgl.sched.runner.sampler import SamplingBatch
+
+if TYPE_CHECKING:
+    from sgl.sched.runner.model_runner import ModelRunner
+
+# A decode batch goes through cascade attention when the shared prefix P of its B
+# requests makes P * (B - 1) >= this many token reads fewer per layer: enough KV
+# traffic (~0.13 GB, ~30 us per layer for 8 KV heads of 128 in bf16) to pay for the
+# extra kernel and the merge (~15 us per layer on an H200 at batch 256).
+CASCADE_MIN_SAVED_TOKENS = 32768
+
+
+@dataclass(slots=True)
+class LogprobPlan:
+    targets: torch.Tensor  # [R] the token each logits row scores (sampled rows filled in at run time)
+    top_k: int
+    id_rows: torch.Tensor | None  # [R, M] token_ids_logprob per row
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    rows: torch.Tensor
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    logits_indices: torch.Tensor
+    sample_rows: torch.Tensor | None  # [B] each request's sampled row among the logits rows (logprobs only)
+    attn: AttnMetadata
+    sampling: SamplingBatch
+    logprobs: LogprobPlan | None
+    counts_reset: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, (row, id) pairs to count
+
+
+class BatchPreparer:
+    """Prepares batches for one runner: it reads the runner's device, request table,
+    vocabulary, EOS ids and processors, allocates the runner's penalty counts when
+    first needed and counts its cascade steps. A decode batch of the same requests in
+    the same rows as the last one (the common case: nothing joined, finished or was
+    retracted) reuses what depends on them alone: the shared prefix and the sampling."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._shared: tuple[tuple, int] = ((), 0)  # (decode batch identity, its shared prefix length)
+        self._sampling: tuple[tuple, SamplingBatch | None] = ((), None)  # (decode batch identity, its sampling)
+
+    def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
+        r = self.runner
+        dev = r.device
+        qo_indptr = self._host(indptr_of(batch.qo_lens))
+        kv_indptr = self._host(indptr_of(batch.kv_lens))
+        rows = torch.tensor(batch.rows, dtype=torch.int64)
+        kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
+        r.req_to_token_pool.sync()
+        rows_dev, kv_lens_dev = self._dev(rows), self._dev(kv_lens)
+        zeros = torch.zeros_like(rows_dev)
+        key = (tuple(batch.rows), tuple(q.rid for q in batch.reqs), tuple(batch.epochs)) if batch.is_decode else ()
+        cascade = self._cascade(batch, key, rows, rows_dev, kv_lens, kv_lens_dev) if key and r.cascade else None
+        table = r.req_to_token_pool.mirror
+        meta = AttnMetadata(
+            is_decode=batch.is_decode,
+            qo_indptr=self._dev(qo_indptr),
+            kv_indptr=self._dev(kv_indptr),
+            kv_indices=(gather_kv_indices(table, rows_dev, zeros, kv_lens_dev, int(kv_indptr[-1]))
+                        if cascade is None else torch.empty(0, dtype=torch.int32, device=dev)),
+            qo_lens=batch.qo_lens,
+            kv_lens=batch.kv_lens,
+            kv_indptr_host=kv_indptr,
+            qo_indptr_host=qo_indptr,
+            cascade=cascade,
+        )
+        prefix_lens = [k - q for k, q in zip(batch.kv_lens, batch.qo_lens)]
+        if not batch.is_decode and any(prefix_lens):
+            prefix_indptr = self._host(indptr_of(prefix_lens))
+            plens = torch.tensor(prefix_lens, dtype=torch.int64)
+            meta.prefix_indptr_host = prefix_indptr
+            meta.prefix_lens_host = self._host(plens.to(torch.int32))
+            meta.prefix_indices = gather_kv_indices(table, rows_dev, zeros, self._dev(plens), int(prefix_indptr[-1]))
+        ids = None if batch.input_ids is None else self._dev(torch.tensor(batch.input_ids, dtype=torch.int64))
+        reqs = batch.reqs
+        same = self._sampling[1] if key and self._sampling[0] == key else None
+        sampling = SamplingBatch.from_reqs(reqs, r.vocab_size, dev, r.eos_ids, r.processors, batch.is_decode,
+                                           same_as=same)
+        self._sampling = (key, sampling if key else None)
+        logits_rows = qo_indptr[1:] - 1
+        sample_rows = None
+        lp = None
+        if any(q.return_logprob for q in reqs):
+            logits_rows, sample_rows, lp = self._logprob_plan(batch, qo_indptr)
+        if sampling.penalties is not None and r.counts is None:
+            r.counts = torch.zeros(r.req_to_token_pool.size, r.vocab_size, dtype=torch.int32, device=dev)
+        reset = None
+        if sampling.penalties is not None and not batch.is_decode:
+            pen = [i for i, q in enumerate(reqs) if q.sampling_params.has_penalties]
+            pairs = [(batch.rows[i], t) for i in pen for t in reqs[i].output_ids]
+            reset = (self._dev(torch.tensor([batch.rows[i] for i in pen], dtype=torch.int64)),
+                     self._dev(torch.tensor([q[0] for q in pairs], dtype=torch.int64)),
+                     self._dev(torch.tensor([q[1] for q in pairs], dtype=torch.int64)))
+        return PreparedBatch(
+            rows=rows_dev,
+            input_ids=ids,
+            positions=self._dev(batch.positions),
+            out_cache_loc=self._dev(batch.out_cache_loc),
+            logits_indices=self._dev(logits_rows.to(torch.int64)),
+            sample_rows=None if sample_rows is None else self._dev(sample_rows),
+            attn=meta,
+            sampling=sampling,
+            logprobs=lp,
+            counts_reset=reset,
+        )
+
+    def _logprob_plan(self, batch: ScheduleBatch,
+                      qo_indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, LogprobPlan]:
+        """The logits rows to compute (each request's prompt rows that give logprobs, then
+        its sampled row), where each request's sampled row is among them, and the plan."""
+        reqs = batch.reqs
+        idx: list[int] = []
+        targets: list[int] = []
+        for i, (r, (a, k)) in enumerate(zip(reqs, batch.lp_in)):
+            base = int(qo_indptr[i]) - (batch.kv_lens[i] - batch.qo_lens[i])  # packed row of position 0
+            idx.extend(range(base + a, base + a + k))
+            targets.extend(r.origin_input_ids[a + 1 : a + 1 + k])
+            idx.append(int(qo_indptr[i + 1]) - 1)
+            targets.append(0)  # the sampled token, filled in on the device
+        logits_rows = torch.tensor(idx, dtype=torch.int64)
+        sample_rows = torch.tensor([k for _, k in batch.lp_in], dtype=torch.int64).add_(1).cumsum_(0).sub_(1)
+        m = max((len(r.token_ids_logprob or ()) for r in reqs), default=0)
+        id_rows = None
+        if m:
+            # Each row of a request asks for that request's ids (padded with id 0, dropped on the host).
+            per_req = [(r.token_ids_logprob or []) + [0] * (m - len(r.token_ids_logprob or [])) for r in reqs]
+            counts = [k + 1 for _, k in batch.lp_in]
+            id_rows = self._dev(torch.tensor([row for row, c in zip(per_req, counts) for _ in range(c)]))
+        lp = LogprobPlan(self._dev(torch.tensor(targets, dtype=torch.int64)),
+                         max(r.top_logprobs_num for r in reqs), id_rows)
+        return logits_rows, sample_rows, lp
+
+    def _cascade(self, batch: ScheduleBatch, key: tuple, rows: torch.Tensor, rows_dev: torch.Tensor,
+                 kv_lens: torch.Tensor, kv_lens_dev: torch.Tensor) -> CascadeMeta | None:
+        """The shared-prefix split of a decode batch when reading the prefix once saves
+        enough (see CASCADE_MIN_SAVED_TOKENS), else None. The prefix length is cached per
+        batch identity: a running request's first slots never change while it decodes."""
+        b = len(batch.rows)
+        if b < 2:
+            return None
+        pool = self.runner.req_to_token_pool
+        if self._shared[0] != key:
+            self._shared = (key, shared_prefix_len(pool.req_to_token, rows, int(kv_lens.min()) - 1))
+        p = self._shared[1]
+        if p * (b - 1) < CASCADE_MIN_SAVED_TOKENS:
+            return None
+        table = pool.mirror
+        self.runner.cascade_steps += 1
+        own = kv_lens - p
+        indptr = self._host(indptr_of(own.tolist()))
+        return CascadeMeta(p, table[batch.rows[0], :p].clone(), indptr,
+                           gather_kv_indices(table, rows_dev, torch.full_like(rows_dev, p), kv_lens_dev - p,
+                                             int(indptr[-1])), (key, p))
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        return pinned(t, self.runner.device)
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return to_device(t, self.runner.device)
+
+
+def indptr_of(lens: list[int]) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] as int32 on the host."""
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
+    return out
+
+
+def shared_prefix_len(req_to_token: torch.Tensor, rows: torch.Tensor, limit: int) -> int:
+    """How many leading slots (at most `limit`) all the given rows have in common."""
+    if limit <= 0:
+        return 0
+    block = req_to_token[rows, :limit]
+    differs = (block != block[:1]).any(dim=0)
+    return int(differs.int().argmax()) if bool(differs.any()) else limit
