@@ -1,0 +1,191 @@
+"""Prefill admission for one scheduling round: which chunk of the chunked request
+and which waiting requests go into the next prefill batch.
+
+A PrefillAdder holds the round's limits: the token budget (max_prefill_tokens),
+the chunk room left, the request slots, and the KV room once the running
+requests' future tokens are reserved (new_token_ratio of their remaining
+max_new_tokens, each clipped at CLIP_MAX_NEW_TOKENS). For each request it matches
+the prompt in the radix tree, locks the match, and either admits the request (it
+takes a req_to_token row, writes its cached prefix there and keeps the lock) or
+unlocks the match again.
+
+It never allocates KV slots, builds a batch, reorders or edits the waiting queue,
+or sets scheduler state: the scheduler does that with `admitted` and `chunked_req`."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Iterable, Mapping
+
+from sgl.cache.kv_allocator import TokenToKVPoolAllocator
+from sgl.cache.radix_cache import MatchResult, RadixCache
+from sgl.cache.req_to_token_pool import ReqToTokenPool
+from sgl.sched.policy import order_waiting
+from sgl.sched.req import Req
+
+CLIP_MAX_NEW_TOKENS = 4096
+IN_BATCH_PREFIX_MIN = 32  # shared tokens beyond the tree's match that make a request wait for a sibling
+
+
+class Verdict(enum.Enum):
+    """What became of one waiting request."""
+
+    ADMITTED = "admitted"  # the rest of its prompt is in the batch; the next request may follow
+    CHUNKED = "chunked"  # its first chunk is in: it is the chunked request now, and the round is over
+    DEFERRED = "deferred"  # it waits a round (for its leader's prompt, or a prefix in flight); the next may follow
+    FULL = "full"  # the budget, the chunk, the request slots or the rows are used up: the round is over
+    NO_ROOM = "no_room"  # its tokens (with their reserve) do not fit in the KV left: the round is over
+
+    @property
+    def goes_on(self) -> bool:
+        """Whether the next waiting request may still be considered this round."""
+        return self in (Verdict.ADMITTED, Verdict.DEFERRED)
+
+
+def future_tokens(req: Req) -> int:
+    """The tokens a request may still generate, clipped."""
+    return min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+
+
+def reserved_tokens(running: Iterable[Req], new_token_ratio: float) -> int:
+    """KV the running requests are expected to still need."""
+    return sum(int(future_tokens(r) * new_token_ratio) for r in running)
+
+
+class PrefillAdder:
+    def __init__(
+        self,
+        tree: RadixCache,
+        pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        *,
+        running: Collection[Req],
+        prefilling: Collection[Req],
+        rids: Mapping[str, Req],
+        max_prefill_tokens: int,
+        chunk_size: int,
+        max_running_requests: int,
+        new_token_ratio: float,
+    ) -> None:
+        self.tree = tree
+        self.pool = pool
+        self.allocator = allocator
+        self.prefilling = prefilling  # admitted in earlier rounds, last prefill chunk not processed yet
+        self.rids = rids  # live requests by rid (an n > 1 sibling's leader)
+        self.n_running = len(running)
+        self.max_running_requests = max_running_requests
+        self.new_token_ratio = new_token_ratio
+        self.budget = max_prefill_tokens  # prefill tokens left this round
+        self.chunk_left = chunk_size  # tokens left in this round's chunk
+        self.reserved = reserved_tokens(running, new_token_ratio)
+        self.claimed = 0  # tokens admitted this round (allocated by the scheduler) plus their reserve
+        self.admitted: list[Req] = []
+        self.chunked_req: Req | None = None  # the admitted request with prompt left after this round
+        self.cached_tokens = 0  # prefix tokens the admitted requests found in the tree
+
+    # ---- room ------------------------------------------------------------------
+
+    def available(self) -> int:
+        """KV slots free or evictable now."""
+        return self.allocator.available_size() + self.tree.evictable_size()
+
+    def room(self) -> int:
+        """KV left for this round's requests. Live: locking a matched prefix takes it
+        out of the evictable pool."""
+        return self.available() - self.reserved - self.claimed
+
+    # ---- admission -------------------------------------------------------------
+
+    def add_chunked(self, req: Req) -> bool:
+        """The chunked request's next chunk, first in the round. False: the round admits
+        nothing (the request is being aborted, or its chunk does not fit)."""
+        if req.to_abort is not None:
+            return False  # finished by the scheduler once its last chunk is processed
+        # Hand the chunks written so far to the tree (their KV may still be in flight:
+        # the worker runs batches in order, so later readers see it written).
+        self.tree.cache_unfinished_req(req)
+        n = min(req.seq_len - req.kv_len, self.chunk_left)
+        if n > self.room():
+            return False
+        req.extend_len = n
+        self.admitted.append(req)
+        self.chunk_left -= n
+        self.budget -= n
+        self.claimed += n
+        self.chunked_req = None if req.kv_len + n == req.seq_len else req
+        return True
+
+    def add_waiting(self, waiting: list[Req], policy: str) -> None:
+        """The waiting requests in the policy's order, until one ends the round; none
+        while the chunked request still has prompt left (its chunk is the round's)."""
+        if self.chunked_req is not None:
+            return
+        for req in order_waiting(waiting, policy, self.tree):
+            if not self.add_one(req).goes_on:
+                break
+
+    def add_one(self, req: Req) -> Verdict:
+        """Consider one waiting request (the caller stops at a verdict that does not go on)."""
+        if self.chunk_left <= 0 or self.budget <= 0 or self.n_running + len(self.admitted) >= self.max_running_requests:
+            return Verdict.FULL
+        if self.pool.available_size() == 0:
+            return Verdict.FULL
+        if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) and lead.is_leader:
+            return Verdict.DEFERRED  # waits for its leader's prompt to be in the tree
+        ids = req.all_ids
+        # Prompt logprobs need the logits of the positions they score: no cache hit there.
+        limit = min(len(ids) - 1, req.input_logprob_from) if req.needs_input_logprobs else len(ids) - 1
+        match = self.tree.match_prefix(ids[:limit])
+        if not req.needs_input_logprobs and self.prefix_in_flight(ids, len(match.indices)):
+            return Verdict.DEFERRED  # its prefix is being computed: wait a round and reuse it
+        todo = len(ids) - len(match.indices)
+        n = min(todo, self.chunk_left)
+        need = n + (int(future_tokens(req) * self.new_token_ratio) if n == todo else 0)
+        # Lock the match first: a locked prefix is no longer evictable room.
+        self.tree.inc_lock_ref(match.last_node)
+        if (need > self.room() and (self.admitted or self.n_running)) or n > self.available() - self.claimed:
+            # It waits until running requests finish or retract; alone, it goes
+            # without a reserve as soon as its own tokens fit.
+            self.tree.dec_lock_ref(match.last_node)
+            return Verdict.NO_ROOM
+        self._admit(req, match, n)
+        self.admitted.append(req)
+        self.claimed += need
+        self.budget -= n
+        self.chunk_left -= n
+        if n < todo:
+            self.chunked_req = req
+            return Verdict.CHUNKED
+        return Verdict.ADMITTED
+
+    def prefix_in_flight(self, ids: list[int], matched: int) -> bool:
+        """Whether a request being prefilled (this round or in flight) shares a longer
+        prefix with `ids` than the radix tree holds now: then waiting for it to be
+        cached beats computing the same prefix twice (in-batch prefix caching)."""
+        if self.tree.disable:
+            return False
+        limit = len(ids) - 1
+        for other in (*self.prefilling, *self.admitted):
+            o = other.origin_input_ids
+            n = min(limit, len(o))
+            if n - matched < IN_BATCH_PREFIX_MIN or ids[matched] != o[matched]:
+                continue
+            if ids[matched : matched + IN_BATCH_PREFIX_MIN] == o[matched : matched + IN_BATCH_PREFIX_MIN]:
+                return True
+        return False
+
+    def _admit(self, req: Req, match: MatchResult, n: int) -> None:
+        """Give the request a row holding its cached prefix (locked by the caller) and
+        its first `n` tokens to compute."""
+        row = self.pool.alloc()
+        assert row is not None  # add_one checked for a free row
+        req.req_pool_idx = row
+        prefix = match.indices
+        req.prefix_indices = prefix
+        req.last_node = match.last_node
+        if len(prefix):
+            self.pool.write(row, 0, prefix)
+        req.kv_len = len(prefix)
+        self.cached_tokens += len(prefix)
+        req.cached_tokens = max(req.cached_tokens, len(prefix)) if req.retractions == 0 else req.cached_tokens
+        req.extend_len = n
