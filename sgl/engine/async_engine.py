@@ -15,7 +15,7 @@ import os
 import secrets
 import shutil
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import msgspec
@@ -233,7 +233,7 @@ class AsyncEngine:
             await gen.aclose()
 
     def _stream_batch(self, items: list[tuple[Any, Any, Any, Any]],
-                      opts: list[ReqOptions]) -> AsyncIterator[dict[str, Any]]:
+                      opts: list[ReqOptions]) -> AsyncGenerator[dict[str, Any], None]:
         offsets = index_offsets([sp for _, _, sp, _ in items])
         gens = [self.tm.generate(p, ids, sp, r, stream=True, opts=o) for (p, ids, sp, r), o in zip(items, opts)]
         return merge_streams(gens, offsets)
