@@ -60,7 +60,12 @@ class CacheableReq(Protocol):
     """What the cache needs from a scheduler request."""
 
     req_pool_idx: int | None  # its req_to_token row; None once released
-    fill_ids: list[int]  # tokens whose KV is written in the row: prompt + outputs so far
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV is written in the row: prompt + outputs so far."""
+        ...
+
     prefix_indices: torch.Tensor  # KV slots of row[0:len] owned by the tree, locked by this req
     last_node: TreeNode  # the locked node that ends prefix_indices' path
 

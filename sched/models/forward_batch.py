@@ -5,6 +5,7 @@ attn.qo_indptr[i]:attn.qo_indptr[i+1]."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,3 +24,16 @@ class ForwardBatch:
     attn_backend: AttentionBackend
     kv_pool: MHATokenToKVPool
 
+
+
+class CausalLM(Protocol):
+    """What the model runner needs of a model: its shape, and a forward from a
+    ForwardBatch to the logits rows it asks for."""
+
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __call__(self, fb: ForwardBatch) -> torch.Tensor: ...

@@ -64,7 +64,7 @@ def load_model(
     device: torch.device,
     *,
     seed: int = 0,
-) -> tuple[nn.Module, PretrainedConfig]:
+) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """The model (eval mode, on `device`, in `dtype`) and its config."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
@@ -93,7 +93,8 @@ def load_model(
     else:
         files = safetensors_files(path)
         _fill(model, _iter_safetensors(files), _count_safetensors(files), str(path))
-    return model.eval(), config
+    model.eval()
+    return model, config
 
 
 def _gguf_file(path: Path, load_format: str) -> Path | None:

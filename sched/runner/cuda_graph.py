@@ -10,7 +10,7 @@ runs before each replay, outside the graph. Capture happens once, at start-up.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -40,7 +40,7 @@ class CudaGraphRunner:
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=dev)
         # (cascade?, bs) -> the graph and its output buffer
         self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool (torch's handle), set by the first capture
         kinds = [False, True] if self.cascade else [False]
         runner.kv_pool.one_launch_write = True  # warm-ups compile it, captures record it
         with tqdm(total=len(self.sizes) * len(kinds), desc="Capturing CUDA graphs", unit="graph",

@@ -21,7 +21,7 @@ from sgl.core.server_args import ServerArgs
 from sgl.kernels.attention import AttentionBackend
 from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.models.forward_batch import ForwardBatch
+from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
 from sgl.sched.runner.sampler import process_logits, sample
@@ -116,7 +116,7 @@ class ModelRunner:
         return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
                                           self.max_total_tokens + 1)
 
-    def _load(self, args: ServerArgs, model_path: str) -> tuple[torch.nn.Module, PretrainedConfig]:
+    def _load(self, args: ServerArgs, model_path: str) -> tuple[CausalLM, PretrainedConfig]:
         if args.load_format == "null":
             from sgl.sched.models.null import NullModel
 
@@ -126,7 +126,7 @@ class ModelRunner:
 
         model, config = load_model(model_path, args.load_format, self.dtype, self.device,
                                    seed=args.random_seed or 0)
-        return model.eval(), config
+        return model, config  # in eval mode already
 
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
         """Host side, at build time: every tensor the forward needs, copied from the
