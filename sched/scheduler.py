@@ -79,6 +79,7 @@ class Scheduler:
         self.invariant_violations = 0
         self.checked_idle = False
         self.overlap = self.runner.overlap
+        self.pending: tuple[ScheduleBatch, Launched] | None = None  # launched, results not processed yet
         # Loop time split: building and launching batches, waiting for results, processing them.
         self.stats: dict[str, float] = {"prefill_tokens": 0, "decode_steps": 0, "retractions": 0, "cached_tokens": 0,
                                         "build_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
@@ -113,47 +114,54 @@ class Scheduler:
     # ---- the loop --------------------------------------------------------------
 
     def run(self) -> None:
-        """The loop. With overlap, batch N+1 is built and launched on the worker before
-        batch N's results are processed; without it, each batch is processed at once."""
-        pending: tuple[ScheduleBatch, Launched] | None = None
-        while True:
-            if self.waiting or self.running or self.chunked_req or pending:
-                msgs = self.recv.recv_all_nowait()
-            else:
-                self._on_idle()
-                first = self.recv.recv(IDLE_POLL_S)
-                msgs = [first, *self.recv.recv_all_nowait()] if first is not None else []
-            for msg in msgs:
-                if isinstance(msg, ShutdownReq):
-                    if pending is not None:
-                        pending[1].result()
-                    self.send.send(msg)
-                    return
-                self.handle(msg)
-            self._reap_aborts()
-            t0 = time.perf_counter()
-            batch = self._next_batch()
-            launched: Launched | None = None
-            if batch is not None:
-                prepared = self.runner.prepare(batch)
-                for r in batch.reqs:
-                    r.inflight += 1
-                launched = self.runner.launch(prepared)
-            t1 = time.perf_counter()
-            if batch is not None and launched is not None and not self.overlap:
-                pending, launched = (batch, launched), None
-            t2 = t1
-            if pending is not None:
-                ids = pending[1].result()
-                t2 = time.perf_counter()
-                process(self, pending[0], ids)
-            pending = (batch, launched) if launched is not None and batch is not None else None
-            self._flush_outbox()
-            t3 = time.perf_counter()
-            st = self.stats
-            st["build_s"] += t1 - t0
-            st["wait_s"] += t2 - t1
-            st["process_s"] += t3 - t2
+        """The loop, until a ShutdownReq arrives."""
+        while self.step(block=True):
+            pass
+
+    def step(self, block: bool = False) -> bool:
+        """One turn of the loop: drain the input (when idle and `block`, waiting up to
+        IDLE_POLL_S for it), build and launch the next batch, then process the previous
+        batch's results and send what finished or streamed. With overlap, batch N+1 is
+        launched before batch N's results are processed; without it, each batch is
+        processed in the turn that launched it. False once a ShutdownReq was handled."""
+        if self.waiting or self.running or self.chunked_req or self.pending:
+            msgs = self.recv.recv_all_nowait()
+        else:
+            self._on_idle()
+            first = self.recv.recv(IDLE_POLL_S if block else 0)
+            msgs = [first, *self.recv.recv_all_nowait()] if first is not None else []
+        for msg in msgs:
+            if isinstance(msg, ShutdownReq):
+                if self.pending is not None:
+                    self.pending[1].result()
+                self.send.send(msg)
+                return False
+            self.handle(msg)
+        self._reap_aborts()
+        t0 = time.perf_counter()
+        batch = self._next_batch()
+        launched: Launched | None = None
+        if batch is not None:
+            prepared = self.runner.prepare(batch)
+            for r in batch.reqs:
+                r.inflight += 1
+            launched = self.runner.launch(prepared)
+        t1 = time.perf_counter()
+        if batch is not None and launched is not None and not self.overlap:
+            self.pending, launched = (batch, launched), None
+        t2 = t1
+        if self.pending is not None:
+            ids = self.pending[1].result()
+            t2 = time.perf_counter()
+            process(self, self.pending[0], ids)
+        self.pending = (batch, launched) if launched is not None and batch is not None else None
+        self._flush_outbox()
+        t3 = time.perf_counter()
+        st = self.stats
+        st["build_s"] += t1 - t0
+        st["wait_s"] += t2 - t1
+        st["process_s"] += t3 - t2
+        return True
 
     def _next_batch(self) -> ScheduleBatch | None:
         batch = self._prefill_batch()
