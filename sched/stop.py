@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sgl.core.stop_rule import earliest_ending_after
+
 # Extra tokens decoded beyond the longest stop string's length in characters: a
 # token decodes to at least one character except at broken multi-byte boundaries.
 WINDOW_SLACK = 4
@@ -31,8 +33,13 @@ class StopStrings:
         return self._tokenizer
 
     def match(self, output_ids: list[int], stops: list[str], skip_special_tokens: bool) -> str | None:
-        """The first stop string found in the text of the newest tokens, or None."""
+        """The stop string whose earliest occurrence ends in the newest token's text, or
+        None. Only such occurrences count (vLLM's rule): the steps before were checked
+        already, or came before min_new_tokens, where stop strings do not apply."""
         window = max(len(s) for s in stops) + WINDOW_SLACK
-        text = self.tokenizer().decode(output_ids[-window:], skip_special_tokens=skip_special_tokens)
-        found = [(text.find(s), s) for s in stops if s in text]
-        return min(found)[1] if found else None
+        tok = self.tokenizer()
+        ids = output_ids[-window:]
+        text = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        before = len(tok.decode(ids[:-1], skip_special_tokens=skip_special_tokens))
+        return earliest_ending_after(text, stops, before)
+

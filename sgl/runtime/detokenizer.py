@@ -32,6 +32,7 @@ from sgl.core.protocol import (
     FinishReason,
     ShutdownReq,
 )
+from sgl.core.stop_rule import stop_cut
 from sgl.transports.channel import Receiver, Sender
 
 try:
@@ -110,8 +111,12 @@ class Detokenizer:
         matched = fin.get("matched") if fin.get("type") == "stop" and not o.no_stop_trim else None
         ids = st.ids[:-1] if isinstance(matched, int) and st.ids and st.ids[-1] == matched else st.ids
         full = self._decode(ids, o)
-        if isinstance(matched, str) and (cut := full.find(matched)) >= 0:
-            full = full[:cut]
+        if isinstance(matched, str):
+            # Trim at the occurrence that stopped generation (it ends in the last token's
+            # text), not at an earlier one, e.g. from before min_new_tokens.
+            cut = stop_cut(full, matched, len(self._decode(ids[:-1], o)))
+            if cut >= 0:
+                full = full[:cut]
         if full.startswith(st.sent):
             return full[len(st.sent) :]
         # The tokenizer decodes the whole differently from its parts; keep the stream consistent.
