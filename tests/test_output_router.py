@@ -32,3 +32,45 @@ def test_split_keeps_every_column_per_client() -> None:
     ]
     assert local.got == [BatchStrOutput(["a", "c"], ["x", "z"], [[1], [3]], [None, None], [4, 6], [1, 1], [0, 0],
                                         [None, None])]
+
+
+def test_a_client_that_stops_reading_is_dropped_and_never_stalls_the_others() -> None:
+    """Over real tcp sockets: an attached client whose socket is bound but never read
+    fills its bounded queue; the router detaches it (instead of blocking the
+    detokenizer) and every other client's outputs still arrive."""
+    import time
+
+    import zmq
+
+    from sgl.core.protocol import AttachReq, AttachReqOutput
+    from sgl.transports.zmq_channel import HWM_FRAMES
+
+    ctx = zmq.Context.instance()
+    stalled = ctx.socket(zmq.PULL)
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.LINGER, 0)
+    port = stalled.bind_to_random_port("tcp://127.0.0.1")
+    local = _Collect()
+    router = OutputRouter(local, None)
+    router.send(AttachReq("slow", f"tcp://127.0.0.1:{port}"))
+    assert "slow" in router.routes
+    assert isinstance(msgspec_decode(stalled.recv()), AttachReqOutput)  # the attach went through
+    b = BatchStrOutput(["slow:r", "mine"], ["x", "y"], [[1], [2]], [None, None], [1, 1], [1, 1], [0, 0], [None, None])
+    start = time.monotonic()
+    sent = 0
+    while "slow" in router.routes and sent < 10 * HWM_FRAMES:
+        router.send(b)
+        sent += 1
+    assert "slow" not in router.routes, f"still attached after {sent} batches"
+    assert time.monotonic() - start < 30
+    assert len(local.got) == sent  # the local client got every one of its rows meanwhile
+    router.send(b)  # after the drop, its rows go nowhere and nothing blocks
+    assert len(local.got) == sent + 1
+    router.close()
+    stalled.close()
+
+
+def msgspec_decode(frame: bytes) -> Message:
+    from sgl.transports.codec import Codec
+
+    return Codec().decode(frame)

@@ -2,7 +2,9 @@
 
 A Sender and a Receiver are made from one address by `open_sender` /
 `open_receiver`; the receiving end binds, the sending end connects. Receivers
-drop malformed frames (logged) and keep working."""
+drop malformed frames (logged) and keep working. Every queue between two ends is
+bounded: a blocking sender waits at the bound (back-pressure between roles), a
+non-blocking one raises ChannelFull (a caller's loop must never wait on a send)."""
 
 from __future__ import annotations
 
@@ -41,3 +43,8 @@ class Receiver(ABC):
 
 class ChannelClosed(RuntimeError):
     """The channel was closed while a receiver waited on it."""
+
+
+class ChannelFull(RuntimeError):
+    """A non-blocking sender's queue is at its high-water mark: the receiver is not
+    keeping up (or is gone). Nothing was sent."""

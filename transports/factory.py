@@ -50,15 +50,17 @@ def make_addresses(transport: str, host: str = "127.0.0.1") -> Addresses:
     raise ValueError(f"transport={transport!r} is invalid: must be 'inproc', 'ipc' or 'tcp'")
 
 
-def open_sender(address: str, key: str | None = None) -> Sender:
-    """`key` (hex) signs every frame on tcp://; the other schemes ignore it."""
+def open_sender(address: str, key: str | None = None, block: bool = True) -> Sender:
+    """`key` (hex) signs every frame on tcp://; the other schemes ignore it. A sender
+    with `block=False` raises ChannelFull at its queue's bound instead of waiting
+    (in-process queues are unbounded: both ends share one process's memory)."""
     if address.startswith("inproc://"):
         from sgl.transports.inproc import InprocSender
 
         return InprocSender(address)
     from sgl.transports.zmq_channel import ZmqSender
 
-    return ZmqSender(address, key_bytes(key))
+    return ZmqSender(address, key_bytes(key), block)
 
 
 def open_receiver(address: str, key: str | None = None) -> Receiver:

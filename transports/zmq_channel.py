@@ -16,24 +16,33 @@ import zmq.asyncio
 
 from sgl.core.protocol import Message
 from sgl.transports.auth import TAG_BYTES, AuthError, is_loopback, sign, verify
-from sgl.transports.channel import Receiver, Sender
+from sgl.transports.channel import ChannelFull, Receiver, Sender
 from sgl.transports.codec import MAX_FRAME_BYTES, Codec, DecodeError
 
 log = structlog.get_logger("sgl.transport")
 
+# Frames a socket queues toward a slow peer, on each end, before a send waits (blocking
+# senders) or fails with ChannelFull (non-blocking ones): memory stays bounded.
+HWM_FRAMES = 10_000
+
 
 class ZmqSender(Sender):
-    def __init__(self, address: str, key: bytes | None = None) -> None:
+    def __init__(self, address: str, key: bytes | None = None, block: bool = True) -> None:
+        self.address = address
         self._key = key if address.startswith("tcp://") else None
+        self._flags = 0 if block else zmq.NOBLOCK
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.SNDHWM, HWM_FRAMES)
         self._sock.setsockopt(zmq.LINGER, 1000)  # let a final shutdown message out
         self._sock.connect(address)
         self._codec = Codec()
 
     def send(self, msg: Message) -> None:
         frame = self._codec.encode(msg)
-        self._sock.send(frame if self._key is None else sign(self._key, frame), copy=False)
+        try:
+            self._sock.send(frame if self._key is None else sign(self._key, frame), flags=self._flags, copy=False)
+        except zmq.Again:
+            raise ChannelFull(f"{HWM_FRAMES} frames are queued for {self.address}") from None
 
     def send_raw(self, frame: bytes) -> None:
         """Send bytes as they are (tests of malformed frames)."""
@@ -51,7 +60,7 @@ class ZmqReceiver(Receiver):
             raise ValueError(f"refusing to listen on {address} without a transport_key: "
                              "only loopback addresses may go unauthenticated")
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, HWM_FRAMES)
         # Frames up to twice the limit arrive and are dropped with a log line; larger
         # ones make ZMQ drop the sending peer's connection (it reconnects).
         self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_FRAME_BYTES)

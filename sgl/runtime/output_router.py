@@ -17,7 +17,7 @@ from sgl.core.protocol import (
     DetachReq,
     Message,
 )
-from sgl.transports.channel import Sender
+from sgl.transports.channel import ChannelFull, Sender
 from sgl.transports.factory import open_sender
 
 RID_SEP = ":"
@@ -46,9 +46,7 @@ class OutputRouter(Sender):
         elif isinstance(msg, BatchStrOutput) and self.routes:
             self._split(msg)
         elif isinstance(msg, CONTROL_REPLIES) and msg.origin:
-            route = self.routes.get(msg.origin)
-            if route is not None:
-                route.send(msg)
+            self._to_client(msg.origin, msg)
         else:
             self.default.send(msg)
 
@@ -59,9 +57,23 @@ class OutputRouter(Sender):
         old = self.routes.pop(msg.client_id, None)
         if old is not None:
             old.close()
-        route = self.routes[msg.client_id] = open_sender(msg.address, self.key)
-        route.send(AttachReqOutput(msg.client_id, True))
+        # Never blocking: a client that went away must not stall the outputs of everyone else.
+        self.routes[msg.client_id] = open_sender(msg.address, self.key, block=False)
+        self._to_client(msg.client_id, AttachReqOutput(msg.client_id, True))
         self.log.info("client attached", client_id=msg.client_id, address=msg.address)
+
+    def _to_client(self, client: str, msg: Message) -> None:
+        """Send to an attached client; one whose queue is full (it stopped reading or went
+        away) is detached and its queued outputs dropped, logged once."""
+        route = self.routes.get(client)
+        if route is None:
+            return
+        try:
+            route.send(msg)
+        except ChannelFull as e:
+            self.routes.pop(client, None)
+            route.close()
+            self.log.warning("dropped an attached client that stopped reading", client_id=client, error=str(e))
 
     def _split(self, b: BatchStrOutput) -> None:
         groups: dict[str, list[int]] = {}
@@ -72,7 +84,10 @@ class OutputRouter(Sender):
             # Every field is a per-rid column: take each one's rows, whatever columns exist.
             part = b if len(idx) == len(b.rids) else BatchStrOutput(
                 **{f: [getattr(b, f)[i] for i in idx] for f in BatchStrOutput.__struct_fields__})
-            (self.routes[client] if client else self.default).send(part)
+            if client:
+                self._to_client(client, part)
+            else:
+                self.default.send(part)
 
     def close(self) -> None:
         for route in self.routes.values():
