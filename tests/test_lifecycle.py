@@ -56,10 +56,10 @@ def test_killing_the_scheduler_fails_pending_requests(null_model_dir: str, trans
     engine = sgl.AsyncEngine(null_model_dir, transport=transport, load_format="null", skip_tokenizer_init=True,
                              max_total_tokens=4000)
     sched_pid = next(h.pid for h in engine._roles if h.name == "scheduler")
-    params = {"temperature": 0, "max_new_tokens": 10**6, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": 511, "ignore_eos": True}  # the whole context of 512
 
     async def main() -> None:
-        # A long context keeps them running until the kill; max_new_tokens is clipped by the context.
+        # A long context keeps them running until the kill.
         tasks = [asyncio.create_task(engine.generate(input_ids=[i + 1], sampling_params=params)) for i in range(8)]
         stream = engine.stream(input_ids=[3], sampling_params=params)
         await stream.__anext__()

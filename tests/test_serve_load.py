@@ -100,7 +100,7 @@ def test_500_concurrent_streams_with_random_disconnects(server: ServerProc) -> N
 
 def test_killing_the_scheduler_under_load_fails_every_request(server: ServerProc) -> None:
     pids = server.info()["role_pids"]
-    params = {"max_new_tokens": 10**6, "temperature": 0, "ignore_eos": True}
+    params = {"max_new_tokens": 8000, "temperature": 0, "ignore_eos": True}  # near the context of 8192
 
     async def stream_until_error(client: httpx.AsyncClient, i: int, started: asyncio.Event,
                                  n_started: list[int]) -> float:
