@@ -5,7 +5,10 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 profile profile2 cascadeprof parts model
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 profile profile2 cascadeprof parts model old
+# (old: W1, W2 and W3 on an older checkout carried in .old/ (`git archive COMMIT | tar x
+# -C .old`), installed apart in /tmp/oldsite, so a change is measured against what it
+# changed in the same lease)
 # (jit: every kernel module, built in parallel, skipped when carried: benchmarks/build_kernels.py)
 # (model: SmolLM2's GGUF, carried in parts by benchmarks/model_parts.sh and stashed in
 # /tmp by `parts`, through both attention backends: benchmarks/backend_equality.py).
@@ -71,6 +74,14 @@ for step in "$@"; do
     cascadeprof) run 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 10 ;;
     profile2) run 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 ;;
     parts) stash_parts; ls /tmp/sgl-parts ;;
+    old)
+      if [ -d .old ] && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite .old \
+          >/dev/null 2>&1; then
+        (cd .old && export PYTHONPATH=/tmp/oldsite && run 300 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf \
+          && run 300 python3 -m benchmarks.w3_shared_prefix)
+      else
+        echo "no .old checkout carried, or it failed to install"
+      fi ;;
     model)
       stash_parts
       gguf=/tmp/$(cut -d' ' -f3 /tmp/sgl-parts/SHA256 2>/dev/null)
