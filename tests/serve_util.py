@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -20,34 +21,50 @@ START_TIMEOUT_S = 120
 
 
 class ServerProc:
-    def __init__(self, *flags: str, api_key: str | None = None, stderr_path: str | None = None) -> None:
+    """`wait=False` returns as soon as the process is started (see `wait_output`);
+    `env` is added to the environment (e.g. TMPDIR, to see its socket folder)."""
+
+    def __init__(self, *flags: str, api_key: str | None = None, stderr_path: str | None = None,
+                 wait: bool = True, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "sgl.launch_server", "--host", "127.0.0.1", "--port", "0", *flags]
         if api_key is not None:
             cmd += ["--api-key", api_key]
         self.api_key = api_key
         self._stderr = open(stderr_path, "wb") if stderr_path else None
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr,
+                                     env={**os.environ, **(env or {})})
+        self.output = ""  # stdout read so far
         self.scheduler_address: str | None = None
-        self.url = self._wait_ready()
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url = ""
+        if wait:
+            self.url = self._wait_ready()
 
-    def _wait_ready(self) -> str:
-        """Read stdout (raw, unbuffered: select sees exactly what is unread) up to the ready line."""
+    def wait_output(self, text: str, timeout: float = START_TIMEOUT_S) -> bool:
+        """Read stdout until it holds a whole line containing `text`; False if the
+        process ends or the time runs out first."""
+        return self._read_until(lambda out: text in out and "\n" in out[out.index(text):], timeout)
+
+    def _read_until(self, done: Callable[[str], bool], timeout: float) -> bool:
+        """Read stdout (raw, unbuffered: select sees exactly what is unread) until `done(output)`."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        buf = b""
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.5)
+        deadline = time.monotonic() + timeout
+        while not done(self.output) and time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], min(0.5, max(0.0, deadline - time.monotonic())))
             if not ready:
                 if self.proc.poll() is not None:
-                    break
+                    return False
                 continue
             chunk = os.read(fd, 4096)
             if not chunk:
-                break
-            buf += chunk
-            for line in buf.decode().splitlines():
+                return False
+            self.output += chunk.decode()
+        return done(self.output)
+
+    def _wait_ready(self) -> str:
+        if self.wait_output("ready on "):
+            for line in self.output.splitlines():
                 if "scheduler at " in line:
                     self.scheduler_address = line.rsplit(" ", 1)[1].strip()
                 if "ready on " in line:
@@ -99,6 +116,25 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, zombies included."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def exists(pid: int) -> bool:
+    """Alive or a zombie (not yet reaped)."""
+    return os.path.exists(f"/proc/{pid}")
 
 
 def kill_quietly(pid: int) -> None:

@@ -25,12 +25,22 @@ from sgl.core.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
 from sgl.core.request_checks import RequestLimits, limits_of
 from sgl.core.server_args import ServerArgs
 from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
-from sgl.runtime.launch import RoleHandle, Watchdog, start_roles, wait_all
+from sgl.runtime.launch import (
+    RoleHandle,
+    Watchdog,
+    abandon,
+    await_ready,
+    off_loop,
+    spawn_roles,
+    start_roles,
+    wait_all,
+)
 from sgl.runtime.metrics import Metrics
 from sgl.runtime.req_options import ReqOptions
 from sgl.runtime.roles import ChildConfig
 from sgl.runtime.streams import merge_streams
 from sgl.runtime.tokenizer_manager import EngineDeadError, TokenizerManager
+from sgl.transports.channel import Receiver
 from sgl.transports.factory import make_addresses, open_receiver, open_sender
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
@@ -49,11 +59,59 @@ def resolve_model_path(args: ServerArgs) -> str:
 
 
 class AsyncEngine:
-    """`async with AsyncEngine(model_path) as e: out = await e.generate("Hi")`."""
+    """`async with await AsyncEngine.start(model_path) as e: out = await e.generate("Hi")`.
+
+    Two ways to start one, the same engine either way:
+
+    - `await AsyncEngine.start(model_path, **server_args)` never blocks the loop: the
+      model path and tokenizer are resolved on a thread while the roles start, and
+      their readiness reports are polled, so the loop's other tasks (a signal
+      handler, a server) run meanwhile. Cancelling it kills the started child
+      processes and removes the socket folder. `sgl serve` starts this way.
+    - `AsyncEngine(model_path, **server_args)` blocks until the roles are ready
+      (seconds: the model loads), and with it any loop it is called on: for scripts,
+      tests, or before a loop runs.
+
+    `aclose()` (or leaving `async with`) shuts it down."""
 
     _heartbeat: asyncio.Future[None] | None = None  # an attached engine's health checks
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        self._configure(model_path, kwargs)
+        self.model_path = resolve_model_path(self.args)
+        tokenizer = self._load_tokenizer()
+        self.addresses = make_addresses(self.args.transport, self.args.host)
+        recv = open_receiver(self.addresses.to_tokenizer, self.args.transport_key)
+        try:
+            roles, infos = start_roles(self._child_configs(), in_threads=self.args.transport == "inproc")
+        except BaseException:
+            recv.close()
+            self._remove_ipc_dir()
+            raise
+        self._finish(roles, infos, tokenizer, recv)
+
+    @classmethod
+    async def start(cls, model_path: str | None = None, **kwargs: Any) -> AsyncEngine:
+        """Start an engine without blocking the running loop; cancellable (see the class)."""
+        self = cls.__new__(cls)
+        self._configure(model_path, kwargs)
+        self.model_path = await off_loop(resolve_model_path, self.args)
+        self.addresses = make_addresses(self.args.transport, self.args.host)
+        recv = open_receiver(self.addresses.to_tokenizer, self.args.transport_key)
+        roles: list[RoleHandle] = []
+        try:
+            roles = spawn_roles(self._child_configs(), in_threads=self.args.transport == "inproc")
+            tokenizer = await off_loop(self._load_tokenizer)  # while the roles load
+            infos = await await_ready(roles)
+        except BaseException:  # a startup error, or cancelled (Ctrl-C): leave nothing behind
+            abandon(roles)
+            recv.close()
+            self._remove_ipc_dir()
+            raise
+        self._finish(roles, infos, tokenizer, recv)
+        return self
+
+    def _configure(self, model_path: str | None, kwargs: dict[str, Any]) -> None:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         if self.args.transport == "tcp" and self.args.transport_key is None:
             # Every tcp frame is signed; the children get this key through their config.
@@ -65,29 +123,25 @@ class AsyncEngine:
         self._attached = False
         self._roles: list[RoleHandle] = []
         self.metrics = Metrics()
-        self.model_path = resolve_model_path(self.args)
-        tokenizer_path = self.args.tokenizer_path or self.model_path
-        tokenizer = None
-        if not self.args.skip_tokenizer_init:
-            from sgl.sched.models.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(tokenizer_path, self.args.trust_remote_code)
-        self.tokenizer = tokenizer
-        self.addresses = make_addresses(self.args.transport, self.args.host)
-        key = self.args.transport_key
-        recv = open_receiver(self.addresses.to_tokenizer, key)
-        cfgs = [
-            ChildConfig(role, self.args, self.model_path, tokenizer_path, self.addresses)
-            for role in ("scheduler", "detokenizer")
-        ]
-        try:
-            self._roles, infos = start_roles(cfgs, in_threads=self.args.transport == "inproc")
-        except BaseException:
-            recv.close()
-            self._remove_ipc_dir()
-            raise
+    def _load_tokenizer(self) -> Any:
+        if self.args.skip_tokenizer_init:
+            return None
+        from sgl.sched.models.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.args.tokenizer_path or self.model_path, self.args.trust_remote_code)
+
+    def _child_configs(self) -> list[ChildConfig]:
+        tokenizer_path = self.args.tokenizer_path or self.model_path
+        return [ChildConfig(role, self.args, self.model_path, tokenizer_path, self.addresses)
+                for role in ("scheduler", "detokenizer")]
+
+    def _finish(self, roles: list[RoleHandle], infos: dict[str, dict[str, Any]], tokenizer: Any,
+                recv: Receiver) -> None:
+        self._roles = roles
         self.info = infos["scheduler"]
-        self.tm = TokenizerManager(tokenizer, open_sender(self.addresses.to_scheduler, key), recv,
+        self.tokenizer = tokenizer
+        self.tm = TokenizerManager(tokenizer, open_sender(self.addresses.to_scheduler, self.args.transport_key), recv,
                                    limits_of(self.info, tokenizer is not None, self.args.custom_logit_processors),
                                    self.model_path, metrics=self.metrics)
         self._watchdog = Watchdog(self._roles, self.args.watchdog_interval, self._on_role_death)
@@ -264,9 +318,33 @@ class AsyncEngine:
         )
         self.log.error("role died", role=handle.name, how=handle.exit_description())
         self.tm.fail_all(err)
-        for h in self._roles:  # the engine is unusable now: leave no orphan behind
-            if h is not handle and hasattr(h, "proc") and h.alive():
-                h.proc.kill()
+        for h in self._roles:  # the engine is unusable now: leave no orphan (and no zombie) behind
+            if h is not handle:
+                h.kill()
+
+    def dead_reason(self) -> str | None:
+        """Why this engine can no longer serve (shut down, a role gone, its requests
+        failed), or None while it can. Answered here, without asking the scheduler:
+        a liveness check that a busy forward does not delay."""
+        if self._closed:
+            return "the engine has been shut down"
+        if self.tm.dead is not None:
+            return str(self.tm.dead)
+        for h in self._roles:
+            if not h.alive():
+                return f"the {h.name} {h.exit_description()}"
+        return None
+
+    @property
+    def open_requests(self) -> int:
+        """Requests (samples) of this engine still waiting for their outputs."""
+        return len(self.tm.states)
+
+    def end_open_requests(self, message: str) -> None:
+        """End every open request with a RuntimeError(`message`), which its caller
+        sees (a 503 over HTTP, an error event on a stream); each is aborted in the
+        scheduler. Later requests still run: this is no death."""
+        self.tm.fail_requests(message)
 
     def _remove_ipc_dir(self) -> None:
         if self.addresses.ipc_dir:

@@ -24,7 +24,11 @@ class Engine:
     """The synchronous engine for scripts, REPLs and notebooks.
 
     `Engine(model_path=None, transport="ipc", **server_args)`; `generate` returns a
-    dict (a list for a batch) or, with `stream=True`, an iterator of delta chunks."""
+    dict (a list for a batch) or, with `stream=True`, an iterator of delta chunks.
+
+    It installs no signal handler. A script killed by SIGTERM (or SIGKILL) leaves
+    nothing behind all the same: its child roles see the parent go, remove the ipc
+    socket folder and exit (sgl/runtime/child.py)."""
 
     def __init__(self, model_path: str | None = None, transport: str = "ipc", **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()

@@ -3,12 +3,21 @@
 The config arrives as one JSON line on stdin; readiness or the startup error goes
 back as one JSON line on the READY_FD pipe. Stdin then stays open: when it hits
 end-of-file the parent is gone, and the child exits at once. A fresh interpreter,
-never a fork, so the user's main module is never re-imported."""
+never a fork, so the user's main module is never re-imported.
+
+The parent's end of stdin closes however the parent ends (SIGTERM's default
+action, SIGKILL, a crash, os._exit), and the parent closes it itself only after
+the child has exited. So a child that sees end-of-file also removes the engine's
+private ipc socket folder, which the parent had no chance to remove: the library
+installs no signal handler of its own to do it in the parent (handlers are
+process-wide, can only be set from the main thread, would replace the
+application's own, and no handler runs on SIGKILL anyway)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -16,13 +25,36 @@ from typing import Any
 
 import msgspec
 
+FLUSH_S = 2.0  # the most a normal exit waits for queued frames to leave
 
-def _exit_when_parent_dies() -> None:
+
+def _exit_when_parent_dies(ipc_dir: str | None) -> None:
     try:
         while sys.stdin.buffer.read(4096):
             pass
     finally:
+        if ipc_dir is not None and _is_private_ipc_dir(ipc_dir):
+            shutil.rmtree(ipc_dir, ignore_errors=True)
         os._exit(0)
+
+
+def _is_private_ipc_dir(path: str | None) -> bool:
+    """Only a folder shaped like the ones `make_addresses` creates (`/.../sgl-*`) is removed."""
+    return path is not None and os.path.isabs(path) and os.path.basename(os.path.normpath(path)).startswith("sgl-")
+
+
+def _exit_flushed(code: int) -> None:
+    """os._exit skips terminating the ZMQ context, and that termination is what lets
+    queued frames out (each socket's linger): the scheduler's last send, the
+    ShutdownReq it relays to the detokenizer, would be lost and the detokenizer left
+    waiting until the parent's stop timeout. Terminate it first, within FLUSH_S
+    (it would wait forever on a socket left open)."""
+    zmq = sys.modules.get("zmq")
+    if zmq is not None:
+        t = threading.Thread(target=zmq.Context.instance().term, name="zmq-flush", daemon=True)
+        t.start()
+        t.join(FLUSH_S)
+    os._exit(code)
 
 
 def main() -> None:
@@ -32,7 +64,8 @@ def main() -> None:
 
     cfg = msgspec.json.decode(sys.stdin.buffer.readline(), type=ChildConfig)
     configure(cfg.server_args.log_level)
-    threading.Thread(target=_exit_when_parent_dies, name="parent-watch", daemon=True).start()
+    threading.Thread(target=_exit_when_parent_dies, args=(cfg.addresses.ipc_dir,), name="parent-watch",
+                     daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which shuts us down
 
     def report(status: dict[str, Any]) -> None:
@@ -43,7 +76,7 @@ def main() -> None:
         run_role(cfg, report)
     except BaseException:  # noqa: BLE001 - any failure exits 1; already logged with its traceback by run_role
         os._exit(1)  # not a normal shutdown: the stdin watcher thread would abort it
-    os._exit(0)
+    _exit_flushed(0)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,14 @@ Processes are fresh interpreters (`python -m sgl.runtime.child`), never forks: t
 caller's main module is not re-imported, so no `__main__` guard is needed, and a
 CUDA-initialised caller is safe. Under the inproc transport the roles run on
 daemon threads instead. Either way the caller waits for each role's readiness
-report and re-raises its startup error; afterwards a watchdog turns a dead role
-into one callback, never a hang."""
+report and re-raises its startup error, blocking (`start_roles`) or on an event
+loop it never blocks (`start_roles_async`, cancellable: the started processes
+are killed); afterwards a watchdog turns a dead role into one callback, never a
+hang. Nothing here installs a signal handler."""
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import json
 import os
@@ -20,11 +23,13 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from sgl.runtime.roles import ChildConfig, run_role
+
+T = TypeVar("T")
 
 
 class ChildStartupError(RuntimeError):
@@ -40,6 +45,15 @@ class RoleHandle(ABC):
     @abstractmethod
     def wait_ready(self) -> dict[str, Any]:
         """Block until the role reports; return its info or raise its startup error."""
+
+    @abstractmethod
+    def poll_ready(self) -> dict[str, Any] | None:
+        """Without blocking: the role's info once it reported ready, None while it
+        starts; raises its startup error."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Force the role to stop now and reap it (a thread cannot be forced: no-op)."""
 
     @abstractmethod
     def stop(self, timeout: float) -> None:
@@ -60,7 +74,9 @@ class ProcessRole(RoleHandle):
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         os.close(w)
-        self._ready_r = r
+        self._ready_r: int | None = r
+        self._buf = b""
+        self._report: dict[str, Any] | None = None
         assert self.proc.stdin is not None
         self.proc.stdin.write(msgspec.json.encode(cfg) + b"\n")
         self.proc.stdin.flush()  # stdin stays open: its end-of-file tells the child we are gone
@@ -78,28 +94,47 @@ class ProcessRole(RoleHandle):
             return "running"
         return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
-    def wait_ready(self) -> dict[str, Any]:
-        buf = b""
-        try:
-            while True:
-                ready, _, _ = select.select([self._ready_r], [], [], 0.2)
-                if ready:
-                    chunk = os.read(self._ready_r, 65536)
-                    if not chunk:
-                        break
-                    buf += chunk
-                    if buf.endswith(b"\n"):
-                        break
-                elif not self.alive():
-                    break
-        finally:
-            os.close(self._ready_r)
-        if not buf:
+    def _read_report(self, timeout: float) -> dict[str, Any] | None:
+        """Read what the readiness pipe holds within `timeout`; the report once it is
+        complete (the pipe is closed then), else None."""
+        if self._report is not None:
+            return self._report
+        if self._ready_r is None:
+            raise ChildStartupError(f"the {self.name} already reported")
+        ready, _, _ = select.select([self._ready_r], [], [], timeout)
+        if ready:
+            chunk = os.read(self._ready_r, 65536)
+            self._buf += chunk
+            if chunk and not self._buf.endswith(b"\n"):
+                return None
+        elif self.alive():
+            return None
+        os.close(self._ready_r)
+        self._ready_r = None
+        if not self._buf:  # end of file, or the process is gone, without a report
             self.proc.wait(5)
             raise ChildStartupError(
                 f"the {self.name} process {self.exit_description()} before it was ready; its log is above"
             )
-        return _ready_or_raise(self.name, json.loads(buf))
+        self._report = json.loads(self._buf)
+        return self._report
+
+    def wait_ready(self) -> dict[str, Any]:
+        while (report := self._read_report(0.2)) is None:
+            pass
+        return _ready_or_raise(self.name, report)
+
+    def poll_ready(self) -> dict[str, Any] | None:
+        report = self._read_report(0)
+        return None if report is None else _ready_or_raise(self.name, report)
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not refused
+            pass
 
     def stop(self, timeout: float) -> None:
         try:
@@ -107,6 +142,9 @@ class ProcessRole(RoleHandle):
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self._ready_r is not None:  # it never reported
+            os.close(self._ready_r)
+            self._ready_r = None
         if self.proc.stdin is not None:
             try:
                 self.proc.stdin.close()
@@ -137,6 +175,23 @@ class ThreadRole(RoleHandle):
     def wait_ready(self) -> dict[str, Any]:
         return _ready_or_raise(self.name, self._reports.get())
 
+    def poll_ready(self) -> dict[str, Any] | None:
+        try:
+            report = self._reports.get_nowait()
+        except queue.Empty:
+            if self.alive():
+                return None
+            try:  # it may have reported just before it ended
+                report = self._reports.get_nowait()
+            except queue.Empty:
+                raise ChildStartupError(
+                    f"the {self.name} thread {self.exit_description()} before it was ready") from None
+        self._reports.put(report)  # poll_ready may be asked again
+        return _ready_or_raise(self.name, report)
+
+    def kill(self) -> None:
+        pass
+
     def stop(self, timeout: float) -> None:
         self.thread.join(timeout)
 
@@ -160,11 +215,75 @@ def start_roles(cfgs: list[ChildConfig], in_threads: bool) -> tuple[list[RoleHan
         infos = {h.name: h.wait_ready() for h in handles}
     except BaseException:
         for h in handles:
-            if isinstance(h, ProcessRole) and h.alive():
-                h.proc.kill()
+            h.kill()
             h.stop(5)
         raise
     return handles, infos
+
+
+def spawn_roles(cfgs: list[ChildConfig], in_threads: bool) -> list[RoleHandle]:
+    """Start every role without waiting for it (see `await_ready`)."""
+    handles: list[RoleHandle] = []
+    try:
+        for cfg in cfgs:
+            handles.append(ThreadRole(cfg) if in_threads else ProcessRole(cfg))
+    except BaseException:
+        abandon(handles)
+        raise
+    return handles
+
+
+async def await_ready(handles: list[RoleHandle], poll_s: float = 0.05) -> dict[str, dict[str, Any]]:
+    """Each role's info once all reported ready, polling without blocking the loop.
+    Raises the first startup error; the caller cleans up (`abandon`), also when
+    this is cancelled."""
+    infos: dict[str, dict[str, Any]] = {}
+    while len(infos) < len(handles):
+        for h in handles:
+            if h.name not in infos and (info := h.poll_ready()) is not None:
+                infos[h.name] = info
+        if len(infos) < len(handles):
+            await asyncio.sleep(poll_s)
+    return infos
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a daemon thread. Unlike asyncio.to_thread (the loop's default
+    executor, which asyncio.run joins at exit), a caller cancelled meanwhile does
+    not wait for it: the thread is abandoned, its result dropped."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="sgl-start", daemon=True).start()
+    return await fut
+
+
+def abandon(handles: list[RoleHandle]) -> None:
+    """After a failed or cancelled start: kill and reap the processes at once. A
+    thread cannot be killed; as a daemon it ends with the process, or on its own
+    once its channels are closed."""
+    for h in handles:
+        h.kill()
+        if not isinstance(h, ThreadRole):
+            h.stop(1)
 
 
 class Watchdog(threading.Thread):

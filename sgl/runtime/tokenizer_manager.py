@@ -317,10 +317,16 @@ class TokenizerManager:
         except RuntimeError:
             self.dead = error
 
+    def fail_requests(self, message: str, error_type: type[Exception] = RuntimeError) -> None:
+        """On the loop: end every open request with an `error_type(message)` of its own,
+        without marking the engine dead (a server stopping). Each is aborted in the
+        scheduler as its generator closes."""
+        for st in self.states.values():
+            st.queue.put_nowait(error_type(message))
+
     def _fail(self, error: BaseException) -> None:
         self.dead = error
-        for st in self.states.values():
-            st.queue.put_nowait(EngineDeadError(str(error)))
+        self.fail_requests(str(error), EngineDeadError)
         for futs in self.control.values():
             for fut in futs:
                 if not fut.done():

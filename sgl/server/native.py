@@ -1,4 +1,4 @@
-"""SGLang's native HTTP routes: /generate, /health, /health_generate,
+"""SGLang's native HTTP routes: /generate, /health (liveness), /health_generate (a generation),
 /get_model_info, /get_server_info, /flush_cache, /abort_request, /metrics.
 
 Handlers turn HTTP into AsyncEngine calls and back; they hold no request state of
@@ -95,12 +95,13 @@ async def generate(state: ServerState, request: Request, body: bytes) -> Respons
 
 
 async def health(state: ServerState) -> Response:
-    if state.engine.tm.dead is not None:
-        raise ApiError(503, f"the engine is dead: {state.engine.tm.dead}")
-    try:
-        await asyncio.wait_for(state.engine.health(), HEALTH_TIMEOUT_S)
-    except (TimeoutError, asyncio.TimeoutError):
-        raise ApiError(503, f"the scheduler did not answer within {HEALTH_TIMEOUT_S}s") from None
+    """Liveness, answered by the server itself: 200 while every role runs and the
+    engine is not dead, 503 once it is. No round trip to the scheduler, which may be
+    busy in a long forward: a probe must not restart a healthy server (the deep
+    check is /health_generate)."""
+    reason = state.engine.dead_reason()
+    if reason is not None:
+        raise ApiError(503, f"the engine is dead: {reason}")
     return Response(status_code=200)
 
 

@@ -1,25 +1,47 @@
 """`sgl serve`: one process that runs an AsyncEngine and its HTTP server (uvicorn)
-on one asyncio loop, until Ctrl-C or SIGTERM.
+on one asyncio loop, until Ctrl-C or SIGTERM, or until a role of the engine dies.
 
-On start it prints one line per fact a caller may need, the last being
-`sgl serve: ready on http://HOST:PORT`; with the tcp transport an earlier line
-gives the scheduler's address for `AsyncEngine.connect`. On a signal it stops
-accepting, lets open requests end (aborting those still running after a grace
-period), shuts the engine's roles down and removes its socket files. It must not
-exit while a child role is still running."""
+It prints `sgl serve: starting`, then one line per fact a caller may need, the
+last being `sgl serve: ready on http://HOST:PORT`; with the tcp transport an
+earlier line gives the scheduler's address for `AsyncEngine.connect`.
+
+How each stage ends:
+- start-up (`AsyncEngine.start`, which never blocks the loop): a signal cancels
+  it; the started children are killed and the socket folder removed. Exit code
+  128 + the signal's number.
+- serving, on a signal: it stops accepting; open requests get
+  GRACEFUL_SHUTDOWN_S to finish, then each one still open ends with an error (a
+  stream: an error event, then `data: [DONE]`); the roles shut down and the socket
+  files go. Exit code 0: a requested stop is a clean exit. A second Ctrl-C ends
+  the open requests at once.
+- serving, when a role dies: the watchdog fails every open request (a 503, or an
+  error event then `data: [DONE]`), and the server stops as above and exits with
+  code 1, so a supervisor restarts it.
+
+It must not exit while a child role is still running or unreaped, and it prints
+no traceback for a stop it was asked for."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 import socket
-from types import FrameType
+import sys
+from typing import Any
 
 import msgspec
 
 from sgl.core.server_args import ServerArgs
 
 GRACEFUL_SHUTDOWN_S = 3
+BACKSTOP_S = 5  # past the grace, uvicorn cancels what still runs (a client that stopped reading)
+WATCH_S = 0.1  # how often the server looks at its engine and at a stop request
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOPPING = "the server is shutting down: the request was cut short"
+
+
+def _say(line: str, err: bool = False) -> None:
+    print(f"sgl serve: {line}", file=sys.stderr if err else sys.stdout, flush=True)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -35,52 +57,97 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(args: ServerArgs) -> None:
+async def _serve(args: ServerArgs) -> int:
+    loop = asyncio.get_running_loop()
+    caught: list[int] = []
+    starting: list[asyncio.Future[Any]] = []
+
+    def interrupt(sig: int) -> None:  # during start-up: cancel it
+        caught.append(sig)
+        for task in starting:
+            task.cancel()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, interrupt, sig)
+    _say("starting")
+    # Slow imports (torch) come after the handlers: a signal meanwhile is acted on right after.
     import uvicorn
 
     from sgl.engine import AsyncEngine
     from sgl.server.app import build_app
 
     sock = _listen(args.host, args.port)
-    # While the roles start, SIGTERM unwinds like Ctrl-C: started children are
-    # killed and the socket folder removed on the way out.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        engine = AsyncEngine(**msgspec.structs.asdict(args))
+        starting.append(asyncio.ensure_future(AsyncEngine.start(**msgspec.structs.asdict(args))))
+        if caught:
+            starting[0].cancel()
+        engine = await starting[0]
+    except asyncio.CancelledError:
+        sock.close()
+        if not caught:
+            raise
+        _say(f"stopped during start-up ({signal.Signals(caught[0]).name})")
+        return 128 + caught[0]
     except BaseException:
         sock.close()
         raise
+    if caught:  # the signal came as the start-up finished
+        sock.close()
+        await engine.aclose()
+        _say(f"stopped during start-up ({signal.Signals(caught[0]).name})")
+        return 128 + caught[0]
+
+    config = uvicorn.Config(build_app(engine), log_level=args.log_level, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + BACKSTOP_S, timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+
+    def stop(sig: int) -> None:
+        # While it serves, uvicorn's own handlers take over (a second Ctrl-C forces its
+        # exit); this covers the moments around that, and is not a second signal.
+        server.should_exit = True
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop, sig)
+    watch = asyncio.ensure_future(_watch(engine, server))
+    died: str | None = None
     try:
-        app = build_app(engine)
-        config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=5)
-        server = uvicorn.Server(config)
-
-        # uvicorn swaps in its own handlers while serving and afterwards re-raises the
-        # signal it caught against these: they only ask it to stop, never kill us.
-        def stop(sig: int, frame: FrameType | None) -> None:
-            server.should_exit = True
-
-        signal.signal(signal.SIGINT, stop)
-        signal.signal(signal.SIGTERM, stop)
         host, port = sock.getsockname()[:2]
         if args.transport == "tcp":
-            print(f"sgl serve: scheduler at {engine.addresses.to_scheduler}", flush=True)
-        print(f"sgl serve: ready on http://{host}:{port}", flush=True)
+            _say(f"scheduler at {engine.addresses.to_scheduler}")
+        _say(f"ready on http://{host}:{port}")
         await server.serve(sockets=[sock])
     finally:
         sock.close()
+        watch.cancel()
+        died = engine.dead_reason()
         await engine.aclose()
-    print("sgl serve: stopped", flush=True)
+    if died is not None:
+        _say(f"stopped: {died}", err=True)
+        return 1
+    _say("stopped")
+    return 0
 
 
-def _exit_on_sigterm(sig: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + sig)
+async def _watch(engine: Any, server: Any) -> None:
+    """A dead engine stops the server. Once a stop is asked: the grace period, then
+    every request still open ends with an error (before uvicorn would cut it)."""
+    loop = asyncio.get_running_loop()
+    while not server.should_exit:
+        reason = engine.dead_reason()
+        if reason is not None:
+            _say(f"{reason}; exiting", err=True)
+            server.should_exit = True
+            return
+        await asyncio.sleep(WATCH_S)
+    deadline = loop.time() + GRACEFUL_SHUTDOWN_S
+    while engine.open_requests and not server.force_exit and loop.time() < deadline:
+        await asyncio.sleep(WATCH_S / 2)
+    if engine.open_requests and engine.dead_reason() is None:
+        engine.end_open_requests(STOPPING)
 
 
 def serve(args: ServerArgs) -> int:
     try:
-        asyncio.run(_serve(args))
-    except KeyboardInterrupt:  # Ctrl-C before the server was up: the engine cleaned up already
+        return asyncio.run(_serve(args))
+    except KeyboardInterrupt:  # Ctrl-C before the handlers were in place
         return 130
-    return 0
