@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sgl.core.log import configure_logging
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
 
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
     from sgl.core.logit_processor import CustomLogitProcessor
     from sgl.engine import AsyncEngine, Engine
 
-__all__ = ["AsyncEngine", "Client", "CustomLogitProcessor", "Engine", "SamplingParams", "ServerArgs"]
+__all__ = ["AsyncEngine", "Client", "CustomLogitProcessor", "Engine", "SamplingParams", "ServerArgs",
+           "configure_logging"]
 __version__ = "0.1.0"
 
 

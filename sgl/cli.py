@@ -1,6 +1,7 @@
 """The `sgl` command line. `sgl generate "PROMPT"` runs one request on an engine
 and prints the answer (the chat template applied when the model has one);
-`sgl serve [FLAGS]` runs the HTTP server, its flags generated from ServerArgs."""
+`sgl serve [FLAGS]` runs the HTTP server, its flags generated from ServerArgs;
+`sgl keys new DIR [--name NAME] [--admin]` writes CURVE keys for the tcp transport."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from sgl.cli_args import add_server_args, server_args_from
 
 
 def _generate(ns: argparse.Namespace) -> int:
+    from sgl.core.log import configure_logging
     from sgl.engine import Engine
 
+    configure_logging(ns.log_level)
     kwargs: dict[str, Any] = {"transport": ns.transport, "log_level": ns.log_level}
     if ns.load_format:
         kwargs["load_format"] = ns.load_format
@@ -37,6 +40,39 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _keys_new(ns: argparse.Namespace) -> int:
+    """The server's pair (no --name) with empty allowed/ and admin/ folders, or a client's
+    pair, whose public key is also put in DIR/allowed/ (DIR/admin/ with --admin) when
+    DIR is a server's key folder."""
+    from pathlib import Path
+
+    from sgl.transports.keys import SERVER_NAME, write_pair
+
+    d = Path(ns.dir)
+    name = ns.name or SERVER_NAME
+    if name == SERVER_NAME and ns.admin:
+        raise ValueError("--admin is for a client's key: give it a --name")
+    public, secret = write_pair(d, name)
+    if name == SERVER_NAME:
+        for sub in ("allowed", "admin"):
+            (d / sub).mkdir(exist_ok=True)
+        print(f"server keys: {secret} (keep it here), {public} (give it to clients)")
+        print(f"add a client: sgl keys new {d} --name NAME [--admin]; serve: sgl serve --transport tcp "
+              f"--transport-keys {d}")
+        return 0
+    print(f"client keys for {name!r}: {secret} (give it, with the server's server.key, to that client only)")
+    if (d / f"{SERVER_NAME}.key_secret").is_file():
+        folder = d / ("admin" if ns.admin else "allowed")
+        folder.mkdir(exist_ok=True)
+        (folder / public.name).write_bytes(public.read_bytes())
+        print(f"allowed on this server: {folder / public.name} (restart the server to pick it up)")
+    else:
+        print(f"to allow it, copy {public} into the server's DIR/{'admin' if ns.admin else 'allowed'}/")
+    server_key = str(d / f"{SERVER_NAME}.key")
+    print(f"attach: await sgl.AsyncEngine.connect(ADDRESS, keys={str(secret)!r}, server_key={server_key!r})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sgl", description="sgl: a compact LLM serving engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -57,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the model over HTTP (OpenAI-compatible and SGLang's native API)")
     add_server_args(s)
     s.set_defaults(func=_serve)
+    k = sub.add_parser("keys", help="CURVE keys for the tcp transport")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    kn = ksub.add_parser("new", help="write a key pair: the server's (no --name) or a client's")
+    kn.add_argument("dir", help="the server's key folder (what --transport-keys takes)")
+    kn.add_argument("--name", default=None, help="a client's name: writes DIR/NAME.key(_secret) and allows it")
+    kn.add_argument("--admin", action="store_true", help="the client may shut the server down and flush its cache")
+    kn.set_defaults(func=_keys_new)
     return p
 
 

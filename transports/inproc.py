@@ -9,13 +9,12 @@ import asyncio
 import collections
 import threading
 
-import structlog
-
+from sgl.core.log import get_logger
 from sgl.core.protocol import Message
 from sgl.transports.channel import ChannelClosed, Receiver, Sender
 from sgl.transports.codec import Codec, DecodeError
 
-log = structlog.get_logger("sgl.transport")
+log = get_logger("transport")
 
 
 class _Pipe:

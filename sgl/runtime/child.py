@@ -59,11 +59,11 @@ def _exit_flushed(code: int) -> None:
 
 def main() -> None:
     ready_fd = int(sys.argv[1])
-    from sgl.core.log import configure
+    from sgl.core.log import configure_logging
     from sgl.runtime.roles import ChildConfig, run_role
 
     cfg = msgspec.json.decode(sys.stdin.buffer.readline(), type=ChildConfig)
-    configure(cfg.server_args.log_level)
+    configure_logging(cfg.server_args.log_level)  # a child of sgl's own: its stderr is the parent's
     threading.Thread(target=_exit_when_parent_dies, args=(cfg.addresses.ipc_dir,), name="parent-watch",
                      daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which shuts us down

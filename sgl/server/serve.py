@@ -147,6 +147,9 @@ async def _watch(engine: Any, server: Any) -> None:
 
 
 def serve(args: ServerArgs) -> int:
+    from sgl.core.log import configure_logging
+
+    configure_logging(args.log_level)  # sgl's own process: the library never configures logging
     try:
         return asyncio.run(_serve(args))
     except KeyboardInterrupt:  # Ctrl-C before the handlers were in place
