@@ -77,7 +77,7 @@ for step in "$@"; do
     old)
       if [ -d .old ] && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite .old \
           >/dev/null 2>&1; then
-        (cd .old && export PYTHONPATH=/tmp/oldsite && run 300 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf \
+        (cd .old && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH && run 300 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf \
           && run 300 python3 -m benchmarks.w3_shared_prefix)
       else
         echo "no .old checkout carried, or it failed to install"
