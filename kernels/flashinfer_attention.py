@@ -11,7 +11,12 @@ Plans run on the host, once per batch, before the layers. Under CUDA graphs each
 captured batch size has its own decode wrapper (and, with cascade, its own
 shared-block prefill wrapper) in graph mode, reading index buffers that all sizes
 share (one graph replays at a time, and plans copy into them in stream order);
-`plan` runs before each replay, outside the graph. This module decides nothing
+`plan` runs before each replay, outside the graph. Those index buffers are sized
+for the worst case of the largest captured batch, max_bs x context_length slots,
+since a decode batch's summed KV lengths count a prefix shared by many requests
+once per request and so can far exceed the pool; the shared block's buffer holds
+one prefix, at most min(context_length, pool) slots. Eager plans have no fixed
+buffer (FlashInfer keeps the tensors it is handed). This module decides nothing
 about batching.
 
 A plan must never wait for the GPU, or the overlap loop stalls: every host tensor
@@ -36,8 +41,10 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def __init__(
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-        max_kv_tokens: int,
+        max_kv_tokens: int, context_length: int | None = None,
     ) -> None:
+        """max_kv_tokens: KV slots in the pool (slot 0 included); context_length: the most
+        slots one request reads (None: max_kv_tokens)."""
         import flashinfer
 
         if dtype not in (torch.bfloat16, torch.float16):
@@ -46,6 +53,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.fi = flashinfer
         self.hq, self.hkv, self.d, self.dtype, self.device = num_qo_heads, num_kv_heads, head_dim, dtype, device
         self.max_kv_tokens = max_kv_tokens
+        self.context_length = context_length or max_kv_tokens
+        self.graph_max_bs = 0  # the batch size the graph index buffers were sized for
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Tensor-core decode pays off once several query heads share a KV head.
         self.tensor_cores = num_qo_heads // num_kv_heads >= 4
@@ -142,8 +151,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         wrapper, and with `cascade` a shared-block prefill wrapper too."""
         dev = self.device
         if self._graph_indices is None:
-            self._graph_indices = (torch.zeros(self.max_kv_tokens + bs, dtype=torch.int32, device=dev),
-                                   torch.zeros(self.max_kv_tokens, dtype=torch.int32, device=dev))
+            # Sized by the first (largest) size: e.g. 256 x 40960 x 4 B = 42 MB for a 40k
+            # context (134 MB at 128k). A padded row reads one slot, never more than a real one.
+            self.graph_max_bs = bs
+            self._graph_indices = (
+                torch.zeros(graph_indices_len(bs, self.context_length), dtype=torch.int32, device=dev),
+                torch.zeros(min(self.context_length, self.max_kv_tokens), dtype=torch.int32, device=dev))
+        elif bs > self.graph_max_bs:
+            raise ValueError(f"init_graph({bs}) after sizing the index buffers for {self.graph_max_bs}: "
+                             "initialise the largest batch size first")
         self.graph_decode[bs] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
             paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
@@ -204,3 +220,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         o_pre, lse_pre = self.paged.run(q, kv, return_lse=True)
         o, _ = self.fi.merge_state(o_new, lse_new, o_pre, lse_pre)
         return o
+
+
+def graph_indices_len(max_bs: int, context_length: int) -> int:
+    """KV index slots a captured decode batch of up to max_bs requests can need: each
+    row reads at most context_length slots (a cascade's suffixes fewer)."""
+    return max_bs * context_length

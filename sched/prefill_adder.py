@@ -9,19 +9,30 @@ the prompt in the radix tree, locks the match, and either admits the request (it
 takes a req_to_token row, writes its cached prefix there and keeps the lock) or
 unlocks the match again.
 
-It never allocates KV slots, builds a batch, reorders or edits the waiting queue,
-or sets scheduler state: the scheduler does that with `admitted` and `chunked_req`."""
+A blocked chunk ends the round with nothing admitted: the scheduler's liveness
+argument (sgl.sched.decode) rests on it, as the oldest KV holder's chunk must not
+wait behind requests admitted after it.
+
+A PrefillAdder never allocates KV slots, builds a batch, reorders or edits the
+waiting queue, or sets scheduler state: `prefill_batch`, the scheduler's round, does
+that with `admitted` and `chunked_req`, on the scheduler's state through the
+scheduler."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from sgl.cache.kv_allocator import TokenToKVPoolAllocator
 from sgl.cache.radix_cache import MatchResult, RadixCache
 from sgl.cache.req_to_token_pool import ReqToTokenPool
+from sgl.sched.batch import ScheduleBatch
 from sgl.sched.policy import order_waiting
 from sgl.sched.req import Req
+
+if TYPE_CHECKING:
+    from sgl.sched.scheduler import Scheduler
 
 CLIP_MAX_NEW_TOKENS = 4096
 IN_BATCH_PREFIX_MIN = 32  # shared tokens beyond the tree's match that make a request wait for a sibling
@@ -82,6 +93,7 @@ class PrefillAdder:
         self.admitted: list[Req] = []
         self.chunked_req: Req | None = None  # the admitted request with prompt left after this round
         self.cached_tokens = 0  # prefix tokens the admitted requests found in the tree
+        self.current: Req | None = None  # the request being considered (a failure names it)
 
     # ---- room ------------------------------------------------------------------
 
@@ -99,6 +111,7 @@ class PrefillAdder:
     def add_chunked(self, req: Req) -> bool:
         """The chunked request's next chunk, first in the round. False: the round admits
         nothing (the request is being aborted, or its chunk does not fit)."""
+        self.current = req
         if req.to_abort is not None:
             return False  # finished by the scheduler once its last chunk is processed
         # Hand the chunks written so far to the tree (their KV may still be in flight:
@@ -126,6 +139,7 @@ class PrefillAdder:
 
     def add_one(self, req: Req) -> Verdict:
         """Consider one waiting request (the caller stops at a verdict that does not go on)."""
+        self.current = req
         if self.chunk_left <= 0 or self.budget <= 0 or self.n_running + len(self.admitted) >= self.max_running_requests:
             return Verdict.FULL
         if self.pool.available_size() == 0:
@@ -189,3 +203,41 @@ class PrefillAdder:
         self.cached_tokens += len(prefix)
         req.cached_tokens = max(req.cached_tokens, len(prefix)) if req.retractions == 0 else req.cached_tokens
         req.extend_len = n
+
+
+def prefill_batch(s: Scheduler) -> ScheduleBatch | None:
+    """The scheduler's admission round: the chunked request's next chunk and the
+    waiting requests that fit, admitted, given their KV slots and built into a batch;
+    None when nothing is admitted. `s.adder` names the round while it runs (a failure
+    aborts its requests)."""
+    if not s.waiting and s.chunked_req is None:
+        return None
+    adder = s.adder = PrefillAdder(
+        s.tree, s.pool, s.allocator, running=s.running, prefilling=s.prefilling, rids=s.rids,
+        max_prefill_tokens=s.args.max_prefill_tokens, chunk_size=s.chunk_size,
+        max_running_requests=s.runner.max_running_requests, new_token_ratio=s.new_token_ratio)
+    if s.chunked_req is not None and not adder.add_chunked(s.chunked_req):
+        return None
+    adder.add_waiting(s.waiting, s.args.schedule_policy)
+    admitted = adder.admitted
+    for req in admitted:
+        if req in s.waiting:
+            s.waiting.remove(req)
+    s.chunked_req = adder.chunked_req
+    if not admitted:
+        return None
+    s.stats["cached_tokens"] += adder.cached_tokens
+    s.prefilling.update(admitted)
+    total = sum(r.extend_len for r in admitted)
+    loc = s.alloc(total)
+    if loc is None:  # cannot happen: admission kept within available + evictable
+        raise RuntimeError(f"KV allocation of {total} failed after admission: free "
+                           f"{s.allocator.available_size()}, evictable {s.tree.evictable_size()}, "
+                           f"protected {s.tree.protected_size()}, reqs {admitted}")
+    s.stats["prefill_tokens"] += total
+    batch = ScheduleBatch.extend(admitted, loc, s.pool)
+    for req in admitted:
+        if req.is_leader and req.kv_len >= len(req.origin_input_ids):
+            req.is_leader = False
+            s.tree.cache_unfinished_req(req)
+    return batch

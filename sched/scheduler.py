@@ -6,10 +6,15 @@ state the loop's parts share: the loop and its input live here, with the request
 ends (finish, release) and KV allocation; admission is sgl.sched.prefill_adder's,
 decode steps and retraction sgl.sched.decode's, a step's results and the outbox
 sgl.sched.results'. It never talks to the caller directly and never decodes text.
-Bad input finishes that request with an abort reason; it never takes the loop down."""
+Bad input finishes that request with an abort reason, and a batch that fails (in
+building, prepare, the forward, or its results) ends that batch's requests with one
+(sgl.sched.results.fail_batch): neither takes the loop down. Retraction keeps the
+loop live (the argument is in sgl.sched.decode); past max_queued_requests waiting,
+a new request is refused at once with an abort reason that carries status_code 503."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import Any
@@ -37,10 +42,10 @@ from sgl.core.request_checks import RequestLimits, request_error
 from sgl.core.server_args import ServerArgs
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.decode import INIT_NEW_TOKEN_RATIO, decode_batch
-from sgl.sched.prefill_adder import PrefillAdder
+from sgl.sched.prefill_adder import PrefillAdder, prefill_batch
 from sgl.sched.req import Req
-from sgl.sched.results import process, token_id_output
-from sgl.sched.runner.model_runner import ModelRunner
+from sgl.sched.results import error_message, fail_batch, process, start_logprobs, token_id_output
+from sgl.sched.runner.model_runner import ModelRunner, eos_ids_of
 from sgl.sched.runner.step import Launched
 from sgl.sched.stop import StopStrings
 from sgl.transports.channel import Receiver, Sender
@@ -58,7 +63,7 @@ class Scheduler:
         self.pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
         self.tree = RadixCache(self.pool, self.allocator, disable=args.disable_radix_cache)
-        self.eos_ids = _eos_ids(self.runner.config, model_path)
+        self.eos_ids = eos_ids_of(self.runner.config, model_path)
         self.runner.eos_ids = frozenset(self.eos_ids)
         # Every allowed processor is imported at startup: a bad entry fails the engine's start.
         self.runner.processors = {name: resolve(name) for name in args.custom_logit_processors}
@@ -72,42 +77,39 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.prefilling: set[Req] = set()  # admitted, last prefill chunk not processed yet
         self.rids: dict[str, Req] = {}
+        # Arrival order of the live requests: retraction takes the youngest KV holder (sgl.sched.decode).
+        self.arrival: dict[Req, int] = {}
+        self._arrivals = itertools.count()
+        self.oom_retried: set[Req] = set()  # retracted once after a CUDA OOM: the next one aborts them
+        # The batch being built, aborted if building it fails: a decode batch's requests, or an admission round.
+        self.building: list[Req] = []
+        self.adder: PrefillAdder | None = None
         self.outbox: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO  # see sgl.sched.decode
-        self.chunk_size = args.chunked_prefill_size or self.runner.context_length
+        self.chunk_size = self.runner.chunked_prefill_size or self.runner.context_length
         self.strict = os.environ.get("SGL_STRICT_INVARIANTS") == "1"
         self.invariant_violations = 0
         self.checked_idle = False
         self.overlap = self.runner.overlap
         self.pending: tuple[ScheduleBatch, Launched] | None = None  # launched, results not processed yet
         # Loop time split: building and launching batches, waiting for results, processing them.
+        # failures: batches and requests ended by an internal error.
         self.stats: dict[str, float] = {"prefill_tokens": 0, "decode_steps": 0, "retractions": 0, "cached_tokens": 0,
-                                        "build_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
+                                        "failures": 0, "build_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
 
     # ---- info ------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
         r = self.runner
         return {
-            "model_path": self.args.model_path,
-            "device": str(r.device),
-            "dtype": str(r.dtype).removeprefix("torch."),
-            "vocab_size": r.vocab_size,
-            "context_length": r.context_length,
-            "max_total_tokens": r.max_total_tokens,
-            "max_running_requests": r.max_running_requests,
-            "eos_token_ids": sorted(self.eos_ids),
-            "kv_free": self.allocator.available_size(),
-            "kv_evictable": self.tree.evictable_size(),
+            "model_path": self.args.model_path, "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch."),
+            "vocab_size": r.vocab_size, "context_length": r.context_length, "max_total_tokens": r.max_total_tokens,
+            "max_running_requests": r.max_running_requests, "eos_token_ids": sorted(self.eos_ids),
+            "chunked_prefill_size": self.chunk_size, "max_queued_requests": self.args.max_queued_requests,
+            "kv_free": self.allocator.available_size(), "kv_evictable": self.tree.evictable_size(),
             "kv_protected": self.tree.protected_size(),
-            "running": len(self.running) + (self.chunked_req is not None),
-            "waiting": len(self.waiting),
-            "invariant_violations": self.invariant_violations,
-            **self.stats,
-            "gpu_busy_s": r.gpu_timeline.busy_s,
-            "gpu_idle_s": r.gpu_timeline.idle_s,
-            "gpu_decode_busy_s": r.gpu_timeline.decode_busy_s,
-            "gpu_decode_idle_s": r.gpu_timeline.decode_idle_s,
+            "running": len(self.running) + (self.chunked_req is not None), "waiting": len(self.waiting),
+            "invariant_violations": self.invariant_violations, **self.stats, **r.gpu_timeline.info(),
             "cascade_steps": r.cascade_steps,
         }
 
@@ -133,27 +135,18 @@ class Scheduler:
         for msg in msgs:
             if isinstance(msg, ShutdownReq):
                 if self.pending is not None:
-                    self.pending[1].result()
+                    self._collect(*self.pending)
                 self.send.send(msg)
                 return False
             self.handle(msg)
         self._reap_aborts()
         t0 = time.perf_counter()
-        batch = self._next_batch()
-        launched: Launched | None = None
-        if batch is not None:
-            prepared = self.runner.prepare(batch)
-            for r in batch.reqs:
-                r.inflight += 1
-            launched = self.runner.launch(prepared)
+        batch = self._build()
+        launched = self._launch(batch) if batch is not None else None
         t1 = time.perf_counter()
         if batch is not None and launched is not None and not self.overlap:
             self.pending, launched = (batch, launched), None
-        t2 = t1
-        if self.pending is not None:
-            ids = self.pending[1].result()
-            t2 = time.perf_counter()
-            process(self, self.pending[0], ids)
+        t2 = self._collect(*self.pending) if self.pending is not None else t1
         self.pending = (batch, launched) if launched is not None and batch is not None else None
         self._flush_outbox()
         t3 = time.perf_counter()
@@ -164,10 +157,52 @@ class Scheduler:
         return True
 
     def _next_batch(self) -> ScheduleBatch | None:
-        batch = self._prefill_batch()
+        batch = prefill_batch(self)
         if batch is None and self.running:
             batch = decode_batch(self)
         return batch
+
+    def _build(self) -> ScheduleBatch | None:
+        """The next batch; if building it raises, the requests it was taking in are aborted."""
+        self.building, self.adder = [], None
+        try:
+            return self._next_batch()
+        except Exception as e:  # contained to the batch being built
+            a = self.adder
+            culprits = self.building or ([*a.admitted, *([a.current] if a.current else [])] if a else [])
+            self.stats["failures"] += 1
+            self.log.exception("building a batch failed: its requests are aborted", rids=[r.rid for r in culprits])
+            for r in dict.fromkeys(culprits):
+                self.abort_now(r, error_message("scheduling", e))
+            return None
+
+    def _launch(self, batch: ScheduleBatch) -> Launched | None:
+        """Prepare and start a batch; None if either fails (its requests then end)."""
+        counted = False
+        try:
+            prepared = self.runner.prepare(batch)
+            for r in batch.reqs:
+                r.inflight += 1
+            counted = True
+            return self.runner.launch(prepared)
+        except Exception as e:  # noqa: BLE001 - contained to this batch
+            for r in batch.reqs if counted else ():
+                r.inflight -= 1
+            fail_batch(self, batch, e, "forward" if counted else "prepare", kv_written=False)
+            return None
+
+    def _collect(self, batch: ScheduleBatch, handle: Launched) -> float:
+        """Wait for a launched batch and process its results (or its failure); when they came."""
+        try:
+            res = handle.result()
+        except Exception as e:  # noqa: BLE001 - the forward failed: that batch's requests end
+            for r in batch.reqs:
+                r.inflight -= 1
+            fail_batch(self, batch, e, "forward", kv_written=False)
+            return time.perf_counter()
+        t = time.perf_counter()
+        process(self, batch, res)
+        return t
 
     # ---- input -----------------------------------------------------------------
 
@@ -196,19 +231,18 @@ class Scheduler:
         if error is not None:
             self.finish(req, {"type": "abort", "message": error})
             return
-        if req.logprob_start_len == 0 and req.logprobs is not None:
-            # The first prompt token has no logprob: SGLang reports it as None.
-            lp, first = req.logprobs, req.origin_input_ids[0]
-            lp.input_ids.append(first)
-            lp.input_vals.append(None)
-            if req.top_logprobs_num:
-                lp.input_top_vals.append(None)
-                lp.input_top_ids.append(None)
-            if req.token_ids_logprob:
-                lp.input_ids_vals.append(None)
+        bound = self.args.max_queued_requests
+        if bound is not None and len(self.waiting) >= bound:
+            # Refused at once, not queued: the HTTP layer maps status_code to 503.
+            self.finish(req, {"type": "abort", "status_code": 503,
+                              "message": f"server busy: {len(self.waiting)} queued requests "
+                                         f"(max_queued_requests={bound}); retry later"})
+            return
+        start_logprobs(req)
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) is not None:
             self._share_prompt(lead)
         self.rids[req.rid] = req
+        self.arrival[req] = next(self._arrivals)
         if req.prefill_only and not req.needs_input_logprobs:
             self.finish(req, {"type": "length", "length": 0})  # nothing to compute
             return
@@ -253,39 +287,6 @@ class Scheduler:
 
     # ---- batching --------------------------------------------------------------
 
-    def _prefill_batch(self) -> ScheduleBatch | None:
-        if not self.waiting and self.chunked_req is None:
-            return None
-        adder = PrefillAdder(self.tree, self.pool, self.allocator, running=self.running, prefilling=self.prefilling,
-                             rids=self.rids, max_prefill_tokens=self.args.max_prefill_tokens,
-                             chunk_size=self.chunk_size, max_running_requests=self.runner.max_running_requests,
-                             new_token_ratio=self.new_token_ratio)
-        if self.chunked_req is not None and not adder.add_chunked(self.chunked_req):
-            return None
-        adder.add_waiting(self.waiting, self.args.schedule_policy)
-        admitted = adder.admitted
-        for req in admitted:
-            if req in self.waiting:
-                self.waiting.remove(req)
-        self.chunked_req = adder.chunked_req
-        if not admitted:
-            return None
-        self.stats["cached_tokens"] += adder.cached_tokens
-        self.prefilling.update(admitted)
-        total = sum(r.extend_len for r in admitted)
-        loc = self.alloc(total)
-        if loc is None:  # cannot happen: admission kept within available + evictable
-            raise RuntimeError(f"KV allocation of {total} failed after admission: free "
-                               f"{self.allocator.available_size()}, evictable {self.tree.evictable_size()}, "
-                               f"protected {self.tree.protected_size()}, reqs {admitted}")
-        self.stats["prefill_tokens"] += total
-        batch = ScheduleBatch.extend(admitted, loc, self.pool)
-        for req in admitted:
-            if req.is_leader and req.kv_len >= len(req.origin_input_ids):
-                req.is_leader = False
-                self.tree.cache_unfinished_req(req)
-        return batch
-
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` KV slots, evicting from the radix tree what the free ones lack; None if even that fails."""
         short = n - self.allocator.available_size()
@@ -315,19 +316,47 @@ class Scheduler:
     def finish(self, req: Req, reason: dict[str, Any]) -> None:
         """End a request (not a waiting one: callers drop those first) and give back its KV."""
         req.finished_reason = reason
+        self._detach(req)
+        self.release(req, cache=reason["type"] != "abort")
+        self._forget(req)
+
+    def _detach(self, req: Req) -> None:
         self.prefilling.discard(req)
         if req is self.chunked_req:
             self.chunked_req = None
-        elif req in self.running:
+        if req in self.running:
             self.running.remove(req)
-        self.release(req, cache=reason["type"] != "abort")
-        self.rids.pop(req.rid, None)
+
+    def _forget(self, req: Req) -> None:
+        if self.rids.get(req.rid) is req:
+            self.rids.pop(req.rid)
+        self.arrival.pop(req, None)
+        self.oom_retried.discard(req)
         self.outbox.append(req)
+
+    def abort_now(self, req: Req, message: str) -> None:
+        """A failure path: end a live request with an abort reason wherever it is, now,
+        even with batches holding it in flight (their results are dropped, as after a
+        retraction). If giving its KV back raises, it is ended all the same and the
+        idle check will report what leaked."""
+        if self.rids.get(req.rid) is not req:
+            return  # ended already
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if not req.finished:
+            try:
+                self.finish(req, {"type": "abort", "message": message})
+                return
+            except Exception:  # a broken release must not take the loop down
+                self.log.exception("giving back an aborted request's KV failed", rid=req.rid)
+        self.checked_idle = False
+        self._detach(req)
+        self._forget(req)
 
     def _flush_outbox(self) -> None:
         if not self.outbox:
             return
-        reqs, self.outbox = self.outbox, []
+        reqs, self.outbox = list(dict.fromkeys(self.outbox)), []  # once each, even if ended twice over
         self.send.send(token_id_output(reqs))
 
     # ---- accounting ------------------------------------------------------------
@@ -347,22 +376,3 @@ class Scheduler:
             if self.strict:
                 raise
 
-
-def _eos_ids(config: Any, model_path: str) -> set[int]:
-    ids: set[int] = set()
-    for src in (config, _generation_config(model_path)):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, (list, tuple)):
-            ids.update(int(e) for e in eos)
-    return ids
-
-
-def _generation_config(model_path: str) -> Any:
-    try:
-        from transformers import GenerationConfig
-
-        return GenerationConfig.from_pretrained(model_path)
-    except (OSError, ValueError):
-        return None

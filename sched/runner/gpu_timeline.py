@@ -35,6 +35,10 @@ class GpuTimeline:
                 self.decode_idle_s += gap
         self._prev = (done, decode)
 
+    def info(self) -> dict[str, float]:
+        return {"gpu_busy_s": self.busy_s, "gpu_idle_s": self.idle_s, "gpu_decode_busy_s": self.decode_busy_s,
+                "gpu_decode_idle_s": self.decode_idle_s}
+
     def reset_gap(self) -> None:
         """The scheduler went idle on purpose: the next gap is not the host's lateness."""
         self._prev = None

@@ -9,7 +9,7 @@ scheduler's job."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -31,6 +31,15 @@ if TYPE_CHECKING:
     from sgl.sched.runner.cuda_graph import CudaGraphRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# chunked_prefill_size=None: SGLang's defaults by GPU memory (GiB, exclusive bound -> tokens);
+# an H200 (141 GB) gets 8192, a B200 16384.
+GPU_CHUNK_DEFAULTS = [(20, 2048), (35, 2048), (60, 4096), (90, 8192), (160, 8192)]
+GPU_CHUNK_LARGEST = 16384
+# On CPU: the forward's cost grows linearly with its tokens already (no device to fill),
+# so larger chunks gain little throughput, while they stall every decoding request for
+# the whole chunk and size the [chunk, V] float32 prompt-logprob rows (2048 x 49152 x 4 B
+# = 0.4 GB for the default SmolLM2): SGLang's smallest GPU default.
+CPU_CHUNK_DEFAULT = 2048
 
 
 def resolve_device(args: ServerArgs) -> torch.device:
@@ -39,6 +48,38 @@ def resolve_device(args: ServerArgs) -> torch.device:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but CUDA is not available: pass device='cpu' or run on a GPU machine")
     return torch.device(args.device)
+
+
+def chunked_prefill_size(args: ServerArgs, device: torch.device) -> int | None:
+    """The prefill chunk in tokens: the given one, SGLang's default for the device's
+    memory when None, or None (no chunking) for -1."""
+    if args.chunked_prefill_size is not None:
+        return None if args.chunked_prefill_size == -1 else args.chunked_prefill_size
+    if device.type != "cuda":
+        return CPU_CHUNK_DEFAULT
+    gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return next((n for bound, n in GPU_CHUNK_DEFAULTS if gib < bound), GPU_CHUNK_LARGEST)
+
+
+def eos_ids_of(config: Any, model_path: str) -> set[int]:
+    """The model's EOS ids: its config's and its generation config's."""
+    ids: set[int] = set()
+    for src in (config, _generation_config(model_path)):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def _generation_config(model_path: str) -> Any:
+    try:
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
 
 
 def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
@@ -66,6 +107,7 @@ class ModelRunner:
         if args.context_length is not None and limit is not None and args.context_length > limit:
             raise ValueError(f"context_length={args.context_length} exceeds the model's {limit}")
         self.context_length = args.context_length or limit or int(getattr(self.config, "max_position_embeddings", 4096))
+        self.chunked_prefill_size = chunked_prefill_size(args, self.device)
         m = self.model
         pools = build_kv_pools(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device, self.context_length,
                                args.max_total_tokens, args.max_running_requests, args.mem_fraction_static)
@@ -114,7 +156,7 @@ class ModelRunner:
 
         m = self.model
         return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
-                                          self.max_total_tokens + 1)
+                                          self.max_total_tokens + 1, context_length=self.context_length)
 
     def _load(self, args: ServerArgs, model_path: str) -> tuple[CausalLM, PretrainedConfig]:
         if args.load_format == "null":

@@ -32,7 +32,16 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mem_fraction_static: float | None = None
     max_running_requests: int | None = None
     max_prefill_tokens: int = 16384
+    # Prompt tokens per prefill forward. None: SGLang's default for the device (by GPU
+    # memory: 2048 under 35 GB, 4096 under 60 GB, 8192 under 160 GB (H100, H200), else
+    # 16384; 2048 on CPU); -1: no chunking (a whole prompt in one forward).
     chunked_prefill_size: int | None = None
+    # Waiting requests past which a new one is refused at once (an abort with status_code
+    # 503; retracted requests always requeue). None: unbounded. 4096 is 16 batches of the
+    # default 256 running requests: past that a new request would wait many times a typical
+    # generation's length, so a fast "retry later" (or another replica) serves it better,
+    # and the queue's per-round scans stay short.
+    max_queued_requests: int | None = 4096
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     disable_radix_cache: bool = False
     # None: the overlap loop on CUDA, off on CPU (there the forward's worker thread and
@@ -56,8 +65,11 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     watchdog_interval: float = 0.5  # seconds between child liveness checks
 
     def __post_init__(self) -> None:
-        _positive(self, "max_total_tokens", "context_length", "max_running_requests", "chunked_prefill_size",
-                  "cuda_graph_max_bs", "max_top_logprobs_num")
+        _positive(self, "max_total_tokens", "context_length", "max_running_requests", "cuda_graph_max_bs",
+                  "max_top_logprobs_num", "max_queued_requests")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1 and self.chunked_prefill_size != -1:
+            raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} is invalid: must be >= 1, -1 for no "
+                             "chunking, or None for the default")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} is invalid: must be >= 1")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
