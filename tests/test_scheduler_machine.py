@@ -40,6 +40,7 @@ steps); SGL_MACHINE_EXAMPLES overrides the examples. Each test prints its counts
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -51,7 +52,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import structlog
 import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -65,7 +65,7 @@ from hypothesis.stateful import (
 )
 
 from sgl.cache.radix_cache import RadixCache, TreeNode
-from sgl.core.log import configure
+from sgl.core.log import ROOT as LOG_ROOT
 from sgl.core.protocol import AbortReq, BatchTokenIDOutput, GenerateReqInput, Message
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
@@ -509,13 +509,14 @@ def machine(model: str, overlap: bool) -> type[SchedulerMachine]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    saved, threads = structlog.get_config(), torch.get_num_threads()
-    configure("error")  # retractions log at info: thousands of lines in a long run
+    log, threads = logging.getLogger(LOG_ROOT), torch.get_num_threads()
+    level = log.level
+    log.setLevel(logging.CRITICAL)  # retractions and planted failures log: thousands of lines in a long run
     torch.set_num_threads(1)  # a model this small only loses to threads fighting over shared cores
     try:
         yield tiny_model_dir(tmp_path_factory.mktemp("sched-machine"), "llama", vocab=VOCAB, seed=5)
     finally:
-        structlog.configure(**saved)
+        log.setLevel(level)
         torch.set_num_threads(threads)
 
 
