@@ -13,7 +13,12 @@
 # (model: SmolLM2's GGUF, carried in parts by benchmarks/model_parts.sh and stashed in
 # /tmp by `parts`, through both attention backends: benchmarks/backend_equality.py).
 #
+# Before the first call on a new machine: `bash benchmarks/gpu_wheels.sh` fills .whl/.
+#
 # What earlier calls taught (each lesson cost device time):
+# - The GPU host lacks msgspec, structlog, pyzmq, gguf and prometheus_client: without
+#   their wheels in .whl (gpu_wheels.sh) the editable install "succeeds" and every
+#   step then dies on `import sgl`.
 # - Everything streams into $OUT/log.txt as it is printed, so a call cut short still
 #   returns what it did. Never pipe a step into `tail`: tail prints nothing until
 #   its input ends, and a killed step then shows nothing at all.
@@ -77,7 +82,11 @@ for step in "$@"; do
     old)
       if [ -d .old ] && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite .old \
           >/dev/null 2>&1; then
-        (cd .old && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH && run 300 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf \
+        # Run from a folder holding only its benchmarks: a checkout's own sgl/ folder on the
+        # path (python -m puts the cwd first) would shadow the installed package.
+        rm -rf /tmp/oldrun && mkdir -p /tmp/oldrun && cp -r .old/benchmarks /tmp/oldrun/
+        (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
+          && run 300 python3 -m benchmarks.w1_w2_gpu --workloads ${OLD_WORKLOADS:-W1,W2} --no-hf \
           && run 300 python3 -m benchmarks.w3_shared_prefix)
       else
         echo "no .old checkout carried, or it failed to install"
