@@ -52,6 +52,3 @@ def configure_logging(level: str = "warning") -> None:
     log.addHandler(handler)
     log.setLevel(LEVELS.get(level, logging.WARNING))
     log.propagate = False
-
-
-configure = configure_logging  # TEMPORARY: removed once tests/test_scheduler_machine.py uses the new name
