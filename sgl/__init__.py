@@ -18,15 +18,15 @@ from sgl.core.server_args import ServerArgs
 if TYPE_CHECKING:
     from sgl.client import Client
     from sgl.core.logit_processor import CustomLogitProcessor
-    from sgl.engine import AsyncEngine, Engine
+    from sgl.engine import AsyncEngine, Engine, EngineDeadError, ServerBusyError
 
-__all__ = ["AsyncEngine", "Client", "CustomLogitProcessor", "Engine", "SamplingParams", "ServerArgs",
-           "configure_logging"]
+__all__ = ["AsyncEngine", "Client", "CustomLogitProcessor", "Engine", "EngineDeadError", "SamplingParams",
+           "ServerArgs", "ServerBusyError", "configure_logging"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Engine", "AsyncEngine"):
+    if name in ("Engine", "AsyncEngine", "EngineDeadError", "ServerBusyError"):
         from sgl import engine
 
         return getattr(engine, name)

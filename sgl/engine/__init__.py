@@ -5,6 +5,6 @@ state of their own."""
 
 from sgl.engine.async_engine import AsyncEngine
 from sgl.engine.sync_engine import Engine
-from sgl.runtime.tokenizer_manager import EngineDeadError
+from sgl.runtime.tokenizer_manager import EngineDeadError, ServerBusyError
 
-__all__ = ["AsyncEngine", "Engine", "EngineDeadError"]
+__all__ = ["AsyncEngine", "Engine", "EngineDeadError", "ServerBusyError"]

@@ -51,6 +51,11 @@ class EngineDeadError(RuntimeError):
     """The scheduler or detokenizer is gone; no request can complete."""
 
 
+class ServerBusyError(RuntimeError):
+    """The scheduler's waiting queue is full (max_queued_requests): retry later. Over
+    HTTP it is a 503, like any RuntimeError of an engine call."""
+
+
 @dataclass(slots=True)
 class _ReqState:
     queue: asyncio.Queue[dict[str, Any] | BaseException]
@@ -195,7 +200,10 @@ class TokenizerManager:
                 item = await st.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item["meta_info"]["finish_reason"] is not None
+                fin = item["meta_info"]["finish_reason"]
+                finished = fin is not None
+                if finished and fin.get("status_code") == 503:
+                    raise ServerBusyError(fin["message"])  # refused before it ran: nothing to return
                 if stream:
                     yield item
                 elif finished:
