@@ -213,12 +213,12 @@ class Scheduler:
             self._abort(msg.rid, "aborted by the client")
         elif isinstance(msg, FlushCacheReq):
             out = self._flush_cache()
-            out.origin = msg.origin
+            out.origin, out.req_id = msg.origin, msg.req_id
             self.send.send(out)
         elif isinstance(msg, GetServerInfoReq):
-            self.send.send(GetServerInfoReqOutput(info=self.info(), origin=msg.origin))
+            self.send.send(GetServerInfoReqOutput(info=self.info(), origin=msg.origin, req_id=msg.req_id))
         elif isinstance(msg, HealthCheckReq):
-            self.send.send(HealthCheckOutput(ok=True, origin=msg.origin))
+            self.send.send(HealthCheckOutput(ok=True, origin=msg.origin, req_id=msg.req_id))
         elif isinstance(msg, (AttachReq, DetachReq)):
             self.send.send(msg)  # routing is the detokenizer's business
         else:

@@ -88,30 +88,36 @@ class BatchStrOutput(msgspec.Struct, tag="batch_str", forbid_unknown_fields=True
 
 class FlushCacheReq(msgspec.Struct, tag="flush_cache", forbid_unknown_fields=True):
     origin: str = ""  # the asking tokenizer manager's client id ("": the engine's own)
+    req_id: int = 0  # echoed in the reply, which the tokenizer manager matches by it
 
 
 class FlushCacheReqOutput(msgspec.Struct, tag="flush_cache_out", forbid_unknown_fields=True):
     success: bool
     message: str = ""
     origin: str = ""
+    req_id: int = 0  # the request's
 
 
 class GetServerInfoReq(msgspec.Struct, tag="server_info", forbid_unknown_fields=True):
     origin: str = ""  # the asking tokenizer manager's client id ("": the engine's own)
+    req_id: int = 0  # echoed in the reply, which the tokenizer manager matches by it
 
 
 class GetServerInfoReqOutput(msgspec.Struct, tag="server_info_out", forbid_unknown_fields=True):
     info: dict[str, Any]
     origin: str = ""
+    req_id: int = 0  # the request's
 
 
 class HealthCheckReq(msgspec.Struct, tag="health", forbid_unknown_fields=True):
     origin: str = ""  # the asking tokenizer manager's client id ("": the engine's own)
+    req_id: int = 0  # echoed in the reply, which the tokenizer manager matches by it
 
 
 class HealthCheckOutput(msgspec.Struct, tag="health_out", forbid_unknown_fields=True):
     ok: bool
     origin: str = ""
+    req_id: int = 0  # the request's
 
 
 class AttachReq(msgspec.Struct, tag="attach", forbid_unknown_fields=True):

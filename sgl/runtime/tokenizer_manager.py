@@ -19,11 +19,14 @@ formatting in sgl/runtime/logprob_format.py."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
+
+import anyio
 
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
@@ -68,9 +71,14 @@ class _ReqState:
     logprobs: dict[str, list[Any]] = field(default_factory=dict)  # non-streaming: accumulated
 
 
+CONTROL_TIMEOUT_S = 30.0  # flush_cache, server_info: the scheduler answers between batches
+HEALTH_TIMEOUT_S = 10.0
+
+
 class TokenizerManager:
     def __init__(self, tokenizer: Any | None, send: Sender, recv: Receiver, limits: RequestLimits,
-                 model_path: str | None = None, client_id: str = "", metrics: Metrics | None = None) -> None:
+                 model_path: str | None = None, client_id: str = "", metrics: Metrics | None = None,
+                 control_timeout: float = CONTROL_TIMEOUT_S, health_timeout: float = HEALTH_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
         self.defaults = generation_defaults(model_path)
         self.limits = limits
@@ -80,7 +88,11 @@ class TokenizerManager:
         self.rid_prefix = f"{client_id}:" if client_id else ""
         self.metrics = metrics
         self.states: dict[str, _ReqState] = {}
-        self.control: dict[type, list[asyncio.Future[Any]]] = {}
+        self.control_timeout = control_timeout
+        self.health_timeout = health_timeout
+        self._control_ids = itertools.count(1)
+        self.pending: dict[int, asyncio.Future[Any]] = {}  # control replies awaited, by req_id
+        self.control: dict[type, list[asyncio.Future[Any]]] = {}  # replies without a req_id, by type
         self.dead: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -225,14 +237,34 @@ class TokenizerManager:
             for r in [r for r in self.states if r.startswith(f"{full}-") and r[len(full) + 1 :].isdigit()]:
                 self.send.send(AbortReq(r))
 
-    async def control_call(self, req: Message, reply_type: type) -> Any:
+    async def control_call(self, req: Message, reply_type: type, timeout: float | None = None) -> Any:
+        """Send a control request and await its reply, matched by a fresh `req_id` where
+        the message has one (a lost reply then fails only its own call), else by type
+        and order. Raise TimeoutError naming the call after `timeout` seconds
+        (control_timeout by default)."""
         self._ensure_started()
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.control.setdefault(reply_type, []).append(fut)
-        self.send.send(req)
-        return await fut
+        key = 0
+        if hasattr(req, "req_id"):
+            key = next(self._control_ids)
+            req.req_id = key
+            self.pending[key] = fut
+        else:
+            self.control.setdefault(reply_type, []).append(fut)
+        limit = self.control_timeout if timeout is None else timeout
+        try:
+            with anyio.fail_after(limit):
+                self.send.send(req)
+                return await fut
+        except TimeoutError:
+            raise TimeoutError(f"{type(req).__name__}: no {reply_type.__name__} within {limit:g} s") from None
+        finally:
+            if key:
+                self.pending.pop(key, None)
+            elif fut in (futs := self.control.get(reply_type, [])):
+                futs.remove(fut)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self.control_call(FlushCacheReq(origin=self.client_id), FlushCacheReqOutput)
@@ -241,7 +273,8 @@ class TokenizerManager:
         return (await self.control_call(GetServerInfoReq(origin=self.client_id), GetServerInfoReqOutput)).info
 
     async def health(self) -> bool:
-        return (await self.control_call(HealthCheckReq(origin=self.client_id), HealthCheckOutput)).ok
+        return (await self.control_call(HealthCheckReq(origin=self.client_id), HealthCheckOutput,
+                                        self.health_timeout)).ok
 
     # ---- receive loop ----------------------------------------------------------
 
@@ -260,16 +293,26 @@ class TokenizerManager:
                 if isinstance(msg, BatchStrOutput):
                     self._dispatch(msg)
                 else:
-                    futs = self.control.get(type(msg))
-                    if futs:
-                        fut = futs.pop(0)
-                        if not fut.done():
-                            fut.set_result(msg)
+                    self._reply(msg)
         except (ChannelClosed, asyncio.CancelledError):
             pass
         except Exception as e:  # the receive path itself broke: nothing can complete
             self.log.exception("receive loop failed")
             self._fail(EngineDeadError(f"the engine's receive loop failed: {e}"))
+
+    def _reply(self, msg: Message) -> None:
+        key = getattr(msg, "req_id", 0)
+        if key:
+            fut = self.pending.pop(key, None)
+            if fut is None:  # its call timed out or was cancelled
+                self.log.warning("dropped a late control reply", type=type(msg).__name__, req_id=key)
+                return
+        elif futs := self.control.get(type(msg)):
+            fut = futs.pop(0)
+        else:
+            return
+        if not fut.done():
+            fut.set_result(msg)
 
     def _dispatch(self, b: BatchStrOutput) -> None:
         now = time.monotonic()
@@ -335,10 +378,10 @@ class TokenizerManager:
     def _fail(self, error: BaseException) -> None:
         self.dead = error
         self.fail_requests(str(error), EngineDeadError)
-        for futs in self.control.values():
-            for fut in futs:
-                if not fut.done():
-                    fut.set_exception(error)
+        for fut in [*self.pending.values(), *(f for futs in self.control.values() for f in futs)]:
+            if not fut.done():
+                fut.set_exception(error)
+        self.pending.clear()
         self.control.clear()
 
     async def close(self) -> None:

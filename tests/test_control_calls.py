@@ -1,0 +1,112 @@
+"""Control calls are matched to their replies by req_id and time out: a reply that
+never comes fails only its own call, and replies arriving out of order still reach
+the calls that asked for them. A fake channel pair stands in for the engine."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from sgl.core.protocol import GetServerInfoReq, GetServerInfoReqOutput, HealthCheckReq, Message
+from sgl.core.request_checks import RequestLimits
+from sgl.runtime.tokenizer_manager import TokenizerManager
+from sgl.transports.channel import ChannelClosed, Receiver, Sender
+
+LIMITS = RequestLimits(vocab_size=100, context_length=64, max_total_tokens=64, has_tokenizer=False)
+BACKENDS = [pytest.param("asyncio", id="asyncio")]
+try:
+    import uvloop  # noqa: F401
+
+    BACKENDS.append(pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"))
+except ImportError:
+    pass
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+class FakeSender(Sender):
+    def __init__(self) -> None:
+        self.sent: list[Message] = []
+
+    def send(self, msg: Message) -> None:
+        self.sent.append(msg)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeReceiver(Receiver):
+    def __init__(self) -> None:
+        self.q: asyncio.Queue[Message | None] = asyncio.Queue()
+
+    def recv(self, timeout: float | None = None) -> Message | None:
+        raise NotImplementedError
+
+    async def recv_async(self) -> Message:
+        msg = await self.q.get()
+        if msg is None:
+            raise ChannelClosed("closed")
+        return msg
+
+    def close(self) -> None:
+        self.q.put_nowait(None)
+
+
+def reply(req: Message, tag: str) -> GetServerInfoReqOutput:
+    assert isinstance(req, GetServerInfoReq) and req.req_id
+    return GetServerInfoReqOutput(info={"tag": tag}, req_id=req.req_id)
+
+
+async def wait_sent(send: FakeSender, n: int) -> None:
+    while len(send.sent) < n:
+        await asyncio.sleep(0)
+
+
+@pytest.mark.anyio
+async def test_lost_reply_times_out_and_later_calls_get_their_own() -> None:
+    send, recv = FakeSender(), FakeReceiver()
+    tm = TokenizerManager(None, send, recv, LIMITS, control_timeout=0.2, health_timeout=0.1)
+    try:
+        with pytest.raises(TimeoutError, match="GetServerInfoReq"):
+            await tm.server_info()  # its reply never comes
+        with pytest.raises(TimeoutError, match="HealthCheckReq"):
+            await tm.health()
+        assert isinstance(send.sent[1], HealthCheckReq)
+        a = asyncio.ensure_future(tm.server_info())
+        b = asyncio.ensure_future(tm.server_info())
+        await wait_sent(send, 4)
+        req_a, req_b = send.sent[2], send.sent[3]
+        recv.q.put_nowait(reply(send.sent[0], "late"))  # the timed-out call's reply, dropped
+        recv.q.put_nowait(reply(req_b, "b"))  # reverse order
+        recv.q.put_nowait(reply(req_a, "a"))
+        assert (await a)["tag"] == "a" and (await b)["tag"] == "b"
+        assert not tm.pending
+    finally:
+        recv.close()
+        await tm.close()
+
+
+@pytest.mark.anyio
+async def test_cancelled_call_forgets_its_future() -> None:
+    send, recv = FakeSender(), FakeReceiver()
+    tm = TokenizerManager(None, send, recv, LIMITS)
+    try:
+        t = asyncio.ensure_future(tm.server_info())
+        await wait_sent(send, 1)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert not tm.pending
+        c = asyncio.ensure_future(tm.server_info())
+        await wait_sent(send, 2)
+        recv.q.put_nowait(reply(send.sent[0], "stale"))
+        recv.q.put_nowait(reply(send.sent[1], "c"))
+        assert (await c)["tag"] == "c"
+    finally:
+        recv.close()
+        await tm.close()
