@@ -74,3 +74,38 @@ def msgspec_decode(frame: bytes) -> Message:
     from sgl.transports.codec import Codec
 
     return Codec().decode(frame)
+
+
+def test_attach_is_refused_twice_without_key_identity_and_replaced_with_it() -> None:
+    """Without keys (the shared-key mode) a second attach under an attached id is refused;
+    where ids are bound to keys (CURVE: the scheduler let only its owner send it) it
+    replaces the first route. A route the opener refuses (no allowed key has that id)
+    is never made."""
+    from sgl.core.protocol import AttachReq, AttachReqOutput, DetachReq
+
+    opened: list[tuple[str, str]] = []
+    routes: dict[str, _Collect] = {}
+
+    def opener(client_id: str, address: str) -> Sender:
+        if client_id == "unknown":
+            raise ValueError("no allowed key has that id")
+        opened.append((client_id, address))
+        routes[address] = _Collect()
+        return routes[address]
+
+    for replace in (False, True):
+        opened.clear()
+        router = OutputRouter(_Collect(), opener, replace=replace)
+        router.send(AttachReq("c1", "tcp://h:1"))
+        router.send(AttachReq("c1", "tcp://h:2"))
+        router.send(AttachReq("unknown", "tcp://h:3"))
+        assert "unknown" not in router.routes
+        if replace:
+            assert opened == [("c1", "tcp://h:1"), ("c1", "tcp://h:2")] and router.routes["c1"] is routes["tcp://h:2"]
+            assert routes["tcp://h:2"].got == [AttachReqOutput("c1", True)]
+        else:
+            assert opened == [("c1", "tcp://h:1")] and router.routes["c1"] is routes["tcp://h:1"]
+        router.send(BatchStrOutput(["c1:x"], ["t"], [[1]], [None], [1], [1], [0], [None]))
+        assert len(router.routes["c1"].got) == 2  # type: ignore[attr-defined]
+        router.send(DetachReq("c1"))
+        assert not router.routes

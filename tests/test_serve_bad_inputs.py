@@ -1,6 +1,6 @@
 """Bad input, table-driven, across HTTP (native and OpenAI routes), the Python API
 (an AsyncEngine attached over tcp, ServerArgs) and the tcp transport (unsigned,
-wrongly signed, short, malformed, oversized frames). Each case gets a clear
+wrongly signed, short, replayed, malformed, oversized frames). Each case gets a clear
 error naming what is wrong; after each the server still answers a request and
 its KV accounting balances."""
 
@@ -12,7 +12,6 @@ import hmac
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -22,6 +21,7 @@ import zmq
 import sgl
 from sgl.core.protocol import GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
+from sgl.transports.auth import new_session, sign
 from tests.serve_util import ServerProc
 
 API_KEY = "sk-bad-inputs"
@@ -71,12 +71,13 @@ class Py:
 @dataclass(frozen=True)
 class Frame:
     make: Callable[[], bytes]
-    log_says: str
+    counter: str  # the scheduler's transport_refused_* count that must go up ("": none); logs say it once per peer
+    times: int = 1  # sends of the same frame
 
 
 def _signed(payload: bytes, key: str = TRANSPORT_KEY) -> bytes:
-    k = bytes.fromhex(key)
-    return hmac.new(k, payload, hashlib.sha256).digest() + payload
+    """The shared-key format: HMAC tag, a fresh session, sequence number 0, the payload."""
+    return sign(bytes.fromhex(key), new_session(), 0, payload)
 
 
 def _msg(**kw: Any) -> bytes:
@@ -214,18 +215,21 @@ CASES: dict[str, Http | Py | Frame] = {
     "py-server-args-type": Py(lambda e: sgl.ServerArgs.from_kwargs(max_total_tokens="many"), "max_total_tokens"),
     "py-connect-not-tcp": Py(lambda e: sgl.AsyncEngine.connect("ipc:///tmp/x"), "scheduler_address"),
     "py-listen-public-unkeyed": Py(lambda e: __import__("sgl.transports.factory", fromlist=["x"]).open_receiver(
-        "tcp://0.0.0.0:0"), "without a transport_key"),
+        "tcp://0.0.0.0:0"), "without keys.*sgl keys new DIR"),
     # ---- tcp transport frames sent straight at the scheduler
-    "tcp-unsigned": Frame(lambda: _msg(), "dropped unauthenticated frame"),
-    "tcp-wrong-key": Frame(lambda: _signed(_msg(), "77" * 32), "dropped unauthenticated frame"),
-    "tcp-short": Frame(lambda: b"abc", "dropped unauthenticated frame"),
-    "tcp-signed-garbage": Frame(lambda: _signed(b"\xc1\xc1 not msgpack"), "dropped malformed frame"),
+    "tcp-unsigned": Frame(lambda: _msg(), "transport_refused_auth"),
+    "tcp-wrong-key": Frame(lambda: _signed(_msg(), "77" * 32), "transport_refused_auth"),
+    "tcp-old-format": Frame(lambda: hmac.new(bytes.fromhex(TRANSPORT_KEY), _msg(), hashlib.sha256).digest() + _msg(),
+                            "transport_refused_auth"),  # signed, but without session and sequence number
+    "tcp-short": Frame(lambda: b"abc", "transport_refused_auth"),
+    "tcp-replayed": Frame(lambda: _signed(_msg(rid="raw-replay")), "transport_refused_replay", times=3),
+    "tcp-signed-garbage": Frame(lambda: _signed(b"\xc1\xc1 not msgpack"), "transport_refused_malformed"),
     "tcp-signed-unknown-tag": Frame(lambda: _signed(msgspec.msgpack.encode({"type": "nope"})),
-                                    "dropped malformed frame"),
+                                    "transport_refused_malformed"),
     "tcp-signed-wrong-types": Frame(lambda: _signed(msgspec.msgpack.encode(
-        {"type": "generate", "rid": 1, "input_ids": "x", "sampling_params": {}})), "dropped malformed frame"),
+        {"type": "generate", "rid": 1, "input_ids": "x", "sampling_params": {}})), "transport_refused_malformed"),
     "tcp-signed-out-of-vocab": Frame(lambda: _signed(_msg(rid="raw-oov", input_ids=[10**7])), ""),
-    "tcp-oversized": Frame(lambda: _signed(b"\x00" * (64 * 1024 * 1024 + 128)), "dropped oversized frame"),
+    "tcp-oversized": Frame(lambda: _signed(b"\x00" * (64 * 1024 * 1024 + 128)), "transport_refused_malformed"),
 }
 
 
@@ -255,29 +259,30 @@ def test_bad_input(name: str, server: ServerProc, attached: tuple[asyncio.Abstra
             if asyncio.iscoroutine(out):
                 loop.run_until_complete(out)
     else:
-        log_path: Path = server.log_path  # type: ignore[attr-defined]
-        before = log_path.read_text(errors="replace").count(case.log_says) if case.log_says else 0
+        before = server.info()[case.counter] if case.counter else 0
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(server.scheduler_address)
-        sock.send(case.make())
+        frame = case.make()
+        for _ in range(case.times):
+            sock.send(frame)
         sock.close()
-        if case.log_says:
-            _wait_for_log(log_path, case.log_says, before)
+        if case.counter:
+            _wait_for_count(server, case.counter, before + case.times - (case.counter == "transport_refused_replay"))
     _check_serving(server)
     server.assert_balanced()
 
 
-def _wait_for_log(path: Path, text: str, before: int, timeout: float = 10.0) -> None:
-    """Until the log holds one more `text` than it did before the frame was sent."""
+def _wait_for_count(server: ServerProc, counter: str, least: float, timeout: float = 10.0) -> None:
+    """Until the scheduler's `counter` (get_server_info) reaches `least`."""
     import time
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.read_text(errors="replace").count(text) > before:
+        if server.info()[counter] >= least:
             return
         time.sleep(0.05)
-    raise AssertionError(f"the server never logged {text!r}")
+    raise AssertionError(f"{counter} never reached {least}")
 
 
 def test_case_count() -> None:

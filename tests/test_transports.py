@@ -1,16 +1,23 @@
-"""The codec and the three channel implementations, over real sockets for ZMQ."""
+"""The codec and the three channel implementations, over real sockets for ZMQ (tcp plain,
+under CURVE, and under the shared HMAC key)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
 import msgspec
 import pytest
+import zmq
 
 from sgl.core.protocol import (
     AbortReq,
+    AttachReq,
     BatchStrOutput,
     BatchTokenIDOutput,
+    DetachReq,
+    FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetServerInfoReqOutput,
@@ -19,8 +26,16 @@ from sgl.core.protocol import (
     ShutdownReq,
 )
 from sgl.core.sampling_params import SamplingParams
+from sgl.runtime.identity import client_id_of, scheduler_policy
+from sgl.transports.auth import new_session, sign
+from sgl.transports.channel import Peer, Receiver, Sender
 from sgl.transports.codec import Codec, DecodeError
+from sgl.transports.curve import CurveClient, CurveServer
 from sgl.transports.factory import make_addresses, open_receiver, open_sender
+from sgl.transports.keys import KeySet, new_pair
+
+# tcp three ways: plain (loopback only), CURVE, and the shared HMAC key.
+CHANNELS = ["inproc", "ipc", "tcp", "tcp-curve", "tcp-hmac"]
 
 MESSAGES = [
     GenerateReqInput("r1", [1, 2, 3], SamplingParams(temperature=0.5, top_k=3, stop_token_ids=[7]), stream=True),
@@ -64,11 +79,19 @@ def test_codec_rejects_bad_frames(frame: bytes) -> None:
         Codec().decode(frame)
 
 
-@pytest.mark.parametrize("transport", ["inproc", "ipc", "tcp"])
+def _ends(transport: str, address: str) -> tuple[Receiver, Sender]:
+    if transport == "tcp-curve":
+        server, client = new_pair(), new_pair()
+        recv = open_receiver(address, curve=CurveServer(server, (client.public,)))
+        return recv, open_sender(address, curve=CurveClient(client, server.public))
+    key = "ab" * 32 if transport == "tcp-hmac" else None
+    return open_receiver(address, key), open_sender(address, key)
+
+
+@pytest.mark.parametrize("transport", CHANNELS)
 def test_channel_delivers_in_order_and_survives_malformed_frames(transport: str) -> None:
-    addrs = make_addresses(transport)
-    recv = open_receiver(addrs.to_scheduler)
-    send = open_sender(addrs.to_scheduler)
+    addrs = make_addresses(transport.split("-")[0])
+    recv, send = _ends(transport, addrs.to_scheduler)
     try:
         send.send(MESSAGES[0])
         send.send_raw(b"not msgpack at all")  # type: ignore[attr-defined]
@@ -87,11 +110,10 @@ def test_channel_delivers_in_order_and_survives_malformed_frames(transport: str)
             shutil.rmtree(addrs.ipc_dir)
 
 
-@pytest.mark.parametrize("transport", ["inproc", "ipc", "tcp"])
+@pytest.mark.parametrize("transport", CHANNELS)
 def test_channel_async_receive(transport: str) -> None:
-    addrs = make_addresses(transport)
-    recv = open_receiver(addrs.to_tokenizer)
-    send = open_sender(addrs.to_tokenizer)
+    addrs = make_addresses(transport.split("-")[0])
+    recv, send = _ends(transport, addrs.to_tokenizer)
 
     async def main() -> list[object]:
         async def later() -> None:
@@ -124,3 +146,112 @@ def test_inproc_receiver_woken_from_another_thread() -> None:
 
     assert asyncio.run(main()) == ShutdownReq()
     recv.close()
+
+
+def test_a_curve_receiver_closed_and_reopened_on_one_loop_keeps_working() -> None:
+    """Nothing of a closed CURVE receiver stays registered with the event loop."""
+    server, client = new_pair(), new_pair()
+
+    async def once(i: int) -> object:
+        recv = open_receiver("tcp://127.0.0.1:0", curve=CurveServer(server, (client.public,)))
+        send = open_sender(recv.address, curve=CurveClient(client, server.public))  # type: ignore[attr-defined]
+        try:
+            send.send(AbortReq(f"r{i}"))
+            return await asyncio.wait_for(recv.recv_async(), 5)
+        finally:
+            send.close()
+            recv.close()
+
+    async def main() -> list[object]:
+        return [await once(i) for i in range(3)]
+
+    assert asyncio.run(main()) == [AbortReq(f"r{i}") for i in range(3)]
+
+
+def test_listening_off_loopback_without_keys_is_refused() -> None:
+    with pytest.raises(ValueError, match="sgl keys new DIR.*--transport-keys DIR"):
+        open_receiver("tcp://0.0.0.0:0")
+
+
+def test_hmac_mode_drops_replayed_and_reordered_frames() -> None:
+    key = "5e" * 32
+    recv = open_receiver("tcp://127.0.0.1:0", key)
+    codec = msgspec.msgpack.Encoder()
+    session = new_session()
+    frames = [sign(bytes.fromhex(key), session, i, codec.encode(AbortReq(f"r{i}"))) for i in range(4)]
+    ctx = zmq.Context.instance()
+    socks: list[zmq.Socket[bytes]] = []
+    try:
+        first = ctx.socket(zmq.PUSH)
+        socks.append(first)
+        first.connect(recv.address)
+        for f in (frames[0], frames[2], frames[2], frames[1], frames[3]):  # a repeat, then one out of order
+            first.send(f)
+        assert [recv.recv(timeout=5) for _ in range(3)] == [AbortReq("r0"), AbortReq("r2"), AbortReq("r3")]
+        assert recv.recv(timeout=0.3) is None
+        again = ctx.socket(zmq.PUSH)  # a new connection replays the lot
+        socks.append(again)
+        again.connect(recv.address)
+        for f in frames:
+            again.send(f)
+        assert recv.recv(timeout=0.5) is None
+        counts: dict[str, float] = {}
+        recv.count_into(counts)
+        assert counts["transport_refused_replay"] == 6 and counts["transport_refused"] == 6
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        recv.close()
+
+
+def test_curve_channel_stamps_the_sender_and_refuses_unknown_keys() -> None:
+    srv, good, bad = new_pair(), new_pair(), new_pair()
+    seen: list[str] = []
+
+    def policy(msg: Any, peer: Peer) -> str | None:
+        seen.append(peer.key)
+        return "not this one" if isinstance(msg, ShutdownReq) else None
+
+    recv = open_receiver("tcp://127.0.0.1:0", curve=CurveServer(srv, (good.public,)), policy=policy)
+    ok = open_sender(recv.address, curve=CurveClient(good, srv.public))
+    evil = open_sender(recv.address, curve=CurveClient(bad, srv.public))
+    plain = open_sender(recv.address)  # no CURVE at all
+    try:
+        for s in (evil, plain):
+            s.send(AbortReq("evil"))
+        ok.send(ShutdownReq())
+        ok.send(AbortReq("mine"))
+        assert recv.recv(timeout=5) == AbortReq("mine")
+        counts: dict[str, float] = {}
+        recv.count_into(counts)
+        deadline = time.monotonic() + 10
+        while counts["transport_refused_auth"] < 2 and time.monotonic() < deadline:
+            assert recv.recv(timeout=0.1) is None  # waiting serves the handshakes of the other two
+        assert counts["transport_refused_policy"] == 1 and counts["transport_refused_auth"] >= 2, counts
+        assert set(seen) == {good.public}
+    finally:
+        for s in (ok, evil, plain):
+            s.close()
+        recv.close()
+
+
+def _req(rid: str, leader: str | None = None) -> GenerateReqInput:
+    return GenerateReqInput(rid, [1], SamplingParams(max_new_tokens=1), prefix_leader=leader)
+
+
+def test_scheduler_policy_binds_rids_attach_and_control_to_the_key() -> None:
+    server, a, b, admin = new_pair(), new_pair(), new_pair(), new_pair()
+    check = scheduler_policy(KeySet(server, (a.public, b.public), (admin.public,)))
+    pa, padmin, internal = Peer(a.public), Peer(admin.public), Peer(server.public)
+    ca, cb, cadmin = client_id_of(a.public), client_id_of(b.public), client_id_of(admin.public)
+    allowed = [(_req(f"{ca}:r"), pa), (_req(f"{ca}:r-1", f"{ca}:r-0"), pa), (AbortReq(f"{ca}:r"), pa),
+               (AttachReq(ca, "tcp://h:1"), pa), (DetachReq(ca), pa), (HealthCheckReq(ca), pa),
+               (FlushCacheReq(cadmin), padmin), (ShutdownReq(), padmin), (ShutdownReq(), internal),
+               (_req("no-prefix"), internal), (AbortReq(f"{cb}:r"), internal), (_req(f"{cb}:r"), Peer(b.public))]
+    refused = [(_req(f"{cb}:r"), pa), (_req("r"), pa), (_req(f"{ca}:r-1", f"{cb}:r-0"), pa),
+               (AbortReq(f"{cb}:r"), pa), (AbortReq(f"{ca}"), pa), (AttachReq(cb, "tcp://h:1"), pa),
+               (DetachReq(cb), pa), (HealthCheckReq(cb), pa), (HealthCheckReq(""), pa),
+               (FlushCacheReq(ca), pa), (ShutdownReq(), pa), (FlushCacheReq(ca), padmin)]
+    assert [check(m, p) for m, p in allowed] == [None] * len(allowed)
+    assert all(check(m, p) for m, p in refused)
+    assert ca != cb and ca.startswith("k") and len(ca) == 25

@@ -2,7 +2,8 @@
 
 `make_addresses` picks the three channel addresses of one engine; `open_sender`
 and `open_receiver` turn an address into a channel by its scheme
-(inproc://, ipc://, tcp://)."""
+(inproc://, ipc://, tcp://). Over tcp a channel is CURVE (`curve=`), shared-key
+HMAC (`key=`), or, on loopback only, plain; the other schemes ignore both."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import uuid
 import msgspec
 
 from sgl.transports.auth import key_bytes
-from sgl.transports.channel import Receiver, Sender
+from sgl.transports.channel import Policy, Receiver, Sender
+from sgl.transports.curve import CurveClient, CurveServer
 
 
 class Addresses(msgspec.Struct, frozen=True):
@@ -50,25 +52,30 @@ def make_addresses(transport: str, host: str = "127.0.0.1") -> Addresses:
     raise ValueError(f"transport={transport!r} is invalid: must be 'inproc', 'ipc' or 'tcp'")
 
 
-def open_sender(address: str, key: str | None = None, block: bool = True) -> Sender:
-    """`key` (hex) signs every frame on tcp://; the other schemes ignore it. A sender
-    with `block=False` raises ChannelFull at its queue's bound instead of waiting
-    (in-process queues are unbounded: both ends share one process's memory)."""
+def open_sender(address: str, key: str | None = None, block: bool = True, curve: CurveClient | None = None) -> Sender:
+    """`curve` (this end's key pair and the receiver's public key) encrypts every frame
+    on tcp://; else `key` (hex) signs it. A sender with `block=False` raises
+    ChannelFull at its queue's bound instead of waiting (in-process queues are
+    unbounded: both ends share one process's memory)."""
     if address.startswith("inproc://"):
         from sgl.transports.inproc import InprocSender
 
         return InprocSender(address)
     from sgl.transports.zmq_channel import ZmqSender
 
-    return ZmqSender(address, key_bytes(key), block)
+    return ZmqSender(address, key_bytes(key), block, curve)
 
 
-def open_receiver(address: str, key: str | None = None) -> Receiver:
-    """`key` (hex) is required of every frame on tcp://; the other schemes ignore it."""
+def open_receiver(address: str, key: str | None = None, curve: CurveServer | None = None,
+                  policy: Policy | None = None) -> Receiver:
+    """On tcp://, `curve` (this end's key pair and the peer keys it accepts) makes it a
+    CURVE server and `policy` is asked about every message with its sender (CURVE
+    only: the other modes know no sender); else `key` (hex) is required of every
+    frame."""
     if address.startswith("inproc://"):
         from sgl.transports.inproc import InprocReceiver
 
         return InprocReceiver(address)
     from sgl.transports.zmq_channel import ZmqReceiver
 
-    return ZmqReceiver(address, key_bytes(key))
+    return ZmqReceiver(address, key_bytes(key), curve, policy)

@@ -24,7 +24,10 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"  # the HTTP server's address, and the tcp transport's
     port: int = 30000  # the HTTP server's port (0: any free port)
     api_key: str | None = None  # Bearer token guarding every HTTP endpoint but /health
-    transport_key: str | None = None  # tcp transport HMAC secret (hex); None: generated per engine
+    transport_key: str | None = None  # tcp transport shared HMAC secret (hex): the legacy mode, one identity for all
+    # tcp transport CURVE keys: a folder from `sgl keys new DIR` (server.key_secret, allowed/,
+    # admin/). None (and no transport_key): an ephemeral key pair per engine, no clients.
+    transport_keys: str | None = None
     served_model_name: str | None = None  # the model's name on /v1 (default: the model path)
     max_request_bytes: int = 4 * 1024 * 1024  # largest HTTP request body accepted
 
@@ -87,6 +90,9 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ValueError("transport_key is invalid: must be a hex string") from None
             if len(key) < 16:
                 raise ValueError("transport_key is invalid: must hold at least 16 bytes (32 hex digits)")
+        if self.transport_keys is not None and self.transport_key is not None:
+            raise ValueError("transport_keys and transport_key are invalid together: give CURVE keys (a folder) or "
+                             "a shared HMAC key, not both")
         if self.watchdog_interval <= 0:
             raise ValueError(f"watchdog_interval={self.watchdog_interval} is invalid: must be > 0")
 

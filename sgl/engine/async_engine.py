@@ -12,19 +12,16 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
-import secrets
 import shutil
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
-
-import msgspec
 
 from sgl.core.log import configure, get_logger
 from sgl.core.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
 from sgl.core.request_checks import RequestLimits, limits_of
 from sgl.core.server_args import ServerArgs
 from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
+from sgl.runtime.identity import Security, attach_channels
 from sgl.runtime.launch import (
     RoleHandle,
     Watchdog,
@@ -41,7 +38,7 @@ from sgl.runtime.roles import ChildConfig
 from sgl.runtime.streams import merge_streams
 from sgl.runtime.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl.transports.channel import Receiver
-from sgl.transports.factory import make_addresses, open_receiver, open_sender
+from sgl.transports.factory import make_addresses
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
 
@@ -81,7 +78,7 @@ class AsyncEngine:
         self.model_path = resolve_model_path(self.args)
         tokenizer = self._load_tokenizer()
         self.addresses = make_addresses(self.args.transport, self.args.host)
-        recv = open_receiver(self.addresses.to_tokenizer, self.args.transport_key)
+        recv = self.security.receiver(self.addresses.to_tokenizer, "tokenizer")
         try:
             roles, infos = start_roles(self._child_configs(), in_threads=self.args.transport == "inproc")
         except BaseException:
@@ -97,7 +94,7 @@ class AsyncEngine:
         self._configure(model_path, kwargs)
         self.model_path = await off_loop(resolve_model_path, self.args)
         self.addresses = make_addresses(self.args.transport, self.args.host)
-        recv = open_receiver(self.addresses.to_tokenizer, self.args.transport_key)
+        recv = self.security.receiver(self.addresses.to_tokenizer, "tokenizer")
         roles: list[RoleHandle] = []
         try:
             roles = spawn_roles(self._child_configs(), in_threads=self.args.transport == "inproc")
@@ -113,10 +110,8 @@ class AsyncEngine:
 
     def _configure(self, model_path: str | None, kwargs: dict[str, Any]) -> None:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
-        if self.args.transport == "tcp" and self.args.transport_key is None:
-            # Every tcp frame is signed; the children get this key through their config.
-            made = os.environ.get("SGL_TRANSPORT_KEY") or secrets.token_hex(32)
-            self.args = ServerArgs.from_kwargs(**{**msgspec.structs.asdict(self.args), "transport_key": made})
+        # tcp: CURVE keys (transport_keys, or made for this engine) or the shared key; the children get them.
+        self.security = Security.of(self.args)
         configure(self.args.log_level)
         self.log = get_logger("engine")
         self._closed = False
@@ -133,7 +128,7 @@ class AsyncEngine:
 
     def _child_configs(self) -> list[ChildConfig]:
         tokenizer_path = self.args.tokenizer_path or self.model_path
-        return [ChildConfig(role, self.args, self.model_path, tokenizer_path, self.addresses)
+        return [ChildConfig(role, self.args, self.model_path, tokenizer_path, self.addresses, self.security)
                 for role in ("scheduler", "detokenizer")]
 
     def _finish(self, roles: list[RoleHandle], infos: dict[str, dict[str, Any]], tokenizer: Any,
@@ -141,7 +136,7 @@ class AsyncEngine:
         self._roles = roles
         self.info = infos["scheduler"]
         self.tokenizer = tokenizer
-        self.tm = TokenizerManager(tokenizer, open_sender(self.addresses.to_scheduler, self.args.transport_key), recv,
+        self.tm = TokenizerManager(tokenizer, self.security.sender(self.addresses.to_scheduler), recv,
                                    limits_of(self.info, tokenizer is not None, self.args.custom_logit_processors),
                                    self.model_path, metrics=self.metrics)
         self._watchdog = Watchdog(self._roles, self.args.watchdog_interval, self._on_role_death)
@@ -159,10 +154,16 @@ class AsyncEngine:
         host: str = "127.0.0.1",
         timeout: float = 10.0,
         heartbeat_interval: float = 1.0,
+        keys: str | None = None,
+        server_key: str | None = None,
     ) -> AsyncEngine:
         """Attach to the scheduler of a running engine (`sgl serve --transport tcp`).
 
-        `transport_key` is that engine's key (hex; `SGL_TRANSPORT_KEY` if None).
+        Under CURVE (the server runs with `--transport-keys DIR`), `keys` is this
+        client's NAME.key_secret (its public key in the server's DIR/allowed/) and
+        `server_key` the server's DIR/server.key (or its z85 text); the client id is
+        the key's. Else `transport_key` is that engine's shared key (hex;
+        `SGL_TRANSPORT_KEY` if None).
         Outputs come back to a socket bound on `host` at a free port. A health
         check every `heartbeat_interval` seconds stands in for the watchdog: a
         scheduler silent for `timeout` seconds fails every pending request."""
@@ -179,10 +180,9 @@ class AsyncEngine:
         self._watchdog = Watchdog([], 1.0, lambda h: None)
         self.metrics = Metrics()
         self.addresses = make_addresses("inproc")  # unused: no roles of our own
-        recv = open_receiver(f"tcp://{host}:0", key)
-        client_id = "c" + uuid.uuid4().hex[:16]
+        send, recv, client_id = attach_channels(scheduler_address, host, key, keys, server_key)
         # Limits unknown until the scheduler answers; requests wait for that anyway.
-        self.tm = TokenizerManager(None, open_sender(scheduler_address, key), recv, RequestLimits(0, 0, 0, False),
+        self.tm = TokenizerManager(None, send, recv, RequestLimits(0, 0, 0, False),
                                    client_id=client_id, metrics=self.metrics)
         try:
             await asyncio.wait_for(self.tm.control_call(AttachReq(client_id, recv.address), AttachReqOutput), timeout)  # type: ignore[attr-defined]
@@ -192,7 +192,8 @@ class AsyncEngine:
             self.tm.send.close()
             self.tm.recv.close()
             raise ConnectionError(f"no scheduler answered at {scheduler_address} within {timeout}s "
-                                  "(is it running with the tcp transport, and is the transport_key right?)") from None
+                                  "(is it running with the tcp transport, and are the transport_key or keys right, "
+                                  "this client's public key in its allowed/ folder?)") from None
         self.model_path = self.info["model_path"] or resolve_model_path(self.args)
         if not skip_tokenizer_init:
             from sgl.sched.models.tokenizer import load_tokenizer

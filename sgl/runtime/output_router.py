@@ -4,9 +4,18 @@ a tokenizer manager in another process that attached over the tcp transport.
 An attached client is known by its client id: its rids travel as
 "<client_id>:<rid>" and its control requests carry `origin=client_id`. The
 router is a Sender, so the detokenizer sends through it unchanged. It never
-decodes text and never drops an output of a known client."""
+decodes text and never drops an output of a known client.
+
+Routes are opened by a callable from the engine's transport security
+(sgl.runtime.identity.Security.route): under CURVE a route connects only to the
+holder of that client's key, and the scheduler's policy has already checked that
+an AttachReq names its sender's own client id, so a second attach under an id
+comes from the same key and replaces the first. Where ids are not bound to keys
+(the shared-key mode) a second attach under an attached id is refused."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
@@ -22,6 +31,13 @@ from sgl.transports.factory import open_sender
 
 RID_SEP = ":"
 
+# (client_id, address) -> a non-blocking sender to that client; ValueError refuses the attach.
+RouteOpener = Callable[[str, str], Sender]
+
+
+def plain_route(client_id: str, address: str) -> Sender:
+    return open_sender(address, block=False)
+
 
 def client_of(rid: str) -> str:
     """The client id a wire rid belongs to ("" when it has none)."""
@@ -30,9 +46,10 @@ def client_of(rid: str) -> str:
 
 
 class OutputRouter(Sender):
-    def __init__(self, default: Sender, key: str | None) -> None:
+    def __init__(self, default: Sender, open_route: RouteOpener | None = None, replace: bool = False) -> None:
         self.default = default
-        self.key = key
+        self.open_route = open_route or plain_route
+        self.replace = replace  # a second attach under an attached id replaces the route (ids bound to keys)
         self.routes: dict[str, Sender] = {}
         self.log = get_logger("output_router")
 
@@ -54,11 +71,20 @@ class OutputRouter(Sender):
         if not msg.address.startswith("tcp://") or not msg.client_id or RID_SEP in msg.client_id:
             self.log.warning("refused attach", client_id=msg.client_id, address=msg.address)
             return
+        if msg.client_id in self.routes and not self.replace:
+            self.log.warning("refused attach: that client id is attached already", client_id=msg.client_id,
+                             address=msg.address)
+            return
+        try:
+            # Never blocking: a client that went away must not stall the outputs of everyone else.
+            route = self.open_route(msg.client_id, msg.address)
+        except ValueError as e:
+            self.log.warning("refused attach", client_id=msg.client_id, address=msg.address, error=str(e))
+            return
         old = self.routes.pop(msg.client_id, None)
         if old is not None:
             old.close()
-        # Never blocking: a client that went away must not stall the outputs of everyone else.
-        self.routes[msg.client_id] = open_sender(msg.address, self.key, block=False)
+        self.routes[msg.client_id] = route
         self._to_client(msg.client_id, AttachReqOutput(msg.client_id, True))
         self.log.info("client attached", client_id=msg.client_id, address=msg.address)
 

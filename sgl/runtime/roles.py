@@ -14,7 +14,8 @@ import msgspec
 
 from sgl.core.log import get_logger
 from sgl.core.server_args import ServerArgs
-from sgl.transports.factory import Addresses, open_receiver, open_sender
+from sgl.runtime.identity import Security
+from sgl.transports.factory import Addresses
 
 Role = Literal["scheduler", "detokenizer"]
 
@@ -25,6 +26,8 @@ class ChildConfig(msgspec.Struct, frozen=True):
     model_path: str
     tokenizer_path: str | None
     addresses: Addresses
+    # The engine's transport keys. None: from server_args (an ephemeral CURVE set must come from the engine).
+    security: Security | None = None
 
 
 def run_role(cfg: ChildConfig, report: Callable[[dict[str, Any]], None]) -> None:
@@ -47,16 +50,18 @@ def run_role(cfg: ChildConfig, report: Callable[[dict[str, Any]], None]) -> None
 
 
 def _build(cfg: ChildConfig) -> Any:
-    a, key = cfg.addresses, cfg.server_args.transport_key
+    a, sec = cfg.addresses, cfg.security or Security.of(cfg.server_args)
     if cfg.role == "scheduler":
         from sgl.sched.scheduler import Scheduler
 
-        recv = open_receiver(a.to_scheduler, key)
-        return Scheduler(cfg.server_args, cfg.model_path, recv, open_sender(a.to_detokenizer, key))
+        recv = sec.receiver(a.to_scheduler, "scheduler")
+        sched = Scheduler(cfg.server_args, cfg.model_path, recv, sec.sender(a.to_detokenizer))
+        recv.count_into(sched.stats)  # refused frames show in get_server_info as transport_refused*
+        return sched
     from sgl.runtime.detokenizer import Detokenizer
     from sgl.runtime.output_router import OutputRouter
     from sgl.sched.models.tokenizer import load_tokenizer
 
     tok = None if cfg.server_args.skip_tokenizer_init else load_tokenizer(cfg.tokenizer_path or cfg.model_path)
-    recv = open_receiver(a.to_detokenizer, key)
-    return Detokenizer(tok, recv, OutputRouter(open_sender(a.to_tokenizer, key), key))
+    recv = sec.receiver(a.to_detokenizer, "detokenizer")
+    return Detokenizer(tok, recv, OutputRouter(sec.sender(a.to_tokenizer), sec.route, sec.identity_bound))
