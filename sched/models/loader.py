@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
+from sgl.core.progress import progress_bar
 from sgl.sched.models.llama import LlamaForCausalLM
 from sgl.sched.models.registry import model_class
 
@@ -127,7 +126,7 @@ def _hf_config(path: Path) -> PretrainedConfig:
 
 
 def _fill(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], total: int, source: str) -> None:
-    bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", disable=not sys.stderr.isatty())
+    bar = progress_bar(weights, total=total, desc="Loading weights", unit="tensor")
     try:
         loaded = model.load_weights(bar)
     except KeyError as e:

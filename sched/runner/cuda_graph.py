@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm import tqdm
 
+from sgl.core.progress import progress_bar
 from sgl.kernels.attention import AttnMetadata
 from sgl.sched.models.forward_batch import ForwardBatch
 
@@ -43,8 +43,7 @@ class CudaGraphRunner:
         self._pool: Any = None  # the graphs' shared memory pool (torch's handle), set by the first capture
         kinds = [False, True] if self.cascade else [False]
         runner.kv_pool.one_launch_write = True  # warm-ups compile it, captures record it
-        with tqdm(total=len(self.sizes) * len(kinds), desc="Capturing CUDA graphs", unit="graph",
-                  disable=None) as bar:
+        with progress_bar(total=len(self.sizes) * len(kinds), desc="Capturing CUDA graphs", unit="graph") as bar:
             for bs in sorted(self.sizes, reverse=True):
                 backend.init_graph(bs, self.cascade)
                 indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev)
