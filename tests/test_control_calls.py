@@ -85,7 +85,7 @@ async def test_lost_reply_times_out_and_later_calls_get_their_own() -> None:
         recv.q.put_nowait(reply(req_b, "b"))  # reverse order
         recv.q.put_nowait(reply(req_a, "a"))
         assert (await a)["tag"] == "a" and (await b)["tag"] == "b"
-        assert not tm.pending
+        assert not tm.control.pending
     finally:
         recv.close()
         await tm.close()
@@ -101,7 +101,7 @@ async def test_cancelled_call_forgets_its_future() -> None:
         t.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t
-        assert not tm.pending
+        assert not tm.control.pending
         c = asyncio.ensure_future(tm.server_info())
         await wait_sent(send, 2)
         recv.q.put_nowait(reply(send.sent[0], "stale"))

@@ -304,8 +304,11 @@ class Watchdog(threading.Thread):
                         self.on_death(h)
                     return
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop and join it (it wakes at once), unless called from its own callback."""
         self.stopped.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
 
 
 def wait_all(handles: list[RoleHandle], timeout: float) -> None:

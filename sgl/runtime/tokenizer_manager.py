@@ -19,14 +19,11 @@ formatting in sgl/runtime/logprob_format.py."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
-
-import anyio
 
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
@@ -43,6 +40,7 @@ from sgl.core.protocol import (
 )
 from sgl.core.request_checks import RequestLimits, request_error
 from sgl.core.sampling_params import SamplingParams
+from sgl.runtime.control import ControlCalls
 from sgl.runtime.logprob_format import format_logprobs
 from sgl.runtime.metrics import Metrics
 from sgl.runtime.req_options import ReqOptions, generation_defaults, is_int, is_int_list, replace_params
@@ -90,9 +88,7 @@ class TokenizerManager:
         self.states: dict[str, _ReqState] = {}
         self.control_timeout = control_timeout
         self.health_timeout = health_timeout
-        self._control_ids = itertools.count(1)
-        self.pending: dict[int, asyncio.Future[Any]] = {}  # control replies awaited, by req_id
-        self.control: dict[type, list[asyncio.Future[Any]]] = {}  # replies without a req_id, by type
+        self.control = ControlCalls(send, control_timeout)
         self.dead: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -238,33 +234,12 @@ class TokenizerManager:
                 self.send.send(AbortReq(r))
 
     async def control_call(self, req: Message, reply_type: type, timeout: float | None = None) -> Any:
-        """Send a control request and await its reply, matched by a fresh `req_id` where
-        the message has one (a lost reply then fails only its own call), else by type
-        and order. Raise TimeoutError naming the call after `timeout` seconds
-        (control_timeout by default)."""
+        """Send a control request and await its reply (sgl/runtime/control.py); raise
+        TimeoutError naming the call after `timeout` seconds (control_timeout by default)."""
         self._ensure_started()
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        key = 0
-        if hasattr(req, "req_id"):
-            key = next(self._control_ids)
-            req.req_id = key
-            self.pending[key] = fut
-        else:
-            self.control.setdefault(reply_type, []).append(fut)
-        limit = self.control_timeout if timeout is None else timeout
-        try:
-            with anyio.fail_after(limit):
-                self.send.send(req)
-                return await fut
-        except TimeoutError:
-            raise TimeoutError(f"{type(req).__name__}: no {reply_type.__name__} within {limit:g} s") from None
-        finally:
-            if key:
-                self.pending.pop(key, None)
-            elif fut in (futs := self.control.get(reply_type, [])):
-                futs.remove(fut)
+        return await self.control.call(req, reply_type, timeout)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self.control_call(FlushCacheReq(origin=self.client_id), FlushCacheReqOutput)
@@ -293,26 +268,12 @@ class TokenizerManager:
                 if isinstance(msg, BatchStrOutput):
                     self._dispatch(msg)
                 else:
-                    self._reply(msg)
+                    self.control.reply(msg)
         except (ChannelClosed, asyncio.CancelledError):
             pass
         except Exception as e:  # the receive path itself broke: nothing can complete
             self.log.exception("receive loop failed")
             self._fail(EngineDeadError(f"the engine's receive loop failed: {e}"))
-
-    def _reply(self, msg: Message) -> None:
-        key = getattr(msg, "req_id", 0)
-        if key:
-            fut = self.pending.pop(key, None)
-            if fut is None:  # its call timed out or was cancelled
-                self.log.warning("dropped a late control reply", type=type(msg).__name__, req_id=key)
-                return
-        elif futs := self.control.get(type(msg)):
-            fut = futs.pop(0)
-        else:
-            return
-        if not fut.done():
-            fut.set_result(msg)
 
     def _dispatch(self, b: BatchStrOutput) -> None:
         now = time.monotonic()
@@ -378,11 +339,7 @@ class TokenizerManager:
     def _fail(self, error: BaseException) -> None:
         self.dead = error
         self.fail_requests(str(error), EngineDeadError)
-        for fut in [*self.pending.values(), *(f for futs in self.control.values() for f in futs)]:
-            if not fut.done():
-                fut.set_exception(error)
-        self.pending.clear()
-        self.control.clear()
+        self.control.fail(error)
 
     async def close(self) -> None:
         if self._task is not None:
