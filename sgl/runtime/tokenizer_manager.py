@@ -21,9 +21,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
 
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
@@ -71,6 +74,10 @@ class _ReqState:
 
 CONTROL_TIMEOUT_S = 30.0  # flush_cache, server_info: the scheduler answers between batches
 HEALTH_TIMEOUT_S = 10.0
+INLINE_CHARS = 2000  # a shorter prompt is tokenized on the loop: the thread hop costs more
+INLINE_LOGPROBS = 256  # logprob entries of one output batch formatted on the loop
+TOKENIZER_THREADS = 4
+T = TypeVar("T")
 
 
 class TokenizerManager:
@@ -89,6 +96,7 @@ class TokenizerManager:
         self.control_timeout = control_timeout
         self.health_timeout = health_timeout
         self.control = ControlCalls(send, control_timeout)
+        self.limiter = anyio.CapacityLimiter(TOKENIZER_THREADS)  # this manager's tokenizer threads
         self.dead: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -110,6 +118,17 @@ class TokenizerManager:
                 raise ValueError("prompt: this engine was started with skip_tokenizer_init; pass input_ids")
             ids = self.tokenizer.encode(prompt)
         return ids
+
+    async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work (encode, apply_chat_template, batch_decode) in one of this
+        manager's worker threads, keeping the event loop free."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    async def tokenize_async(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
+        """`tokenize`, with a long prompt encoded off the loop."""
+        if isinstance(prompt, str) and input_ids is None and self.tokenizer is not None and len(prompt) >= INLINE_CHARS:
+            return list(await self.run_sync(self.tokenizer.encode, prompt))
+        return self.tokenize(prompt, input_ids)
 
     def check(self, ids: list[int], params: SamplingParams, opts: ReqOptions) -> None:
         """Raise a ValueError naming the field for a request that cannot run: the types
@@ -139,7 +158,7 @@ class TokenizerManager:
         n > 1: one list of n final dicts, or chunks from all samples, each with its "index"."""
         opts = opts or ReqOptions()
         params = SamplingParams.coerce(sampling_params, self.defaults)
-        ids = self.tokenize(prompt, input_ids)
+        ids = await self.tokenize_async(prompt, input_ids)
         self.check(ids, params, opts)
         if rid is not None and not isinstance(rid, str):
             raise ValueError(f"rid must be a str, got {type(rid).__name__}")
@@ -266,7 +285,11 @@ class TokenizerManager:
             while True:
                 msg = await self.recv.recv_async()
                 if isinstance(msg, BatchStrOutput):
-                    self._dispatch(msg)
+                    lps = msg.logprobs
+                    if sum(len(lp.output_vals) + len(lp.input_vals) for lp in lps if lp is not None) > INLINE_LOGPROBS:
+                        self._dispatch(msg, await self.run_sync(self._format_all, msg))
+                    else:
+                        self._dispatch(msg, self._format_all(msg))
                 else:
                     self.control.reply(msg)
         except (ChannelClosed, asyncio.CancelledError):
@@ -275,7 +298,15 @@ class TokenizerManager:
             self.log.exception("receive loop failed")
             self._fail(EngineDeadError(f"the engine's receive loop failed: {e}"))
 
-    def _dispatch(self, b: BatchStrOutput) -> None:
+    def _format_all(self, b: BatchStrOutput) -> list[dict[str, list[Any]] | None]:
+        """Each output's logprob lists (None: none asked, or its caller went away)."""
+        out: list[dict[str, list[Any]] | None] = []
+        for i, rid in enumerate(b.rids):
+            st, lp = self.states.get(rid), b.logprobs[i]
+            out.append(None if st is None or lp is None else format_logprobs(lp, b.new_ids[i], st.opts, self.tokenizer))
+        return out
+
+    def _dispatch(self, b: BatchStrOutput, deltas: list[dict[str, list[Any]] | None]) -> None:
         now = time.monotonic()
         for i, rid in enumerate(b.rids):
             st = self.states.get(rid)
@@ -295,8 +326,7 @@ class TokenizerManager:
             }
             if fin is not None:
                 meta["e2e_latency"] = now - st.created
-            if (lp := b.logprobs[i]) is not None:
-                delta = format_logprobs(lp, b.new_ids[i], st.opts, self.tokenizer)
+            if (delta := deltas[i]) is not None:
                 for k, v in delta.items():
                     st.logprobs.setdefault(k, []).extend(v)
                 meta.update(delta)

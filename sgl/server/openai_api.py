@@ -299,7 +299,7 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
         raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     _check_top(req.top_logprobs, "top_logprobs")
     sp = sampling_dict(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
-    ids = chat_prompt_ids(state, req.messages)
+    ids = await state.engine.tm.run_sync(chat_prompt_ids, state, req.messages)  # the template, off the loop
     opts = logprob_options(req.top_logprobs or 0, prompt=False) if req.logprobs else {}
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     if req.stream:
