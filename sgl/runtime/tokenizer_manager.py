@@ -47,7 +47,7 @@ from sgl.runtime.control import ControlCalls
 from sgl.runtime.logprob_format import format_logprobs
 from sgl.runtime.metrics import Metrics
 from sgl.runtime.req_options import ReqOptions, generation_defaults, is_int, is_int_list, replace_params
-from sgl.runtime.streams import cancel_and_close, merge_streams
+from sgl.runtime.streams import close_all, gather_first, merge_streams
 from sgl.transports.channel import ChannelClosed, Receiver, Sender
 
 
@@ -193,11 +193,10 @@ class TokenizerManager:
                 await merged.aclose()
                 self._forget(rids)
             return
-        tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(g.__anext__()) for g in gens]
         try:
-            yield list(await asyncio.gather(*tasks))
+            yield await gather_first(gens)
         finally:
-            await cancel_and_close(tasks, gens)
+            await close_all(gens)
             self._forget(rids)
 
     def _forget(self, rids: list[str]) -> None:
