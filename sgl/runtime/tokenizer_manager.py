@@ -2,9 +2,11 @@
 request ids, sends requests to the scheduler and routes the detokenizer's
 output back to each request's awaiting coroutine.
 
-It runs no threads of its own: its receive task runs on the loop of the first
-request. `fail_all` may be called from any thread (the watchdog) and hops onto
-that loop.
+Its receive task runs on the loop of the first request. Long prompts, chat
+templates and large logprob batches are worked in anyio worker threads under the
+manager's own CapacityLimiter (`run_sync`); short prompts stay inline. `fail_all`
+may be called from any thread (the watchdog) and hops onto that loop. Control
+calls (sgl/runtime/control.py) are matched by req_id and time out.
 
 A tokenizer manager attached from another process (`AsyncEngine.connect`) has a
 client id: its rids go on the wire as "<client_id>:<rid>" and its control
