@@ -16,7 +16,7 @@ import shutil
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from sgl.core.log import configure, get_logger
+from sgl.core.log import get_logger
 from sgl.core.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
 from sgl.core.request_checks import RequestLimits, limits_of
 from sgl.core.server_args import ServerArgs
@@ -112,7 +112,6 @@ class AsyncEngine:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         # tcp: CURVE keys (transport_keys, or made for this engine) or the shared key; the children get them.
         self.security = Security.of(self.args)
-        configure(self.args.log_level)
         self.log = get_logger("engine")
         self._closed = False
         self._attached = False
