@@ -15,7 +15,8 @@ import sgl
 from sgl.runtime.metrics import SGLANG_NAMES, Metrics
 
 INFO = {"max_total_tokens": 100, "kv_free": 50, "kv_evictable": 10, "running": 2, "waiting": 1}
-SGL_ONLY = {"sgl_aborted_requests", "sgl_scheduler_up", "sgl_kv_used_tokens", "sgl_kv_total_tokens"}
+SGL_ONLY = {"sgl_aborted_requests", "sgl_scheduler_up", "sgl_kv_used_tokens", "sgl_kv_total_tokens",
+            "sgl_transport_refused"}
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -118,3 +119,11 @@ def test_an_engines_requests_show_in_both_families(engine: sgl.Engine) -> None:
     assert got[("sgl_time_to_first_token_seconds_count", ())] == 1  # the streamed request only
     assert got[("sgl_inter_token_latency_seconds_count", ())] == 3
     assert got[("sgl_scheduler_up", ())] == 1 and ("sglang:num_running_reqs", label) in got
+
+
+def test_transport_refusals_are_reported_by_kind() -> None:
+    info = {**INFO, "transport_refused": 3, "transport_refused_auth": 2, "transport_refused_policy": 1}
+    got = samples(Metrics().render(info))
+    assert got[("sgl_transport_refused_total", (("kind", "auth"),))] == 2
+    assert got[("sgl_transport_refused_total", (("kind", "policy"),))] == 1
+    assert got[("sgl_transport_refused_total", (("kind", "replay"),))] == 0

@@ -18,7 +18,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from sgl.transports.refusals import KINDS, TOTAL
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0, 2.5)
@@ -120,6 +122,11 @@ def _scheduler_families(info: dict[str, Any] | None) -> Iterator[Metric]:
     yield GaugeMetricFamily("sgl_token_usage", "Share of KV slots held by requests.", used / total if total else 0.0)
     yield GaugeMetricFamily("sgl_kv_used_tokens", "KV slots held by requests.", used)
     yield GaugeMetricFamily("sgl_kv_total_tokens", "KV slots in the pool.", total)
+    refused = CounterMetricFamily("sgl_transport_refused", "Frames or messages the scheduler's receiver refused.",
+                                  labels=["kind"])
+    for kind in KINDS:
+        refused.add_metric([kind], info.get(f"{TOTAL}_{kind}", 0))
+    yield refused
 
 
 def _sglang_families(families: Iterable[Metric], model_name: str) -> Iterator[Metric]:
