@@ -369,11 +369,13 @@ class AsyncEngine:
             atexit.unregister(self.shutdown)
 
     async def aclose(self) -> None:
+        """Shut down without blocking the loop: waiting for the roles to exit (up to 10 s)
+        happens on a thread."""
         beat = self._heartbeat
         if beat is not None:
             beat.cancel()
         await self.tm.close()
-        self.shutdown()
+        await off_loop(self.shutdown)
 
     async def __aenter__(self) -> AsyncEngine:
         return self
