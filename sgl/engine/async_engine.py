@@ -151,7 +151,7 @@ class AsyncEngine:
         tokenizer_path: str | None = None,
         skip_tokenizer_init: bool = False,
         host: str = "127.0.0.1",
-        timeout: float = 10.0,
+        timeout: float = 3.0,
         heartbeat_interval: float = 1.0,
         keys: str | None = None,
         server_key: str | None = None,
@@ -165,7 +165,10 @@ class AsyncEngine:
         `SGL_TRANSPORT_KEY` if None).
         Outputs come back to a socket bound on `host` at a free port. A health
         check every `heartbeat_interval` seconds stands in for the watchdog: a
-        scheduler silent for `timeout` seconds fails every pending request."""
+        scheduler silent for `timeout` seconds fails every pending request with
+        EngineDeadError, so a server that goes away is noticed within
+        heartbeat_interval + timeout (4 s by default). Reconnecting is explicit: call
+        `connect` again."""
         key = transport_key if transport_key is not None else os.environ.get("SGL_TRANSPORT_KEY")
         if not scheduler_address.startswith("tcp://"):
             raise ValueError(f"scheduler_address={scheduler_address!r} is invalid: must be a tcp:// address")
