@@ -46,7 +46,7 @@ import random
 import re
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,15 +66,15 @@ from hypothesis.stateful import (
 
 from sgl.cache.radix_cache import RadixCache, TreeNode
 from sgl.core.log import ROOT as LOG_ROOT
-from sgl.core.protocol import AbortReq, BatchTokenIDOutput, GenerateReqInput, Message
+from sgl.core.protocol import AbortReq, BatchTokenIDOutput, GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
 from sgl.sched import decode, scheduler
 from sgl.sched.prefill_adder import PrefillAdder
 from sgl.sched.req import Req
 from sgl.sched.scheduler import Scheduler
-from sgl.transports.channel import Receiver, Sender
 from tests.conftest import tiny_model_dir
+from tests.fake_channels import ListSender, QueueReceiver
 from tests.hypothesis_profiles import PROFILE, PROFILE_NAME
 
 VOCAB = 48  # small, so that random stop ids and the eos (VOCAB - 1) are sampled often
@@ -105,31 +105,6 @@ class CheckFailed(AssertionError):
 
 def fail(check: str, msg: str) -> CheckFailed:
     return CheckFailed(f"[{check}] {msg}")
-
-
-class QueueReceiver(Receiver):
-    def __init__(self) -> None:
-        self.q: deque[Message] = deque()
-
-    def recv(self, timeout: float | None = None) -> Message | None:
-        return self.q.popleft() if self.q else None
-
-    async def recv_async(self) -> Message:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class ListSender(Sender):
-    def __init__(self) -> None:
-        self.msgs: list[Message] = []
-
-    def send(self, msg: Message) -> None:
-        self.msgs.append(msg)
-
-    def close(self) -> None:
-        pass
 
 
 def make_scheduler(model: str, **kw: Any) -> tuple[Scheduler, QueueReceiver, ListSender]:

@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sgl
-from sgl.core.protocol import BatchTokenIDOutput, GenerateReqInput, Message
+from sgl.core.protocol import BatchTokenIDOutput, GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
 from sgl.kernels.flashinfer_attention import graph_indices_len
@@ -37,8 +37,8 @@ from sgl.sched import results
 from sgl.sched.prefill_adder import PrefillAdder
 from sgl.sched.runner.model_runner import ModelRunner
 from sgl.sched.scheduler import Scheduler
-from sgl.transports.channel import Receiver, Sender
 from tests.conftest import assert_kv_balanced, null_continuation, tiny_model_dir
+from tests.fake_channels import ListSender, QueueReceiver
 from tests.hypothesis_profiles import PROFILE
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -46,34 +46,9 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 # ---- a scheduler driven a step at a time -------------------------------------
 
-class _Inbox(Receiver):
-    def __init__(self) -> None:
-        self.q: collections.deque[Message] = collections.deque()
-
-    def recv(self, timeout: float | None = None) -> Message | None:
-        return self.q.popleft() if self.q else None
-
-    async def recv_async(self) -> Message:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class _Outbox(Sender):
-    def __init__(self) -> None:
-        self.msgs: list[Message] = []
-
-    def send(self, msg: Message) -> None:
-        self.msgs.append(msg)
-
-    def close(self) -> None:
-        pass
-
-
 class Driver:
     def __init__(self, model_dir: str, **kw: Any) -> None:
-        self.inbox, self.out = _Inbox(), _Outbox()
+        self.inbox, self.out = QueueReceiver(), ListSender()
         args = ServerArgs(model_path=model_dir, skip_tokenizer_init=True, device="cpu", **kw)
         self.s = Scheduler(args, model_dir, self.inbox, self.out)
         self.ids: dict[str, list[int]] = collections.defaultdict(list)
