@@ -16,9 +16,11 @@ import sgl
 from sgl.sched.models.default_model import default_model_dir
 
 
-def _ours() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("sgl") or t.name == "monitor"
-            or type(t).__name__ == "TMonitor"]
+def _ours(besides: frozenset[threading.Thread] = frozenset()) -> list[str]:
+    """sgl's threads (and tqdm's monitor) alive now, other than `besides` (threads an
+    earlier test in this process left)."""
+    return [t.name for t in threading.enumerate() if t not in besides and (
+        t.name.startswith("sgl") or t.name == "monitor" or type(t).__name__ == "TMonitor")]
 
 
 def test_engine_leaves_no_trace() -> None:
@@ -27,6 +29,7 @@ def test_engine_leaves_no_trace() -> None:
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     configured = structlog.is_configured()
+    before = frozenset(threading.enumerate())
 
     async def main() -> None:
         async with sgl.AsyncEngine(model, transport="inproc") as e:
@@ -38,7 +41,7 @@ def test_engine_leaves_no_trace() -> None:
     assert root.handlers == handlers and root.level == level
     assert structlog.is_configured() == configured
     for _ in range(50):  # a thread may take a moment to return after being joined with a timeout
-        if not _ours():
+        if not _ours(before):
             break
         time.sleep(0.1)
-    assert not _ours(), _ours()
+    assert not _ours(before), _ours(before)
