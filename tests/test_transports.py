@@ -225,9 +225,13 @@ def test_curve_channel_stamps_the_sender_and_refuses_unknown_keys() -> None:
         counts: dict[str, float] = {}
         recv.count_into(counts)
         deadline = time.monotonic() + 10
-        while counts["transport_refused_auth"] < 2 and time.monotonic() < deadline:
+        while counts["transport_refused_auth"] < 1 and time.monotonic() < deadline:
             assert recv.recv(timeout=0.1) is None  # waiting serves the handshakes of the other two
-        assert counts["transport_refused_policy"] == 1 and counts["transport_refused_auth"] >= 2, counts
+        # The unknown key's handshake is refused and counted. The client without CURVE is
+        # always dropped, but counted only when the server sees the mismatch before that
+        # client gives up (a race, see transports/curve.py): nothing of either arrives.
+        assert counts["transport_refused_policy"] == 1 and counts["transport_refused_auth"] >= 1, counts
+        assert recv.recv(timeout=0.5) is None
         assert set(seen) == {good.public}
     finally:
         for s in (ok, evil, plain):
