@@ -37,7 +37,7 @@ typecheck: $(STAMP)
 	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p sgl
 
 test-long: $(STAMP)
-	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/test_radix_cache_props.py
+	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/test_radix_cache_props.py tests/test_scheduler_machine.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
