@@ -12,7 +12,8 @@ import pytest
 from sgl.core.protocol import GetServerInfoReq, GetServerInfoReqOutput, HealthCheckReq, Message
 from sgl.core.request_checks import RequestLimits
 from sgl.runtime.tokenizer_manager import TokenizerManager
-from sgl.transports.channel import ChannelClosed, Receiver, Sender
+from sgl.transports.channel import ChannelClosed, Receiver
+from tests.fake_channels import ListSender
 
 LIMITS = RequestLimits(vocab_size=100, context_length=64, max_total_tokens=64, has_tokenizer=False)
 BACKENDS = [pytest.param("asyncio", id="asyncio")]
@@ -27,17 +28,6 @@ except ImportError:
 @pytest.fixture(params=BACKENDS)
 def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
-
-
-class FakeSender(Sender):
-    def __init__(self) -> None:
-        self.sent: list[Message] = []
-
-    def send(self, msg: Message) -> None:
-        self.sent.append(msg)
-
-    def close(self) -> None:
-        pass
 
 
 class FakeReceiver(Receiver):
@@ -62,26 +52,26 @@ def reply(req: Message, tag: str) -> GetServerInfoReqOutput:
     return GetServerInfoReqOutput(info={"tag": tag}, req_id=req.req_id)
 
 
-async def wait_sent(send: FakeSender, n: int) -> None:
-    while len(send.sent) < n:
+async def wait_sent(send: ListSender, n: int) -> None:
+    while len(send.msgs) < n:
         await asyncio.sleep(0)
 
 
 @pytest.mark.anyio
 async def test_lost_reply_times_out_and_later_calls_get_their_own() -> None:
-    send, recv = FakeSender(), FakeReceiver()
+    send, recv = ListSender(), FakeReceiver()
     tm = TokenizerManager(None, send, recv, LIMITS, control_timeout=0.2, health_timeout=0.1)
     try:
         with pytest.raises(TimeoutError, match="GetServerInfoReq"):
             await tm.server_info()  # its reply never comes
         with pytest.raises(TimeoutError, match="HealthCheckReq"):
             await tm.health()
-        assert isinstance(send.sent[1], HealthCheckReq)
+        assert isinstance(send.msgs[1], HealthCheckReq)
         a = asyncio.ensure_future(tm.server_info())
         b = asyncio.ensure_future(tm.server_info())
         await wait_sent(send, 4)
-        req_a, req_b = send.sent[2], send.sent[3]
-        recv.q.put_nowait(reply(send.sent[0], "late"))  # the timed-out call's reply, dropped
+        req_a, req_b = send.msgs[2], send.msgs[3]
+        recv.q.put_nowait(reply(send.msgs[0], "late"))  # the timed-out call's reply, dropped
         recv.q.put_nowait(reply(req_b, "b"))  # reverse order
         recv.q.put_nowait(reply(req_a, "a"))
         assert (await a)["tag"] == "a" and (await b)["tag"] == "b"
@@ -93,7 +83,7 @@ async def test_lost_reply_times_out_and_later_calls_get_their_own() -> None:
 
 @pytest.mark.anyio
 async def test_cancelled_call_forgets_its_future() -> None:
-    send, recv = FakeSender(), FakeReceiver()
+    send, recv = ListSender(), FakeReceiver()
     tm = TokenizerManager(None, send, recv, LIMITS)
     try:
         t = asyncio.ensure_future(tm.server_info())
@@ -104,8 +94,8 @@ async def test_cancelled_call_forgets_its_future() -> None:
         assert not tm.control.pending
         c = asyncio.ensure_future(tm.server_info())
         await wait_sent(send, 2)
-        recv.q.put_nowait(reply(send.sent[0], "stale"))
-        recv.q.put_nowait(reply(send.sent[1], "c"))
+        recv.q.put_nowait(reply(send.msgs[0], "stale"))
+        recv.q.put_nowait(reply(send.msgs[1], "c"))
         assert (await c)["tag"] == "c"
     finally:
         recv.close()

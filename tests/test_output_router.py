@@ -5,21 +5,11 @@ from __future__ import annotations
 from sgl.core.protocol import BatchStrOutput, Logprobs, Message
 from sgl.runtime.output_router import OutputRouter
 from sgl.transports.channel import Sender
-
-
-class _Collect(Sender):
-    def __init__(self) -> None:
-        self.got: list[Message] = []
-
-    def send(self, msg: Message) -> None:
-        self.got.append(msg)
-
-    def close(self) -> None:
-        pass
+from tests.fake_channels import ListSender
 
 
 def test_split_keeps_every_column_per_client() -> None:
-    local, remote = _Collect(), _Collect()
+    local, remote = ListSender(), ListSender()
     router = OutputRouter(local, None)
     router.routes["c1"] = remote
     lp = Logprobs(output_vals=[-0.5])
@@ -27,10 +17,10 @@ def test_split_keeps_every_column_per_client() -> None:
                        [None, {"type": "length", "length": 1}, None],
                        [4, 5, 6], [1, 1, 1], [0, 2, 0], [None, lp, None])
     router.send(b)
-    assert remote.got == [
+    assert remote.msgs == [
         BatchStrOutput(["c1:b"], ["y"], [[2]], [{"type": "length", "length": 1}], [5], [1], [2], [lp])
     ]
-    assert local.got == [BatchStrOutput(["a", "c"], ["x", "z"], [[1], [3]], [None, None], [4, 6], [1, 1], [0, 0],
+    assert local.msgs == [BatchStrOutput(["a", "c"], ["x", "z"], [[1], [3]], [None, None], [4, 6], [1, 1], [0, 0],
                                         [None, None])]
 
 
@@ -50,7 +40,7 @@ def test_a_client_that_stops_reading_is_dropped_and_never_stalls_the_others() ->
     stalled.setsockopt(zmq.RCVHWM, 1)
     stalled.setsockopt(zmq.LINGER, 0)
     port = stalled.bind_to_random_port("tcp://127.0.0.1")
-    local = _Collect()
+    local = ListSender()
     router = OutputRouter(local, None)
     router.send(AttachReq("slow", f"tcp://127.0.0.1:{port}"))
     assert "slow" in router.routes
@@ -63,9 +53,9 @@ def test_a_client_that_stops_reading_is_dropped_and_never_stalls_the_others() ->
         sent += 1
     assert "slow" not in router.routes, f"still attached after {sent} batches"
     assert time.monotonic() - start < 30
-    assert len(local.got) == sent  # the local client got every one of its rows meanwhile
+    assert len(local.msgs) == sent  # the local client got every one of its rows meanwhile
     router.send(b)  # after the drop, its rows go nowhere and nothing blocks
-    assert len(local.got) == sent + 1
+    assert len(local.msgs) == sent + 1
     router.close()
     stalled.close()
 
@@ -84,28 +74,28 @@ def test_attach_is_refused_twice_without_key_identity_and_replaced_with_it() -> 
     from sgl.core.protocol import AttachReq, AttachReqOutput, DetachReq
 
     opened: list[tuple[str, str]] = []
-    routes: dict[str, _Collect] = {}
+    routes: dict[str, ListSender] = {}
 
     def opener(client_id: str, address: str) -> Sender:
         if client_id == "unknown":
             raise ValueError("no allowed key has that id")
         opened.append((client_id, address))
-        routes[address] = _Collect()
+        routes[address] = ListSender()
         return routes[address]
 
     for replace in (False, True):
         opened.clear()
-        router = OutputRouter(_Collect(), opener, replace=replace)
+        router = OutputRouter(ListSender(), opener, replace=replace)
         router.send(AttachReq("c1", "tcp://h:1"))
         router.send(AttachReq("c1", "tcp://h:2"))
         router.send(AttachReq("unknown", "tcp://h:3"))
         assert "unknown" not in router.routes
         if replace:
             assert opened == [("c1", "tcp://h:1"), ("c1", "tcp://h:2")] and router.routes["c1"] is routes["tcp://h:2"]
-            assert routes["tcp://h:2"].got == [AttachReqOutput("c1", True)]
+            assert routes["tcp://h:2"].msgs == [AttachReqOutput("c1", True)]
         else:
             assert opened == [("c1", "tcp://h:1")] and router.routes["c1"] is routes["tcp://h:1"]
         router.send(BatchStrOutput(["c1:x"], ["t"], [[1]], [None], [1], [1], [0], [None]))
-        assert len(router.routes["c1"].got) == 2  # type: ignore[attr-defined]
+        assert len(router.routes["c1"].msgs) == 2  # type: ignore[attr-defined]
         router.send(DetachReq("c1"))
         assert not router.routes
