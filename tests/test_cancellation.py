@@ -16,7 +16,19 @@ import sgl
 from sgl.runtime.streams import gather_first, merge_streams
 from tests.conftest import assert_kv_balanced
 
-LONG = {"temperature": 0.0, "max_new_tokens": 500, "ignore_eos": True}
+# Far more work than any machine does in the tests' windows: each case also waits
+# until the scheduler holds the request before cancelling, so none can finish first.
+LONG = {"temperature": 0.0, "max_new_tokens": 20_000, "ignore_eos": True}
+CONTEXT = 20_100
+
+
+async def running(e: sgl.AsyncEngine, n: int) -> None:
+    """Until the scheduler runs `n` requests (the one under test has really started)."""
+    for _ in range(500):
+        if (await e.get_server_info())["running"] >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{n} requests never ran")
 
 
 async def settled(e: sgl.AsyncEngine) -> dict[str, Any]:
@@ -31,7 +43,8 @@ async def settled(e: sgl.AsyncEngine) -> dict[str, Any]:
 def run_engine(null_model_dir: str, body: Any) -> None:
     async def main() -> None:
         async with sgl.AsyncEngine(null_model_dir, transport="inproc", load_format="null", skip_tokenizer_init=True,
-                                   max_total_tokens=600, max_running_requests=16) as e:
+                                   context_length=CONTEXT, max_total_tokens=3 * CONTEXT,
+                                   max_running_requests=16) as e:
             await body(e)
             assert_kv_balanced(await settled(e))
 
@@ -43,8 +56,16 @@ def test_timeout_cancels_generate(null_model_dir: str) -> None:
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.3):
                 await e.generate(input_ids=[4, 5], sampling_params=LONG)
-        with anyio.move_on_after(0.3) as scope:  # n > 1: every sample aborted
-            await e.generate(input_ids=[4, 5], sampling_params={**LONG, "n": 3, "max_new_tokens": 150})
+        async with anyio.create_task_group() as tg:  # n > 1: every sample aborted
+            scope = anyio.CancelScope()
+
+            async def generate() -> None:
+                with scope:
+                    await e.generate(input_ids=[4, 5], sampling_params={**LONG, "n": 3})
+
+            tg.start_soon(generate)
+            await running(e, 3)
+            scope.cancel()
         assert scope.cancelled_caught
         assert e.tm.states == {}
 
@@ -55,7 +76,7 @@ def test_leaving_stream_aborts(null_model_dir: str) -> None:
     async def body(e: sgl.AsyncEngine) -> None:
         async for _chunk in e.stream(input_ids=[4, 5], sampling_params=LONG):
             break  # the generator is finalized (closed) once dropped
-        stream = e.stream(input_ids=[[4], [5, 6]], sampling_params={**LONG, "n": 2, "max_new_tokens": 150})
+        stream = e.stream(input_ids=[[4], [5, 6]], sampling_params={**LONG, "n": 2})
         async for _chunk in stream:
             break
         await stream.aclose()  # type: ignore[attr-defined]
