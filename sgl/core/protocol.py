@@ -49,6 +49,17 @@ class Logprobs(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
     input_ids_vals: list[list[float] | None] = []
 
 
+class Beam(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    """One finished beam of a beam-search request, best first in its list. `text` is
+    filled in by the detokenizer (empty when the request asked detokenize=False)."""
+
+    output_ids: list[int]
+    cumulative_logprob: float  # sum of the chosen tokens' log-probabilities (after processors and masks)
+    score: float  # cumulative_logprob / len(output_ids) ** length_penalty
+    finish_reason: FinishReason
+    text: str = ""
+
+
 class AbortReq(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
     rid: str
 
@@ -71,6 +82,9 @@ class BatchTokenIDOutput(msgspec.Struct, tag="batch_token_ids", forbid_unknown_f
     stop_strs: list[list[str]]  # for holding back a streamed tail that may start a stop string
     detokenize: list[bool]
     logprobs: list[Logprobs | None]
+    # A finished beam-search request's beams, best first (None for other requests). Its
+    # new_ids are empty: the beams carry the ids.
+    beams: list[list[Beam] | None] = []
 
 
 class BatchStrOutput(msgspec.Struct, tag="batch_str", forbid_unknown_fields=True):
@@ -84,6 +98,7 @@ class BatchStrOutput(msgspec.Struct, tag="batch_str", forbid_unknown_fields=True
     completion_tokens: list[int]
     cached_tokens: list[int]
     logprobs: list[Logprobs | None]
+    beams: list[list[Beam] | None] = []  # with each beam's text, as in BatchTokenIDOutput
 
 
 class FlushCacheReq(msgspec.Struct, tag="flush_cache", forbid_unknown_fields=True):

@@ -21,7 +21,35 @@ MAX_STOP_STRS = 64
 MAX_STOP_STR_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 4096
+MAX_BEAM_WIDTH = 512  # also bounded by the scheduler's request rows (one per beam)
+MAX_TRIE_IDS = 4_000_000  # token ids in one inline trie constraint (100k sequences of 40)
+MAX_TRIE_NAME_CHARS = 128
 INT64_MAX = 2**63 - 1  # every integer travels as a 64-bit MessagePack int
+
+
+class TrieConstraint(msgspec.Struct, tag="trie", tag_field="type", forbid_unknown_fields=True):
+    """Decode only continuations that spell one of `sequences` (token ids), then EOS.
+
+    With `name` and `sequences`, the scheduler keeps the built trie under that name
+    (replacing one of the same name); with `name` alone, a request uses the trie kept
+    under it. A trie's device table is built once per distinct set."""
+
+    sequences: list[list[int]] | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.sequences is not None or self.name is not None, "constraint", "{}",
+               "a trie with sequences, a name, or both")
+        if self.name is not None:
+            _check(0 < len(self.name) <= MAX_TRIE_NAME_CHARS, "constraint.name", self.name,
+                   f"1 to {MAX_TRIE_NAME_CHARS} characters")
+        if self.sequences is not None:
+            _check(len(self.sequences) > 0 and all(self.sequences), "constraint.sequences", "<empty>",
+                   "a non-empty list of non-empty id lists")
+            total = sum(map(len, self.sequences))
+            _check(total <= MAX_TRIE_IDS, "constraint.sequences", f"<{total} ids>", f"at most {MAX_TRIE_IDS} ids")
+            _check(all(0 <= t <= INT64_MAX for q in self.sequences for t in q), "constraint.sequences",
+                   "<ids>", "non-negative ids")
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -44,6 +72,15 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     seed: int | None = None
     logit_bias: dict[int, float] = {}
     custom_params: dict[str, Any] | None = None
+    # Beam search (beam_width >= 1): one request, beam_width rows; the result is a list of
+    # the best num_return_beams beams (0: beam_width), scored as Hugging Face scores them:
+    # cumulative logprob / generated_len ** length_penalty. early_stopping as HF's:
+    # False (its heuristic), True (stop at beam_width finished beams) or "never".
+    beam_width: int = 0
+    num_return_beams: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    constraint: TrieConstraint | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "seed"):
@@ -70,6 +107,22 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                f"at most {MAX_LOGIT_BIAS} entries")
         _check(all(0 <= k <= INT64_MAX and math.isfinite(v) for k, v in self.logit_bias.items()), "logit_bias",
                self.logit_bias, "a map of non-negative token ids to finite floats")
+        _check(0 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width", self.beam_width,
+               f"in [0, {MAX_BEAM_WIDTH}] (0: no beam search)")
+        _check(0 <= self.num_return_beams <= max(self.beam_width, 0), "num_return_beams", self.num_return_beams,
+               f"in [0, beam_width={self.beam_width}] (0: all beam_width beams)")
+        _check(math.isfinite(self.length_penalty) and -10.0 <= self.length_penalty <= 10.0, "length_penalty",
+               self.length_penalty, "a float in [-10, 10]")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping", self.early_stopping,
+               'true, false or "never"')
+        if self.beam_width:
+            # Beam search here is HF's greedy beam search: refuse what it does not do.
+            _check(self.temperature in (0.0, 1.0), "temperature", self.temperature,
+                   "0 or 1 with beam_width (beams are ranked by their logprobs, never sampled)")
+            _check(self.n == 1, "n", self.n, "1 with beam_width (the beams are the results)")
+            _check(not self.stop, "stop", self.stop, "unset with beam_width (stop strings are not matched on beams)")
+            _check(self.min_p == 0.0 and self.top_p == 1.0 and self.top_k in (-1, 1), "top_p", self.top_p,
+                   "1 with beam_width, and top_k and min_p unset (no sampling filters on beams)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         stops = self.stop or []
@@ -82,6 +135,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def return_beams(self) -> int:
+        """How many beams a beam request returns."""
+        return self.num_return_beams or self.beam_width
 
     @property
     def stop_strs(self) -> list[str]:
@@ -103,7 +161,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             value = {}
         if not isinstance(value, dict):
             raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(value).__name__}")
-        if defaults:
+        if defaults and not value.get("beam_width"):  # a model's sampling defaults mean nothing to beams
             value = {**{k: v for k, v in defaults.items() if k not in value}, **value}
         try:
             return msgspec.convert(value, cls, strict=False)
