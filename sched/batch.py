@@ -9,7 +9,7 @@ mutate requests while the batch runs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -33,6 +33,14 @@ class ScheduleBatch:
     # Per req: (first prompt position, count) of the rows before its sampled row whose
     # logits give prompt logprobs (position p scores token p + 1).
     lp_in: list[tuple[int, int]]
+    # Beam requests: (group, index in group) of their selection, set when the batch is
+    # prepared (sgl.sched.runner.prepare_beams), read when its results are processed.
+    beam_index: dict[Req, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def unique_reqs(self) -> list[Req]:
+        """Each request once (a beam request has one entry per beam in a decode batch)."""
+        return list(dict.fromkeys(self.reqs))
 
     @property
     def num_tokens(self) -> int:
@@ -65,12 +73,14 @@ class ScheduleBatch:
 
     @classmethod
     def decode(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool) -> ScheduleBatch:
-        """One step: each req's newest token is written at its own new slot."""
-        rows = cast(list[int], [r.req_pool_idx for r in reqs])  # every running request holds a row
-        pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        """One step: each req's newest token is written at its own new slot; a beam
+        request's rows, one entry each, are consecutive."""
+        entries = [r for r in reqs for _ in r.rows]
+        rows = [row for r in reqs for row in r.rows]  # every running request holds its rows
+        pos = torch.tensor([r.kv_len for r in entries], dtype=torch.int64)
         pool.write_at(torch.tensor(rows), pos, out_cache_loc)
         for r in reqs:
             r.kv_len += 1
-        n = len(reqs)
-        return cls(reqs, True, None, rows, pos, out_cache_loc, [1] * n, (pos + 1).tolist(),
-                   [r.epoch for r in reqs], [False] * n, [(0, 0)] * n)
+        n = len(entries)
+        return cls(entries, True, None, rows, pos, out_cache_loc, [1] * n, (pos + 1).tolist(),
+                   [r.epoch for r in entries], [False] * n, [(0, 0)] * n)

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sgl.sched.batch import ScheduleBatch
+from sgl.sched.beam import restart
 from sgl.sched.req import Req
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ CANNOT_FIT = "out of KV cache memory: the request cannot fit"
 def can_step(r: Req, context_length: int) -> bool:
     """Whether a running request takes part in the next decode step. Under overlap a
     request whose in-flight token will surely end it (length or context) sits out."""
-    if r.to_abort is not None:
+    if r.to_abort is not None or (r.serial and r.inflight):
         return False
     return (len(r.output_ids) + r.inflight < r.sampling_params.max_new_tokens
             and r.seq_len + r.inflight < context_length)
@@ -60,7 +61,7 @@ def decode_batch(s: Scheduler) -> ScheduleBatch | None:
         if not reqs:
             return None
         s.building = reqs
-        loc = s.alloc(len(reqs))
+        loc = s.alloc(sum(len(r.rows) for r in reqs))  # a beam request steps every beam
         if loc is not None:
             break
         retract_one(s)  # one holder fewer each time: the loop ends
@@ -102,6 +103,8 @@ def retract(s: Scheduler, victim: Req) -> None:
     s.release(victim, cache=False)
     if victim.logprobs is not None and not victim.prompt_done:
         _drop_prompt_logprobs(victim)
+    if victim.beam is not None:
+        restart(victim)  # its beams are recomputed from the prompt (likely cached) on re-admission
     victim.retractions += 1
     victim.epoch += 1
     s.waiting.insert(0, victim)

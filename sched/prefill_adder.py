@@ -54,8 +54,9 @@ class Verdict(enum.Enum):
 
 
 def future_tokens(req: Req) -> int:
-    """The tokens a request may still generate, clipped."""
-    return min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+    """The tokens a request may still generate, clipped (every beam's, for a beam request)."""
+    beams = req.beam.width if req.beam is not None else 1
+    return min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) * beams
 
 
 def reserved_tokens(running: Iterable[Req], new_token_ratio: float) -> int:
@@ -142,8 +143,8 @@ class PrefillAdder:
         self.current = req
         if self.chunk_left <= 0 or self.budget <= 0 or self.n_running + len(self.admitted) >= self.max_running_requests:
             return Verdict.FULL
-        if self.pool.available_size() == 0:
-            return Verdict.FULL
+        if self.pool.available_size() < (req.beam.width if req.beam is not None else 1):
+            return Verdict.FULL  # a beam request takes a row per beam
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) and lead.is_leader:
             return Verdict.DEFERRED  # waits for its leader's prompt to be in the tree
         ids = req.all_ids
@@ -194,6 +195,8 @@ class PrefillAdder:
         row = self.pool.alloc()
         assert row is not None  # add_one checked for a free row
         req.req_pool_idx = row
+        if req.beam is not None:  # the other beams' rows, filled from this one at the first selection
+            req.beam.rows = [row, *(self.pool.alloc() for _ in range(req.beam.width - 1))]  # type: ignore[misc]
         prefix = match.indices
         req.prefix_indices = prefix
         req.last_node = match.last_node

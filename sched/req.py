@@ -2,7 +2,13 @@
 
 KV ownership: `prefix_indices` are slots owned by the radix tree (locked through
 `last_node` while the request runs); req_to_token[row, len(prefix_indices):kv_len]
-are slots the request owns itself until it is cached or freed."""
+are slots the request owns itself until it is cached or freed.
+
+A beam-search request (beam_width >= 1) holds `beam.width` rows: the prompt is
+prefilled in its own row, and from the first selection on each row is one running
+beam, all of the same length (`output_ids` is the best running beam's). Row
+positions past the prompt point at slots that sgl.cache.beam_tails shares between
+the beams descending from one another."""
 
 from __future__ import annotations
 
@@ -10,10 +16,32 @@ from typing import Any
 
 import torch
 
-from sgl.core.protocol import GenerateReqInput, Logprobs
+from sgl.core.protocol import Beam, GenerateReqInput, Logprobs
 from sgl.core.sampling_params import SamplingParams
+from sgl.core.trie import Trie
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class BeamState:
+    """The host's view of a beam request's beams, as of its last processed step."""
+
+    __slots__ = ("width", "rows", "outputs", "scores", "finished", "open", "result")
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.rows: list[int] = []  # its request rows, rows[0] the request's own; given at admission
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to before the first step (a retracted beam request starts over)."""
+        # The running beams, one per source row of the next step (one before the first selection).
+        self.outputs: list[list[int]] = [[]]
+        self.scores: list[float] = [0.0]  # their cumulative logprobs (masks included: < -1e8 is a dead beam)
+        # (score, cumulative logprob, output ids, finish reason), best first, at most width.
+        self.finished: list[tuple[float, float, list[int], dict[str, Any]]] = []
+        self.open = True  # HF's "the running beams may still beat the finished ones"
+        self.result: list[Beam] | None = None  # the beams sent, once finished
 
 
 class Req:
@@ -22,7 +50,7 @@ class Req:
         "prefix_indices", "last_node", "kv_len", "extend_len", "finished_reason", "sent_len",
         "cached_tokens", "to_abort", "retractions", "inflight", "epoch",
         "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
-        "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs",
+        "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -55,6 +83,12 @@ class Req:
         self.retractions = 0
         self.inflight = 0  # launched batches holding this request whose results are not processed yet
         self.epoch = 0  # bumped on retraction: results launched before it are stale
+        w = sampling_params.beam_width
+        self.beam: BeamState | None = BeamState(w) if w >= 1 else None
+        self.trie: Trie | None = None  # its constraint's, set by the scheduler on arrival
+        # Never overlaps its own steps: the host must know each step's outcome before the next
+        # (set by the scheduler: a processor that reads output ids, or beams on a CPU worker).
+        self.serial = False
 
     @property
     def all_ids(self) -> list[int]:
@@ -83,6 +117,11 @@ class Req:
     def input_logprob_from(self) -> int:
         """First position whose logits give a prompt logprob (the logits of position p score token p+1)."""
         return max(self.logprob_start_len - 1, 0)
+
+    @property
+    def rows(self) -> list[int]:
+        """The request rows a decode step runs: each beam's, or its one."""
+        return self.beam.rows if self.beam is not None else [self.req_pool_idx]  # type: ignore[list-item]
 
     @property
     def finished(self) -> bool:

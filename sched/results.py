@@ -18,6 +18,7 @@ import torch
 from sgl.cache.radix_cache import RadixCache
 from sgl.core.protocol import BatchTokenIDOutput, Logprobs
 from sgl.sched.batch import ScheduleBatch
+from sgl.sched.beam import apply_picks
 from sgl.sched.decode import holders, retract
 from sgl.sched.req import Req
 from sgl.sched.runner.step import StepResult
@@ -32,7 +33,7 @@ MAX_ERROR_CHARS = 300  # of an exception's text in an abort message
 def process(s: Scheduler, batch: ScheduleBatch, res: StepResult) -> None:
     """Apply one launched batch's results to its requests. A request whose results
     raise is aborted alone (logged with the traceback); the others go on."""
-    for req in batch.reqs:
+    for req in batch.unique_reqs:
         req.inflight -= 1  # first: whatever fails below, this batch holds none of them any more
     try:
         next_ids = res.next_ids.tolist()
@@ -46,6 +47,10 @@ def process(s: Scheduler, batch: ScheduleBatch, res: StepResult) -> None:
         if req.finished or req.epoch != epoch:
             continue  # ended or retracted after this batch was launched: the token is stale
         try:
+            if req.beam is not None:
+                if i == 0 or batch.reqs[i - 1] is not req:  # a beam request's entries once
+                    _apply_beams(s, batch, res, i, req, partial)
+                continue
             _apply(s, batch, res, i, req, partial, tok, first, a, k)
         except Exception as e:  # contained to this request
             s.stats["failures"] += 1
@@ -84,6 +89,27 @@ def _apply(s: Scheduler, batch: ScheduleBatch, res: StepResult, i: int, req: Req
         s.outbox.append(req)
 
 
+def _apply_beams(s: Scheduler, batch: ScheduleBatch, res: StepResult, i: int, req: Req, partial: bool) -> None:
+    """A beam request's share of a batch's results (its entries start at i)."""
+    if res.errors and req.to_abort is None:
+        bad = [e for j, e in res.errors.items() if j >= i and j < i + len(req.rows) and batch.reqs[j] is req]
+        if bad:
+            req.to_abort = bad[0]
+    if req.to_abort is not None:
+        if req.inflight == 0:
+            s.finish(req, {"type": "abort", "message": req.to_abort})
+        return
+    if partial:
+        return
+    if not batch.is_decode:
+        req.prompt_done = True
+        s.prefilling.discard(req)
+        s.running.append(req)
+    assert res.beams is not None
+    g, n = batch.beam_index[req]
+    apply_picks(s, batch, i, req, res.beams[g], n)
+
+
 def error_message(stage: str, e: BaseException) -> str:
     text = str(e) or type(e).__name__
     if len(text) > MAX_ERROR_CHARS:
@@ -99,7 +125,7 @@ def fail_batch(s: Scheduler, batch: ScheduleBatch, e: BaseException, stage: str,
     once: it comes back through admission, recomputed. The caller has already taken
     the batch off its requests' `inflight`. `kv_written=False`: the forward may not
     have written the batch's KV, which the tree may share: it is dropped there."""
-    live = [r for r, ep in zip(batch.reqs, batch.epochs) if not r.finished and r.epoch == ep]
+    live = list(dict.fromkeys(r for r, ep in zip(batch.reqs, batch.epochs) if not r.finished and r.epoch == ep))
     oom = isinstance(e, torch.cuda.OutOfMemoryError)
     s.stats["failures"] += 1
     s.log.exception("a batch failed: its requests are " + ("retracted once" if oom else "aborted"), stage=stage,
@@ -213,7 +239,7 @@ def finish_reason(req: Req, tok: int, eos_ids: set[int], stop_strings: StopStrin
 def token_id_output(reqs: list[Req]) -> BatchTokenIDOutput:
     """The outbox's requests as one message to the detokenizer: each one's ids and
     logprobs since its last message, which are marked sent."""
-    out = BatchTokenIDOutput([], [], [], [], [], [], [], [], [], [], [], [])
+    out = BatchTokenIDOutput([], [], [], [], [], [], [], [], [], [], [], [], [])
     for r in reqs:
         out.rids.append(r.rid)
         out.new_ids.append(r.output_ids[r.sent_len :])
@@ -228,6 +254,7 @@ def token_id_output(reqs: list[Req]) -> BatchTokenIDOutput:
         out.stop_strs.append(r.sampling_params.stop_strs)
         out.detokenize.append(r.detokenize)
         out.logprobs.append(r.logprobs)
+        out.beams.append(r.beam.result if r.beam is not None else None)
         if r.logprobs is not None:
             r.logprobs = Logprobs()
     return out

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from sgl.cache.beam_tails import BeamTails
 from sgl.cache.radix_cache import RadixCache
 from sgl.core.log import get_logger
 from sgl.core.logit_processor import resolve
@@ -41,6 +42,7 @@ from sgl.core.protocol import (
 from sgl.core.request_checks import RequestLimits, request_error
 from sgl.core.server_args import ServerArgs
 from sgl.sched.batch import ScheduleBatch
+from sgl.sched.beam import release_beams
 from sgl.sched.decode import INIT_NEW_TOKEN_RATIO, decode_batch
 from sgl.sched.prefill_adder import PrefillAdder, prefill_batch
 from sgl.sched.req import Req
@@ -48,6 +50,7 @@ from sgl.sched.results import error_message, fail_batch, process, start_logprobs
 from sgl.sched.runner.model_runner import ModelRunner, eos_ids_of
 from sgl.sched.runner.step import Launched
 from sgl.sched.stop import StopStrings
+from sgl.sched.trie_store import TrieStore, constrain
 from sgl.transports.channel import Receiver, Sender
 
 IDLE_POLL_S = 0.5
@@ -63,6 +66,8 @@ class Scheduler:
         self.pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
         self.tree = RadixCache(self.pool, self.allocator, disable=args.disable_radix_cache)
+        self.beam_tails = BeamTails(self.allocator)
+        self.tries = TrieStore()
         self.eos_ids = eos_ids_of(self.runner.config, model_path)
         self.runner.eos_ids = frozenset(self.eos_ids)
         # Every allowed processor is imported at startup: a bad entry fails the engine's start.
@@ -71,7 +76,7 @@ class Scheduler:
         self.stop_strings = StopStrings(tok_path, args.trust_remote_code)
         r = self.runner
         self.limits = RequestLimits(r.vocab_size, r.context_length, r.max_total_tokens, self.stop_strings.available,
-                                    tuple(args.custom_logit_processors))
+                                    tuple(args.custom_logit_processors), max_running_requests=r.max_running_requests)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -181,12 +186,12 @@ class Scheduler:
         counted = False
         try:
             prepared = self.runner.prepare(batch)
-            for r in batch.reqs:
+            for r in batch.unique_reqs:
                 r.inflight += 1
             counted = True
             return self.runner.launch(prepared)
         except Exception as e:  # noqa: BLE001 - contained to this batch
-            for r in batch.reqs if counted else ():
+            for r in batch.unique_reqs if counted else ():
                 r.inflight -= 1
             fail_batch(self, batch, e, "forward" if counted else "prepare", kv_written=False)
             return None
@@ -196,7 +201,7 @@ class Scheduler:
         try:
             res = handle.result()
         except Exception as e:  # noqa: BLE001 - the forward failed: that batch's requests end
-            for r in batch.reqs:
+            for r in batch.unique_reqs:
                 r.inflight -= 1
             fail_batch(self, batch, e, "forward", kv_written=False)
             return time.perf_counter()
@@ -237,6 +242,10 @@ class Scheduler:
             self.finish(req, {"type": "abort", "status_code": 503,
                               "message": f"server busy: {len(self.waiting)} queued requests "
                                          f"(max_queued_requests={bound}); retry later"})
+            return
+        error = constrain(req, self.tries, self.runner)
+        if error is not None:
+            self.finish(req, {"type": "abort", "message": error})
             return
         start_logprobs(req)
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) is not None:
@@ -297,9 +306,12 @@ class Scheduler:
     # ---- request ends ----------------------------------------------------------
 
     def release(self, req: Req, cache: bool) -> None:
-        """Give back the request's row and KV: into the radix tree, or freed outright."""
+        """Give back the request's row and KV: into the radix tree, or freed outright
+        (a beam request's beams first: its own row then holds the prompt alone)."""
         if req.req_pool_idx is None:
             return
+        if req.beam is not None:
+            release_beams(self, req)
         if cache:
             self.tree.cache_finished_req(req)
         else:

@@ -20,8 +20,10 @@ from sgl.core.logit_processor import CustomLogitProcessor
 from sgl.core.server_args import ServerArgs
 from sgl.kernels.attention import AttentionBackend
 from sgl.kernels.torch_attention import TorchAttentionBackend
+from sgl.kernels.trie_mask import trie_advance, trie_mask_
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
+from sgl.sched.runner.beam_select import BeamBuffers, select
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
 from sgl.sched.runner.sampler import process_logits, sample
@@ -127,7 +129,11 @@ class ModelRunner:
         # Output-token counts per request row for penalties: allocated when first needed,
         # each penalised row rewritten from the host at its (re-)prefill, advanced per step.
         self.counts: torch.Tensor | None = None
-        self.eos_ids: frozenset[int] = frozenset()
+        self._eos_ids: frozenset[int] = frozenset()
+        self.eos_dev = torch.empty(0, dtype=torch.int64, device=self.device)
+        rows = self.req_to_token_pool.size
+        self.beam_buffers = BeamBuffers(torch.zeros(rows, dtype=torch.float32, device=self.device),
+                                        torch.zeros(rows, dtype=torch.int64, device=self.device))
         self.processors: dict[str, CustomLogitProcessor] = {}
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(args.random_seed if args.random_seed is not None else 0)
@@ -143,6 +149,15 @@ class ModelRunner:
             context_length=self.context_length, max_running_requests=self.max_running_requests,
             cuda_graph_sizes=self.graphs.sizes if self.graphs else None,
         )
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: frozenset[int]) -> None:
+        self._eos_ids = frozenset(ids)
+        self.eos_dev = torch.tensor(sorted(ids), dtype=torch.int64, device=self.device)
 
     def _attention_backend(self, args: ServerArgs) -> AttentionBackend:
         choice = args.attention_backend
@@ -169,6 +184,19 @@ class ModelRunner:
         model, config = load_model(model_path, args.load_format, self.dtype, self.device,
                                    seed=args.random_seed or 0)
         return model, config  # in eval mode already
+
+    def _mask_tries(self, processed: torch.Tensor, logits: torch.Tensor, p: PreparedBatch) -> torch.Tensor:
+        """Each trie row keeps only its node's children (EOS where a sequence ends)."""
+        if processed is logits and p.beam_src is None:
+            processed = processed.to(torch.float32, copy=True)  # never mask the model's own buffer
+        nodes = self.beam_buffers.node
+        for tg in p.tries:
+            if tg.init_rows is not None:
+                nodes[tg.init_rows] = tg.init_nodes  # type: ignore[assignment]
+            rows = processed[tg.entries]
+            trie_mask_(rows, tg.trie, nodes[p.rows[tg.entries]], tg.width, self.eos_dev)
+            processed[tg.entries] = rows
+        return processed
 
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
         """Host side, at build time: every tensor the forward needs, copied from the
@@ -229,11 +257,23 @@ class ModelRunner:
                 self.counts.index_put_((at_rows, at_ids), torch.ones_like(at_ids, dtype=torch.int32), accumulate=True)
             counts = self.counts[p.rows]
         errors: dict[int, str] = {}
-        next_ids = sample(process_logits(logits, p.sampling, counts, errors), p.sampling, self.generator)
+        if p.beam_src is not None:  # beams are scored in log-probabilities, processors included (HF's order)
+            logits = logits.to(torch.float32, copy=True)
+            logits[p.beam_src] = torch.log_softmax(logits[p.beam_src], dim=-1)
+        processed = process_logits(logits, p.sampling, counts, errors)
+        if p.tries:
+            processed = self._mask_tries(processed, logits, p)
+        next_ids = sample(processed, p.sampling, self.generator)
         self.next_token[p.rows] = next_ids
         if self.counts is not None:
             self.counts[p.rows, next_ids] += 1
-        out = StepResult(next_ids, errors=errors)
+        for tg in p.tries:
+            if tg.advance is not None:
+                self.beam_buffers.node[tg.advance_rows] = trie_advance(
+                    tg.trie, self.beam_buffers.node[tg.advance_rows], next_ids[tg.advance])
+        table = self.req_to_token_pool.mirror
+        picks = [select(processed, g, table, self.next_token, self.beam_buffers) for g in p.beams]
+        out = StepResult(next_ids, errors=errors, beams=picks or None)
         if (lp := p.logprobs) is not None:
             logp = torch.log_softmax(all_logits.float(), dim=-1)
             assert p.sample_rows is not None

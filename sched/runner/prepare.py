@@ -16,6 +16,8 @@ from sgl.cache.host_copy import pinned, to_device
 from sgl.cache.req_to_token_pool import gather_kv_indices
 from sgl.kernels.attention import AttnMetadata, CascadeMeta
 from sgl.sched.batch import ScheduleBatch
+from sgl.sched.runner.beam_select import BeamGroup
+from sgl.sched.runner.prepare_beams import TrieGroup, beam_groups, trie_groups
 from sgl.sched.runner.sampler import SamplingBatch
 
 if TYPE_CHECKING:
@@ -47,6 +49,9 @@ class PreparedBatch:
     sampling: SamplingBatch
     logprobs: LogprobPlan | None
     counts_reset: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, (row, id) pairs to count
+    beams: list[BeamGroup]  # beam requests' selections, by shape
+    beam_src: torch.Tensor | None  # every beam source among the sampled rows (they get log_softmax)
+    tries: list[TrieGroup]  # trie-constrained rows, by trie
 
 
 class BatchPreparer:
@@ -113,7 +118,12 @@ class BatchPreparer:
             reset = (self._dev(torch.tensor([batch.rows[i] for i in pen], dtype=torch.int64)),
                      self._dev(torch.tensor([q[0] for q in pairs], dtype=torch.int64)),
                      self._dev(torch.tensor([q[1] for q in pairs], dtype=torch.int64)))
+        beams = beam_groups(batch, r) if any(q.beam is not None for q in reqs) else []
+        tries = trie_groups(batch, r) if any(q.trie is not None for q in reqs) else []
         return PreparedBatch(
+            beams=beams,
+            beam_src=torch.cat([g.src for g in beams]) if beams else None,
+            tries=tries,
             rows=rows_dev,
             input_ids=ids,
             positions=self._dev(batch.positions),
@@ -162,7 +172,10 @@ class BatchPreparer:
             return None
         pool = self.runner.req_to_token_pool
         if self._shared[0] != key:
-            self._shared = (key, shared_prefix_len(pool.req_to_token, rows, int(kv_lens.min()) - 1))
+            limit = int(kv_lens.min()) - 1
+            # Past its prompt a beam's host row may lag its device row (beams move on the device).
+            limit = min([limit, *(len(q.origin_input_ids) for q in batch.reqs if q.beam is not None)])
+            self._shared = (key, shared_prefix_len(pool.req_to_token, rows, limit))
         p = self._shared[1]
         if p * (b - 1) < CASCADE_MIN_SAVED_TOKENS:
             return None

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from sgl.cache.host_copy import to_device
-from sgl.core.logit_processor import OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
+from sgl.core.logit_processor import BEAM_KEY, OUTPUT_IDS_KEY, OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
 from sgl.core.sampling_params import SamplingParams
 from sgl.kernels.sampling import top_k_top_p
 from sgl.sched.req import Req
@@ -76,13 +76,15 @@ class SamplingBatch:
             sb.ban = (rows, ids)
         if processors and any(r.processor for r in reqs):
             groups: dict[str, list[int]] = {}
+            beams = [0] * len(reqs)  # a beam request's rows are consecutive: a row's beam is its offset
+            for i in range(1, len(reqs)):
+                beams[i] = beams[i - 1] + 1 if reqs[i] is reqs[i - 1] else 0
             for i, r in enumerate(reqs):
                 if r.processor:
                     groups.setdefault(r.processor, []).append(i)
             sb.processors = [
                 (processors[name], torch.tensor(rows, dtype=torch.int64, device=device),
-                 [{**(reqs[i].sampling_params.custom_params or {}), OUTPUT_LEN_KEY: done[i], RID_KEY: reqs[i].rid}
-                  for i in rows])
+                 [_row_params(reqs[i], beams[i], done[i], processors[name].needs_output_ids) for i in rows])
                 for name, rows in groups.items()
             ]
         return sb
@@ -119,6 +121,19 @@ class SamplingBatch:
             items = [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias.items()]
             sb.bias = _sparse(items, device)
         return sb
+
+
+def _row_params(r: Req, beam: int, done: int, with_ids: bool) -> dict[str, Any]:
+    """A row's processor params: its request's custom_params and the row's state."""
+    out = {**(r.sampling_params.custom_params or {}), OUTPUT_LEN_KEY: done, RID_KEY: r.rid}
+    if r.beam is not None:
+        out[BEAM_KEY] = beam
+        if with_ids:
+            outputs = r.beam.outputs
+            out[OUTPUT_IDS_KEY] = list(outputs[beam] if beam < len(outputs) else outputs[0])
+    elif with_ids:
+        out[OUTPUT_IDS_KEY] = list(r.output_ids)
+    return out
 
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, k) pairs over the generator's seed space

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from sgl.sched.runner.beam_select import BeamPicks
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 
 
@@ -23,6 +24,7 @@ class StepResult:
     top_ids: torch.Tensor | None = None
     ids_vals: torch.Tensor | None = None
     errors: dict[int, str] | None = None  # batch row -> why its request must be aborted
+    beams: list[BeamPicks] | None = None  # per beam group of the batch
 
     def to_host(self, non_blocking: bool) -> StepResult:
         """The same results as host tensors; pinned and not yet valid until the device
@@ -37,7 +39,8 @@ class StepResult:
             return out.copy_(t, non_blocking=True)
 
         return StepResult(host(self.next_ids), host(self.token), host(self.top_vals), host(self.top_ids),  # type: ignore[arg-type]
-                          host(self.ids_vals), self.errors)
+                          host(self.ids_vals), self.errors,
+                          None if self.beams is None else [b.to_host(non_blocking) for b in self.beams])
 
 
 class Launched(Protocol):

@@ -17,6 +17,8 @@ import torch
 # Keys the scheduler adds to each row's params (user keys never start with "__").
 OUTPUT_LEN_KEY = "__output_len__"  # tokens the request generated before this one
 RID_KEY = "__rid__"
+BEAM_KEY = "__beam__"  # beam requests: the row's beam (0 = the best running one at the last step)
+OUTPUT_IDS_KEY = "__output_ids__"  # the row's output ids so far, for processors with needs_output_ids
 
 
 class CustomLogitProcessor:
@@ -25,9 +27,16 @@ class CustomLogitProcessor:
     `__call__(logits, params)` gets the rows [b, V] (float32) of the requests that
     named this processor, after logit_bias, penalties and the min_new_tokens mask
     and before temperature, and the list of their `custom_params` dicts (with
-    `__output_len__` and `__rid__` added). It returns the new rows [b, V]."""
+    `__output_len__` and `__rid__` added). It returns the new rows [b, V].
+
+    Under beam search each beam is a row: its params also carry `__beam__`, and its
+    logits are log-probabilities (Hugging Face's order: processors see log_softmax).
+    A processor that sets `needs_output_ids = True` gets each row's `__output_ids__`
+    (the beam's own, following it when it forks); its requests then never overlap
+    their own steps (the ids must be known on the host before each step)."""
 
     name: ClassVar[str | None] = None
+    needs_output_ids: ClassVar[bool] = False
 
     def __call__(self, logits: torch.Tensor, params: list[dict[str, Any]]) -> torch.Tensor:
         raise NotImplementedError

@@ -119,6 +119,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             # Beam search here is HF's greedy beam search: refuse what it does not do.
             _check(self.temperature in (0.0, 1.0), "temperature", self.temperature,
                    "0 or 1 with beam_width (beams are ranked by their logprobs, never sampled)")
+            _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, ">= 1 with beam_width")
+            _check(not self.has_penalties, "repetition_penalty", self.repetition_penalty,
+                   "unset with beam_width, as frequency_penalty and presence_penalty (no penalties on beams)")
             _check(self.n == 1, "n", self.n, "1 with beam_width (the beams are the results)")
             _check(not self.stop, "stop", self.stop, "unset with beam_width (stop strings are not matched on beams)")
             _check(self.min_p == 0.0 and self.top_p == 1.0 and self.top_k in (-1, 1), "top_p", self.top_p,
@@ -134,7 +137,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature == 0.0 or self.top_k == 1 or self.beam_width > 0  # beams are never sampled
 
     @property
     def return_beams(self) -> int:
