@@ -17,6 +17,8 @@ def _generate(ns: argparse.Namespace) -> int:
     from sgl.engine import Engine
 
     configure_logging(ns.log_level)
+    if ns.stream and ns.beam_width:
+        raise ValueError("--stream: a beam search (--beam-width) never streams")
     kwargs: dict[str, Any] = {"transport": ns.transport, "log_level": ns.log_level}
     if ns.load_format:
         kwargs["load_format"] = ns.load_format
@@ -29,8 +31,12 @@ def _generate(ns: argparse.Namespace) -> int:
             prompt = tok.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
             )
-        params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
-        if ns.stream:
+        params: dict[str, Any] = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
+        if ns.beam_width:
+            params["beam_width"] = ns.beam_width
+            for beam in engine.generate(prompt, params):  # best first
+                print(f"[{beam['meta_info']['beam_index']}] score={beam['meta_info']['score']}: {beam['text']}")
+        elif ns.stream:
             for chunk in engine.generate(prompt, params, stream=True):
                 sys.stdout.write(chunk["text"])
                 sys.stdout.flush()
@@ -85,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--transport", choices=["inproc", "ipc", "tcp"], default="ipc")
     g.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    g.add_argument("--beam-width", type=int, default=0, help="beam search: print every beam, best first")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy", "null"], default=None)
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None)

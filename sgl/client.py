@@ -81,8 +81,10 @@ class Client:
         input_ids: list[int] | list[list[int]] | None = None,
         rid: str | list[str] | None = None,
         **options: Any,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
-        """One dict for one prompt; a list of dicts, in order, for a batch. `options`: the
+    ) -> dict[str, Any] | list[Any]:
+        """One dict for one prompt; a list, in order, for a batch. With n > 1 or
+        beam_width >= 1 in sampling_params a prompt gives a list of dicts (samples, or
+        beams best first), as the engines return them. `options`: the
         native route's other fields (return_logprob, logprob_start_len, top_logprobs_num,
         token_ids_logprob, return_text_in_logprobs); an unknown one is a 400."""
         return await self._post("/generate", _payload(prompt, sampling_params, input_ids, rid, False, options))

@@ -1,12 +1,14 @@
 """In-test channel ends for driving a scheduler (or a tokenizer manager) by hand: a
-receiver fed from a deque, never blocking, and a sender that keeps what it was sent."""
+receiver fed from a deque, never blocking, one awaited from an asyncio queue, and a
+sender that keeps what it was sent."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 
 from sgl.core.protocol import Message
-from sgl.transports.channel import Receiver, Sender
+from sgl.transports.channel import ChannelClosed, Receiver, Sender
 
 
 class QueueReceiver(Receiver):
@@ -32,3 +34,22 @@ class ListSender(Sender):
 
     def close(self) -> None:
         pass
+
+
+class AsyncQueueReceiver(Receiver):
+    """A receiver awaited by a tokenizer manager's receive loop; `close` ends it."""
+
+    def __init__(self) -> None:
+        self.q: asyncio.Queue[Message | None] = asyncio.Queue()
+
+    def recv(self, timeout: float | None = None) -> Message | None:
+        raise NotImplementedError("an AsyncQueueReceiver is awaited, never polled")
+
+    async def recv_async(self) -> Message:
+        msg = await self.q.get()
+        if msg is None:
+            raise ChannelClosed("closed")
+        return msg
+
+    def close(self) -> None:
+        self.q.put_nowait(None)

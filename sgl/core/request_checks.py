@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl.core.logit_processor import check_allowed
-from sgl.core.sampling_params import SamplingParams
+from sgl.core.sampling_params import MAX_BEAM_WIDTH, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,7 @@ class RequestLimits:
     has_tokenizer: bool  # stop strings are matched on text
     allowed_processors: tuple[str, ...] = ()
     max_top_logprobs_num: int = 20  # OpenAI's bound; ServerArgs.max_top_logprobs_num
+    max_running_requests: int = MAX_BEAM_WIDTH  # request rows: a beam request takes beam_width of them
 
 
 MAX_TOKEN_IDS_LOGPROB = 256
@@ -34,12 +35,14 @@ MAX_TOKEN_IDS_LOGPROB = 256
 def limits_of(info: Mapping[str, Any], has_tokenizer: bool, allowed_processors: Sequence[str] | None) -> RequestLimits:
     """The limits of the scheduler that reported `info` (its get_server_info)."""
     return RequestLimits(info["vocab_size"], info["context_length"], info["max_total_tokens"], has_tokenizer,
-                         tuple(allowed_processors or ()), info.get("max_top_logprobs_num", 20))
+                         tuple(allowed_processors or ()), info.get("max_top_logprobs_num", 20),
+                         info.get("max_running_requests", MAX_BEAM_WIDTH))
 
 
 def request_error(
     ids: Sequence[int], params: SamplingParams, logprob_start_len: int, top_logprobs_num: int,
     token_ids_logprob: Sequence[int] | None, processor: str | None, limits: RequestLimits,
+    return_logprob: bool = False,
 ) -> str | None:
     """Why the request cannot run, or None."""
     n, v = len(ids), limits.vocab_size
@@ -59,10 +62,15 @@ def request_error(
     if n + m > limits.max_total_tokens:
         return (f"max_new_tokens={m} is invalid: the prompt's {n} tokens plus {m} new ones can never fit the KV "
                 f"cache, which holds {limits.max_total_tokens} tokens ({n + m - limits.max_total_tokens} too many)")
+    if params.beam_width and (error := beam_error(n, params, limits, return_logprob)) is not None:
+        return error
     for name, toks in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias)),
                        ("token_ids_logprob", token_ids_logprob or ())):
         if toks and (min(toks) < 0 or max(toks) >= v):
             return f"{name}: ids must lie in [0, {v})"
+    c = params.constraint
+    if c is not None and c.sequences is not None and max(map(max, c.sequences)) >= v:  # none < 0: SamplingParams
+        return f"constraint.sequences: ids must lie in [0, {v})"
     if not -1 <= logprob_start_len < n:
         return f"logprob_start_len={logprob_start_len} is invalid: must be -1 or in [0, {n})"
     if not 0 <= top_logprobs_num <= limits.max_top_logprobs_num:
@@ -76,4 +84,19 @@ def request_error(
             check_allowed(processor, list(limits.allowed_processors))
         except ValueError as e:
             return str(e)
+    return None
+
+
+def beam_error(n: int, params: SamplingParams, limits: RequestLimits, return_logprob: bool) -> str | None:
+    """Why a beam-search request (beam_width >= 1) of an `n`-token prompt cannot run, or None."""
+    w, m = params.beam_width, params.max_new_tokens
+    if w > limits.max_running_requests:
+        return (f"beam_width={w} is invalid: each beam takes a request row, and the scheduler runs at most "
+                f"max_running_requests={limits.max_running_requests}")
+    if n + w * m > limits.max_total_tokens:
+        return (f"beam_width={w} is invalid: the prompt's {n} tokens plus {w} beams of max_new_tokens={m} can "
+                f"never fit the KV cache, which holds {limits.max_total_tokens} tokens "
+                f"({n + w * m - limits.max_total_tokens} too many)")
+    if return_logprob:
+        return "return_logprob: not supported with beam_width; each beam carries cumulative_logprob"
     return None

@@ -232,7 +232,9 @@ class AsyncEngine:
         **options: Any,
     ) -> dict[str, Any] | list[Any]:
         """One dict for one prompt; a list, in order, for a batch. With n > 1 a prompt
-        gives a list of n dicts (a batch: one such list per prompt).
+        gives a list of n dicts (a batch: one such list per prompt); with beam_width >= 1
+        a list of its beams, best first, each meta_info with cumulative_logprob, score
+        and beam_index (never streamed).
 
         Options (SGLang's request-level arguments; in a batch each may be a list, one
         per prompt): return_logprob, logprob_start_len, top_logprobs_num,

@@ -8,6 +8,7 @@ from dataclasses import fields
 from typing import Any
 
 from sgl.core.sampling_params import SamplingParams
+from sgl.runtime.beam_results import STREAM_ERROR as BEAM_STREAM_ERROR
 from sgl.runtime.req_options import ReqOptions
 
 
@@ -62,12 +63,16 @@ def batch_options(options: dict[str, Any], n: int) -> list[ReqOptions]:
 
 
 def check_stream_args(prompt: Any, sp: Any, input_ids: Any, rid: Any, options: dict[str, Any]) -> None:
-    """The checks of `AsyncEngine.stream` that need no engine: batch shape and option names."""
+    """The checks of `AsyncEngine.stream` that need no engine: batch shape, option names,
+    and no beam search (a beam request never streams)."""
     items = split_batch(prompt, input_ids, sp, rid)
     if items is None:
         options_of(options)
     else:
         batch_options(options, len(items))
+    for s in [it[2] for it in items] if items is not None else [sp]:
+        if s.get("beam_width") if isinstance(s, dict) else getattr(s, "beam_width", 0):
+            raise ValueError(BEAM_STREAM_ERROR)
 
 
 def one_request(prompt: Any, input_ids: Any, rid: Any) -> tuple[str | None, list[int] | None, str | None]:

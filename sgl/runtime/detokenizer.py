@@ -6,7 +6,8 @@ last chunk makes the concatenated stream equal the full decode exactly. A
 stream holds back a tail that may begin a stop string until it is resolved; the
 final text is trimmed at the matched stop (string or id) unless no_stop_trim.
 Requests with detokenize=False cost no decode work. It never sees prompts and
-never decides when a request ends.
+never decides when a request ends. A finished beam-search request comes once, its
+beams carrying the ids: each beam is decoded whole into its `text`.
 
 With a fast tokenizer (a `tokenizers.Tokenizer` behind it) each request steps a
 `tokenizers` DecodeStream instead, the same two-offset algorithm run in Rust; the
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from tokenizers import Tokenizer
 
 from sgl.core.log import get_logger
@@ -28,6 +30,7 @@ from sgl.core.protocol import (
     AttachReq,
     BatchStrOutput,
     BatchTokenIDOutput,
+    Beam,
     DetachReq,
     FinishReason,
     ShutdownReq,
@@ -82,6 +85,9 @@ class Detokenizer:
                 self.log.warning("ignored unexpected message", type=type(msg).__name__)
 
     def process(self, b: BatchTokenIDOutput) -> BatchStrOutput:
+        beams = b.beams or [None] * len(b.rids)  # every output carries the column, one entry per rid
+        if beams.count(None) != len(beams):
+            return self._process_beams(b, beams)
         texts = [
             self._step(b.rids[i], b.new_ids[i], b.finished_reasons[i], _Opts(
                 b.skip_special_tokens[i], b.spaces_between_special_tokens[i], b.no_stop_trim[i], b.stop_strs[i]))
@@ -89,7 +95,36 @@ class Detokenizer:
             for i in range(len(b.rids))
         ]
         return BatchStrOutput(b.rids, texts, b.new_ids, b.finished_reasons, b.prompt_tokens,
-                              b.completion_tokens, b.cached_tokens, b.logprobs)
+                              b.completion_tokens, b.cached_tokens, b.logprobs, beams)
+
+    def _process_beams(self, b: BatchTokenIDOutput, beams: list[list[Beam] | None]) -> BatchStrOutput:
+        """A batch holding finished beam-search requests: each of their beams is decoded
+        whole into its own text (the request's new_ids are empty, and it never streamed);
+        the other requests step as usual."""
+        texts: list[str] = []
+        out_beams: list[list[Beam] | None] = []
+        for i, rid in enumerate(b.rids):
+            o = _Opts(b.skip_special_tokens[i], b.spaces_between_special_tokens[i], b.no_stop_trim[i], b.stop_strs[i])
+            decode = b.detokenize[i] and self.tokenizer is not None
+            bs = beams[i]
+            if bs is None:
+                texts.append(self._step(rid, b.new_ids[i], b.finished_reasons[i], o) if decode else "")
+                out_beams.append(None)
+                continue
+            self.states.pop(rid, None)
+            texts.append("")
+            out_beams.append([msgspec.structs.replace(x, text=self._beam_text(x, o)) for x in bs] if decode else bs)
+        return BatchStrOutput(b.rids, texts, b.new_ids, b.finished_reasons, b.prompt_tokens,
+                              b.completion_tokens, b.cached_tokens, b.logprobs, out_beams)
+
+    def _beam_text(self, beam: Beam, o: _Opts) -> str:
+        """A finished beam's text: its ids decoded, less a matched stop id at the end (as
+        `_step` trims a request's; beams match no stop strings)."""
+        fin, ids = beam.finish_reason, beam.output_ids
+        matched = fin.get("matched") if fin.get("type") == "stop" and not o.no_stop_trim else None
+        if isinstance(matched, int) and ids and ids[-1] == matched:
+            ids = ids[:-1]
+        return self._decode(ids, o)
 
     def _step(self, rid: str, new_ids: list[int], fin: FinishReason | None, o: _Opts) -> str:
         st = self.states.get(rid)

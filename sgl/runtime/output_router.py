@@ -107,9 +107,11 @@ class OutputRouter(Sender):
             c = client_of(rid)
             groups.setdefault(c if c in self.routes else "", []).append(i)
         for client, idx in groups.items():
-            # Every field is a per-rid column: take each one's rows, whatever columns exist.
+            # Every field is a per-rid column: take each one's rows, whatever columns exist
+            # (an optional column left empty, as `beams` by a sender without it, stays empty).
             part = b if len(idx) == len(b.rids) else BatchStrOutput(
-                **{f: [getattr(b, f)[i] for i in idx] for f in BatchStrOutput.__struct_fields__})
+                **{f: [col[i] for i in idx] if (col := getattr(b, f)) else []
+                   for f in BatchStrOutput.__struct_fields__})
             if client:
                 self._to_client(client, part)
             else:

@@ -34,6 +34,7 @@ from sgl.core.log import get_logger
 from sgl.core.protocol import (
     AbortReq,
     BatchStrOutput,
+    Beam,
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -45,6 +46,8 @@ from sgl.core.protocol import (
 )
 from sgl.core.request_checks import RequestLimits, request_error
 from sgl.core.sampling_params import SamplingParams
+from sgl.runtime.beam_results import STREAM_ERROR as BEAM_STREAM_ERROR
+from sgl.runtime.beam_results import beam_results
 from sgl.runtime.control import ControlCalls
 from sgl.runtime.logprob_format import format_logprobs
 from sgl.runtime.metrics import Metrics
@@ -72,6 +75,8 @@ class _ReqState:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, list[Any]] = field(default_factory=dict)  # non-streaming: accumulated
+    beam: bool = False  # a beam-search request: its result is the list of its beams
+    beams: list[Beam] | None = None  # as they arrived with its finish
 
 
 CONTROL_TIMEOUT_S = 30.0  # flush_cache, server_info: the scheduler answers between batches
@@ -148,7 +153,7 @@ class TokenizerManager:
             if not is_int(getattr(opts, name)):
                 raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be an int")
         error = request_error(ids, params, opts.logprob_start_len, opts.top_logprobs_num, opts.token_ids_logprob,
-                              opts.custom_logit_processor, self.limits)
+                              opts.custom_logit_processor, self.limits, opts.return_logprob)
         if error is not None:
             raise ValueError(error)
 
@@ -157,7 +162,8 @@ class TokenizerManager:
         opts: ReqOptions | None = None,
     ) -> AsyncGenerator[Any, None]:
         """Yield delta chunks when streaming, else one final dict. Aborted on close.
-        n > 1: one list of n final dicts, or chunks from all samples, each with its "index"."""
+        n > 1: one list of n final dicts, or chunks from all samples, each with its "index".
+        beam_width >= 1: one list of the beams' final dicts, best first; never streamed."""
         opts = opts or ReqOptions()
         params = SamplingParams.coerce(sampling_params, self.defaults)
         ids = await self.tokenize_async(prompt, input_ids)
@@ -166,6 +172,8 @@ class TokenizerManager:
             raise ValueError(f"rid must be a str, got {type(rid).__name__}")
         if not isinstance(stream, bool):
             raise ValueError(f"stream={stream!r} is invalid: must be a bool")
+        if stream and params.beam_width:
+            raise ValueError(BEAM_STREAM_ERROR)
         rid = self.rid_prefix + (rid or uuid.uuid4().hex)
         if params.n == 1:
             gen = self._one(self._submit(rid, ids, params, stream, opts, None), stream)
@@ -214,13 +222,13 @@ class TokenizerManager:
         self._ensure_started()
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        self.states[rid] = _ReqState(asyncio.Queue(), time.monotonic(), opts, stream)
+        self.states[rid] = _ReqState(asyncio.Queue(), time.monotonic(), opts, stream, beam=params.beam_width > 0)
         self.send.send(GenerateReqInput(
             rid, ids, params, stream, opts.return_logprob, opts.logprob_start_len, opts.top_logprobs_num,
             opts.token_ids_logprob, opts.custom_logit_processor, opts.detokenize, leader))
         return rid
 
-    async def _one(self, rid: str, stream: bool) -> AsyncGenerator[dict[str, Any], None]:
+    async def _one(self, rid: str, stream: bool) -> AsyncGenerator[Any, None]:  # a beam request: a list
         st = self.states[rid]
         finished = False
         try:
@@ -237,7 +245,7 @@ class TokenizerManager:
                 elif finished:
                     item["text"], item["output_ids"] = st.text, st.output_ids
                     item["meta_info"].update(st.logprobs)
-                    yield item
+                    yield beam_results(st.beams, item) if st.beam else item
                 if finished:
                     return
         finally:
@@ -309,10 +317,13 @@ class TokenizerManager:
 
     def _dispatch(self, b: BatchStrOutput, deltas: list[dict[str, list[Any]] | None]) -> None:
         now = time.monotonic()
+        beams = b.beams
         for i, rid in enumerate(b.rids):
             st = self.states.get(rid)
             if st is None:
                 continue  # the caller went away (aborted or cancelled)
+            if beams and beams[i] is not None:
+                st.beams = beams[i]
             st.text += b.texts[i]
             st.output_ids.extend(b.new_ids[i])
             fin = b.finished_reasons[i]

@@ -7,7 +7,11 @@ optional usage chunk and `data: [DONE]`.
 
 Logprobs come from the engine's (logprob, id, text) triples, each token decoded on
 its own: completions get OpenAI's legacy lists (`echo` adds the prompt's, first one
-null), chat gets `content` entries; a streamed chunk carries its own tokens'."""
+null), chat gets `content` entries; a streamed chunk carries its own tokens'.
+
+Beam search takes vLLM's extra fields (`use_beam_search` with `n` beams,
+`length_penalty`, `early_stopping`) or `beam_width` (then `n` is how many beams
+come back): the n choices are the beams, best first; it never streams."""
 
 from __future__ import annotations
 
@@ -56,6 +60,11 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     rid: str | None = None
+    # Beam search: vLLM's use_beam_search (n beams), or beam_width itself (n: how many to return).
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -85,7 +94,7 @@ class ChatRequest(_Sampling, kw_only=True):
 # defaults never trips on a field the sampler does not know.
 _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
 _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-           "spaces_between_special_tokens", "no_stop_trim", *_NEUTRAL)
+           "spaces_between_special_tokens", "no_stop_trim", "length_penalty", "early_stopping", *_NEUTRAL)
 
 
 def sampling_dict(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
@@ -98,13 +107,29 @@ def sampling_dict(req: _Sampling, max_tokens: int | None) -> dict[str, Any]:
         sp["min_new_tokens"] = sp.pop("min_tokens")  # vLLM's name for SGLang's field
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
-    if req.n != 1:
+    if req.use_beam_search or req.beam_width:
+        sp.update(beam_fields(req))
+    elif req.n != 1:
         sp["n"] = req.n  # the samples share the prompt's KV through the radix cache
     if req.logit_bias:
         sp["logit_bias"] = req.logit_bias  # OpenAI sends token ids as strings; SamplingParams converts them
     if req.stop is not None and req.stop != []:
         sp["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
     return sp
+
+
+def beam_fields(req: _Sampling) -> dict[str, Any]:
+    """The sampling fields of a beam-search request, which returns n choices, best first."""
+    if req.stream:
+        raise ApiError(400, "stream=true is not supported with beam search: the beams come back once they finish",
+                       "stream")
+    if getattr(req, "logprobs", None) not in (None, False):
+        raise ApiError(400, "logprobs is not supported with beam search (each beam has its cumulative logprob)",
+                       "logprobs")
+    width = req.beam_width or req.n
+    if req.n > width:
+        raise ApiError(400, f"n={req.n} is invalid: at most beam_width={width} beams can be returned", "n")
+    return {"beam_width": width, "num_return_beams": req.n}
 
 
 def finish_reason(fin: dict[str, Any] | None) -> str | None:
