@@ -196,7 +196,11 @@ class PrefillAdder:
         assert row is not None  # add_one checked for a free row
         req.req_pool_idx = row
         if req.beam is not None:  # the other beams' rows, filled from this one at the first selection
-            req.beam.rows = [row, *(self.pool.alloc() for _ in range(req.beam.width - 1))]  # type: ignore[misc]
+            req.beam.rows = [row]
+            for _ in range(req.beam.width - 1):
+                extra = self.pool.alloc()
+                assert extra is not None  # add_one checked for a row per beam
+                req.beam.rows.append(extra)
         prefix = match.indices
         req.prefix_indices = prefix
         req.last_node = match.last_node

@@ -260,8 +260,10 @@ class Scheduler:
     def _validate(self, req: Req) -> str | None:
         if req.rid in self.rids:
             return f"rid: duplicate request id {req.rid!r}: a request with this rid is still running"
+        if req.beam is not None and req.stream:
+            return "stream: a beam search request cannot stream (its beams are known only at the end)"
         return request_error(req.origin_input_ids, req.sampling_params, req.logprob_start_len, req.top_logprobs_num,
-                             req.token_ids_logprob, req.processor, self.limits)
+                             req.token_ids_logprob, req.processor, self.limits, return_logprob=req.return_logprob)
 
     def _share_prompt(self, lead: Req) -> None:
         """n > 1: make the leader's prompt KV reachable through the radix tree for its
