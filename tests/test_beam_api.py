@@ -1,15 +1,11 @@
 """Beam search at the front end: the limits a beam request must pass, the detokenizer's
 beam path, the tokenizer manager's result shape (a list of beams, best first), and the
-engine, native HTTP, sgl.Client and OpenAI routes.
-
-What needs the scheduler's beam support (beams actually coming back) is marked
-`needs_beams` and skipped until `sgl.sched.beam` provides `BeamState`; the rest runs
-on the null model, fake channels, or the detokenizer alone."""
+engine, native HTTP, sgl.Client and OpenAI routes, on the null model, fake channels,
+or the detokenizer alone."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -28,12 +24,6 @@ from sgl.server.openai_api import ChatRequest, CompletionRequest, sampling_dict
 from tests.conftest import NULL_VOCAB
 from tests.fake_channels import AsyncQueueReceiver, ListSender
 from tests.serve_util import ServerProc
-
-try:
-    BEAMS_READY = hasattr(importlib.import_module("sgl.sched.beam"), "BeamState")
-except ImportError:
-    BEAMS_READY = False
-needs_beams = pytest.mark.skipif(not BEAMS_READY, reason="no beam search in the scheduler yet (sgl.sched.beam)")
 
 BEAM_META = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
              "cumulative_logprob", "score", "beam_index"}
@@ -267,7 +257,6 @@ def _check_beams(beams: list[dict[str, Any]], k: int, prompt_len: int) -> None:
         assert m["completion_tokens"] == len(b["output_ids"]) and m["finish_reason"] is not None
 
 
-@needs_beams
 def test_engine_returns_the_beams(engine: sgl.Engine) -> None:
     out = engine.generate(input_ids=[5, 6], sampling_params=BEAM)
     _check_beams(out, 3, 2)
@@ -337,7 +326,6 @@ def test_http_beam_results_are_lists(server: ServerProc) -> None:
     server.assert_balanced()
 
 
-@needs_beams
 def test_http_returns_the_beams(server: ServerProc) -> None:
     r = server.post("/generate", json={"text": ["Hi", "Hello there"], "sampling_params": BEAM})
     assert r.status_code == 200
