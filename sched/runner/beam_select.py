@@ -76,8 +76,12 @@ def select(logp: torch.Tensor, g: BeamGroup, table: torch.Tensor, next_token: to
     cand = logp[g.src].view(n, s, v)
     if not g.fresh:
         cand = cand + buf.score[g.src_pool][:, :, None]
-    scores, flat = cand.reshape(n, s * v).topk(g.k, dim=1)
-    source, token = flat // v, flat % v
+    # The top K over all rows' continuations, in two stages (each row's top K, then the
+    # best K of those): the same candidates as one top-k over [S x V], far cheaper at width 200.
+    kk = min(g.k, v)
+    row_scores, row_tokens = cand.topk(kk, dim=2)
+    scores, flat = row_scores.reshape(n, s * kk).topk(g.k, dim=1)
+    source, token = flat // kk, row_tokens.reshape(n, s * kk).gather(1, flat)
     stops = (token[:, :, None] == g.stop[:, None, :]).any(-1) | (scores < DEAD)
     run_scores, run = (scores - STOP_PENALTY * stops.float()).topk(w, dim=1)
     parent = g.src_pool.gather(1, source.gather(1, run)).reshape(-1)
