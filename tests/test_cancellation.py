@@ -123,3 +123,25 @@ async def test_gather_first_failure_cancels_siblings() -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def test_cancelling_a_batch_aborts_every_prompt(null_model_dir: str) -> None:
+    async def body(e: sgl.AsyncEngine) -> None:
+        async with anyio.create_task_group() as tg:
+            scope = anyio.CancelScope()
+
+            async def generate() -> None:
+                with scope:
+                    await e.generate(input_ids=[[4, 5], [6], [7, 8, 9]], sampling_params=LONG)
+
+            tg.start_soon(generate)
+            await running(e, 3)
+            scope.cancel()
+        assert scope.cancelled_caught
+        assert e.tm.states == {}
+        # A prompt that fails cancels its siblings: the bad one is refused, none is left running.
+        with pytest.raises(ValueError, match="input_ids"):
+            await e.generate(input_ids=[[4, 5], [], [7]], sampling_params=LONG)
+        assert e.tm.states == {}
+
+    run_engine(null_model_dir, body)

@@ -100,3 +100,15 @@ async def test_cancelled_call_forgets_its_future() -> None:
     finally:
         recv.close()
         await tm.close()
+
+
+def test_server_args_set_the_control_timeouts(null_model_dir: str) -> None:
+    import sgl
+
+    with pytest.raises(ValueError, match="control_timeout"):
+        sgl.ServerArgs(model_path=null_model_dir, control_timeout=0)
+    with sgl.Engine(null_model_dir, transport="inproc", load_format="null", skip_tokenizer_init=True,
+                    control_timeout=1.5, health_timeout=0.5) as e:
+        tm = e._engine.tm
+        assert (tm.control.timeout, tm.health_timeout) == (1.5, 0.5)
+        assert e.get_server_info()["running"] == 0

@@ -66,6 +66,10 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     random_seed: int | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
     watchdog_interval: float = 0.5  # seconds between child liveness checks
+    # Seconds a control call (flush_cache, get_server_info) and a health check wait for
+    # their reply before raising TimeoutError (the scheduler answers between batches).
+    control_timeout: float = 30.0
+    health_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         _positive(self, "max_total_tokens", "context_length", "max_running_requests", "cuda_graph_max_bs",
@@ -73,6 +77,9 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1 and self.chunked_prefill_size != -1:
             raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} is invalid: must be >= 1, -1 for no "
                              "chunking, or None for the default")
+        for name in ("control_timeout", "health_timeout", "watchdog_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be > 0 seconds")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} is invalid: must be >= 1")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:

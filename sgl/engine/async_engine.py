@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import os
 import shutil
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -35,7 +36,7 @@ from sgl.runtime.launch import (
 from sgl.runtime.metrics import Metrics
 from sgl.runtime.req_options import ReqOptions
 from sgl.runtime.roles import ChildConfig
-from sgl.runtime.streams import merge_streams
+from sgl.runtime.streams import gather_calls, merge_streams
 from sgl.runtime.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl.transports.channel import Receiver
 from sgl.transports.factory import make_addresses
@@ -137,7 +138,8 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.tm = TokenizerManager(tokenizer, self.security.sender(self.addresses.to_scheduler), recv,
                                    limits_of(self.info, tokenizer is not None, self.args.custom_logit_processors),
-                                   self.model_path, metrics=self.metrics)
+                                   self.model_path, metrics=self.metrics, control_timeout=self.args.control_timeout,
+                                   health_timeout=self.args.health_timeout)
         self._watchdog = Watchdog(self._roles, self.args.watchdog_interval, self._on_role_death)
         self._watchdog.start()
         atexit.register(self.shutdown)
@@ -246,13 +248,8 @@ class AsyncEngine:
             p, ids, r = one_request(prompt, input_ids, rid)
             return await self._one(p, ids, sampling_params, r, options_of(options))
         opts = batch_options(options, len(items))
-        tasks = [asyncio.ensure_future(self._one(*it, o)) for it, o in zip(items, opts)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
+        # One task group: a failed or cancelled prompt cancels its siblings (each sends its abort).
+        return await gather_calls([functools.partial(self._one, *it, o) for it, o in zip(items, opts)])
 
     async def _one(self, prompt: str | None, input_ids: list[int] | None, sp: Any, rid: str | None,
                    opts: ReqOptions) -> Any:

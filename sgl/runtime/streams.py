@@ -1,7 +1,8 @@
 """Fan-out over several async streams of output chunks, on anyio task groups:
 `merge_streams` interleaves the chunks of several requests (the samples of n > 1,
 the prompts of a streamed batch) as they arrive; `gather_first` awaits the first
-(for a non-streamed request, the only) item of each. A failure or cancellation of
+(for a non-streamed request, the only) item of each, `gather_calls` the result of
+each call (the prompts of a batch). A failure or cancellation of
 one part cancels its siblings, and every generator is closed before either returns
 (closing an unfinished request's generator is what sends its abort).
 
@@ -11,7 +12,7 @@ and holds no state past one call."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -65,19 +66,26 @@ async def merge_streams(gens: Sequence[AsyncIterator[dict[str, Any]]],
 async def gather_first(gens: Sequence[AsyncIterator[Any]]) -> list[Any]:
     """The first item of each generator, awaited concurrently. The first error cancels
     the others and is raised as is; the generators are left for the caller to close."""
-    results: list[Any] = [None] * len(gens)
+    return await gather_calls([g.__anext__ for g in gens])
+
+
+async def gather_calls(calls: Sequence[Callable[[], Awaitable[Any]]]) -> list[Any]:
+    """Each call's result, awaited concurrently in one task group: the first error
+    cancels the others and is raised as is (not wrapped in an exception group), and
+    cancelling the caller cancels them all."""
+    results: list[Any] = [None] * len(calls)
     errors: list[BaseException] = []
 
-    async def first(i: int, g: AsyncIterator[Any]) -> None:
+    async def one(i: int, call: Callable[[], Awaitable[Any]]) -> None:
         try:
-            results[i] = await g.__anext__()
+            results[i] = await call()
         except Exception as e:  # noqa: BLE001 - raised below, after the siblings stop
             errors.append(e)
             tg.cancel_scope.cancel()
 
     async with anyio.create_task_group() as tg:
-        for i, g in enumerate(gens):
-            tg.start_soon(first, i, g)
+        for i, call in enumerate(calls):
+            tg.start_soon(one, i, call)
     if errors:
         raise errors[0]
     return results
