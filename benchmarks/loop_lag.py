@@ -2,7 +2,11 @@
 records how late each wake-up is while the engine starts (the blocking constructor,
 then `await AsyncEngine.start(...)`), serves concurrent long prompts, and stops.
 
-    python benchmarks/loop_lag.py [--prompts 16] [--words 1000] [--transport inproc]
+    python benchmarks/loop_lag.py [--prompts 16] [--words 1000] [--transport inproc] [--null]
+
+--null: the default model's config and tokenizer with null weights (no arithmetic), so
+serving measures the front end alone (tokenizing, transport, detokenizing): the issue's
+64 x 4k-token prompts on a CPU machine (`--prompts 64 --words 3000 --null`).
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ async def ticking(name: str, rows: list[tuple[str, float, float, int]]) -> Async
 
 
 async def main(args: argparse.Namespace) -> None:
-    model = default_model_dir()
+    model = args.model or default_model_dir()
     words = "the quick brown fox jumps over the lazy dog near a quiet river bank".split()
     prompts = [" ".join(words[(i + j) % len(words)] for j in range(args.words)) + f" {i}" for i in range(args.prompts)]
     kw = {"transport": args.transport, "context_length": 8192}
+    if args.null:
+        kw["load_format"] = "null"
     rows: list[tuple[str, float, float, int]] = []
     async with ticking("start: AsyncEngine(...) constructor", rows):
         e = sgl.AsyncEngine(model, **kw)
@@ -71,4 +77,7 @@ if __name__ == "__main__":
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--words", type=int, default=1000)
     ap.add_argument("--transport", default="inproc")
+    ap.add_argument("--null", action="store_true", help="null weights: the front end alone")
+    ap.add_argument("--model", help="a model directory (default: the default model); with --null only its config "
+                                    "and tokenizer are read")
     asyncio.run(main(ap.parse_args()))
