@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from sgl.core.log import configure_logging
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
+from sgl.core.version import __version__
 
 if TYPE_CHECKING:
     from sgl.client import Client
@@ -21,8 +22,7 @@ if TYPE_CHECKING:
     from sgl.engine import AsyncEngine, Engine, EngineDeadError, ServerBusyError
 
 __all__ = ["AsyncEngine", "Client", "CustomLogitProcessor", "Engine", "EngineDeadError", "SamplingParams",
-           "ServerArgs", "ServerBusyError", "configure_logging"]
-__version__ = "0.1.0"
+           "ServerArgs", "ServerBusyError", "__version__", "configure_logging"]
 
 
 def __getattr__(name: str) -> Any:

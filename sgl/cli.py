@@ -1,6 +1,6 @@
 """The `sgl` command line. `sgl generate "PROMPT"` runs one request on an engine
 and prints the answer (the chat template applied when the model has one);
-`sgl serve [FLAGS]` runs the HTTP server, its flags generated from ServerArgs;
+`sgl serve [MODEL] [FLAGS]` runs the HTTP server, its flags generated from ServerArgs;
 `sgl keys new DIR [--name NAME] [--admin]` writes CURVE keys for the tcp transport."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import sys
 from typing import Any
 
 from sgl.cli_args import add_server_args, server_args_from
+from sgl.core.server_args import ServerArgs
+from sgl.core.version import __version__
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -24,6 +26,8 @@ def _generate(ns: argparse.Namespace) -> int:
         kwargs["load_format"] = ns.load_format
     if ns.dtype:
         kwargs["dtype"] = ns.dtype
+    if ns.chat_template:
+        kwargs["chat_template"] = ns.chat_template
     with Engine(ns.model_path, **kwargs) as engine:
         prompt = ns.prompt
         tok = engine.tokenizer
@@ -81,23 +85,32 @@ def _keys_new(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sgl", description="sgl: a compact LLM serving engine")
+    p.add_argument("--version", action="version", version=f"sgl {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the prompt (the chat template is applied unless --raw)")
     g.add_argument(
         "--model-path", default=None, help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--transport", choices=["inproc", "ipc", "tcp"], default="ipc")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="the most tokens to generate (default: 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
+    g.add_argument("--transport", choices=["inproc", "ipc", "tcp"], default="ipc",
+                   help="how the engine's roles talk (default: ipc)")
     g.add_argument("--stream", action="store_true", help="print the text as it is generated")
     g.add_argument("--beam-width", type=int, default=0, help="beam search: print every beam, best first")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    g.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy", "null"], default=None)
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None)
-    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
+    g.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy", "null"], default=None,
+                   help="how to read the weights (default: by the path)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning",
+                   help="log level (default: warning)")
     g.set_defaults(func=_generate)
     s = sub.add_parser("serve", help="serve the model over HTTP (OpenAI-compatible and SGLang's native API)")
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve (the same as --model-path; put it before list flags)")
     add_server_args(s)
     s.set_defaults(func=_serve)
     k = sub.add_parser("keys", help="CURVE keys for the tcp transport")
@@ -110,10 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def serve_args(ns: argparse.Namespace) -> ServerArgs:
+    """The ServerArgs of `sgl serve [MODEL] [FLAGS]`: MODEL is --model-path."""
+    if ns.model is None:
+        return server_args_from(ns)
+    if getattr(ns, "model_path", None) not in (None, ns.model):
+        raise ValueError(f"two models given: MODEL {ns.model!r} and --model-path {ns.model_path!r}")
+    return server_args_from(ns, model_path=ns.model)
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from sgl.server.serve import serve
 
-    return serve(server_args_from(ns))
+    return serve(serve_args(ns))
 
 
 def main(argv: list[str] | None = None) -> int:

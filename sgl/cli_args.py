@@ -1,5 +1,6 @@
 """Command-line flags generated from the ServerArgs fields: one `--field-name` per
-field (SGLang's spelling), typed and with choices from the field's annotation.
+field (SGLang's spelling), typed and with choices from the field's annotation (a
+list field takes several values), its help from server_args_help.
 
 It only maps argv to ServerArgs; it must not hold a hand-written list of flags,
 so a new ServerArgs field is a new flag with no edit here."""
@@ -12,6 +13,7 @@ from typing import Any
 import msgspec
 
 from sgl.core.server_args import ServerArgs
+from sgl.core.server_args_help import FIELD_HELP
 
 # A flag's value type for msgspec's type descriptions; anything else is a str.
 _SCALARS: dict[type, Any] = {
@@ -40,18 +42,23 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         flag = "--" + f.name.replace("_", "-")
         t = _unwrap_optional(f.type)
         default = f.default if f.default is not msgspec.NODEFAULT else None
-        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+        if f.default_factory is not msgspec.NODEFAULT:
+            default = f.default_factory()
+        text = FIELD_HELP.get(f.name, "")
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
+                              "help": f"{text} (default: {default})" if text else f"(default: {default})"}
         if isinstance(t, msgspec.inspect.BoolType):
             kw["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
-            kw["help"] = f"(default: {default})"
         elif isinstance(t, msgspec.inspect.LiteralType):
             kw["choices"] = list(t.values)
             kw["type"] = type(t.values[0])
-            kw["help"] = f"(default: {default})"
+        elif isinstance(t, msgspec.inspect.ListType):  # --flag A B ...
+            kw["nargs"] = "*"
+            kw["type"] = _SCALARS.get(type(t.item_type), str)
+            kw["metavar"] = f.name.upper()
         else:
             kw["type"] = _SCALARS.get(type(t), str)
             kw["metavar"] = f.name.upper()
-            kw["help"] = f"(default: {default})"
         group.add_argument(flag, **kw)
 
 

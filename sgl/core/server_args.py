@@ -28,8 +28,13 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # tcp transport CURVE keys: a folder from `sgl keys new DIR` (server.key_secret, allowed/,
     # admin/). None (and no transport_key): an ephemeral key pair per engine, no clients.
     transport_keys: str | None = None
-    served_model_name: str | None = None  # the model's name on /v1 (default: the model path)
+    served_model_name: str | None = None  # the model's name on /v1 (default: the model directory's name)
     max_request_bytes: int = 4 * 1024 * 1024  # largest HTTP request body accepted
+    # A Jinja chat template, or a file holding one, in place of the tokenizer's own.
+    chat_template: str | None = None
+    allow_origins: list[str] = []  # CORS: origins a browser may call the HTTP server from ("*": any)
+    # Native /generate streams: each chunk the new text and ids only (default: everything so far, as SGLang).
+    incremental_streaming_output: bool = False
 
     max_total_tokens: int | None = None  # KV slots; None: sized from memory
     mem_fraction_static: float | None = None

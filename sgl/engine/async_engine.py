@@ -22,6 +22,7 @@ from sgl.core.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
 from sgl.core.request_checks import RequestLimits, limits_of
 from sgl.core.server_args import ServerArgs
 from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
+from sgl.runtime.chat_template import apply_chat_template_arg
 from sgl.runtime.identity import Security, attach_channels
 from sgl.runtime.launch import (
     RoleHandle,
@@ -124,7 +125,9 @@ class AsyncEngine:
             return None
         from sgl.sched.models.tokenizer import load_tokenizer
 
-        return load_tokenizer(self.args.tokenizer_path or self.model_path, self.args.trust_remote_code)
+        tokenizer = load_tokenizer(self.args.tokenizer_path or self.model_path, self.args.trust_remote_code)
+        apply_chat_template_arg(tokenizer, self.args.chat_template)
+        return tokenizer
 
     def _child_configs(self) -> list[ChildConfig]:
         tokenizer_path = self.args.tokenizer_path or self.model_path

@@ -24,6 +24,7 @@ no traceback for a stop it was asked for."""
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 import socket
 import sys
@@ -76,6 +77,8 @@ async def _serve(args: ServerArgs) -> int:
     from sgl.engine import AsyncEngine
     from sgl.server.app import build_app
 
+    if args.random_seed is None:  # as SGLang: each server samples differently unless a seed is given
+        args = msgspec.structs.replace(args, random_seed=random.randint(0, 2**30))
     sock = _listen(args.host, args.port)
     try:
         starting.append(asyncio.ensure_future(AsyncEngine.start(**msgspec.structs.asdict(args))))

@@ -1,0 +1,55 @@
+"""The help text of every ServerArgs field, as `sgl serve --help` shows it (the
+flag's default is appended there). Data only: a new ServerArgs field needs a line
+here (tests/test_cli_args.py checks that each field has one). Bottom layer:
+imports nothing of sgl."""
+
+from __future__ import annotations
+
+FIELD_HELP: dict[str, str] = {
+    "model_path": "Hugging Face model directory or .gguf file (also the positional MODEL of `sgl serve`); "
+                  "unset: the default model, SmolLM2-135M-Instruct",
+    "tokenizer_path": "tokenizer directory, if not the model's",
+    "load_format": "how to read the weights: auto (by the path), safetensors, gguf, dummy (random weights) or "
+                   "null (instant fake logits, for pipeline tests)",
+    "dtype": "weight and activation dtype; auto: bfloat16 on CUDA, float32 on CPU",
+    "device": "where the model runs; auto: CUDA when available",
+    "trust_remote_code": "allow a tokenizer's custom code from the model directory",
+    "context_length": "the longest prompt plus output a request may have (default: the model's)",
+    "transport": "how the roles talk: inproc (threads of one process), ipc (unix sockets) or tcp",
+    "host": "the HTTP server's address (and the tcp transport's)",
+    "port": "the HTTP server's port; 0 picks a free one",
+    "api_key": "Bearer token every HTTP path but /health needs",
+    "transport_key": "tcp transport: a shared HMAC secret (hex, >= 32 digits; the legacy mode)",
+    "transport_keys": "tcp transport: a CURVE key folder made by `sgl keys new DIR`",
+    "served_model_name": "the model's name in the OpenAI API (/v1/models, the `model` field of requests and "
+                         "responses); default: the model directory's name",
+    "max_request_bytes": "the largest HTTP request body accepted (a 413 past it)",
+    "chat_template": "a Jinja chat template, or a file holding one, used instead of the tokenizer's",
+    "allow_origins": "CORS: the origins browsers may call the HTTP server from ('*': any); none by default",
+    "incremental_streaming_output": "native /generate streams send only the new text and ids in each chunk "
+                                    "(default: everything so far, as SGLang does)",
+    "max_total_tokens": "KV cache slots (default: sized from free memory)",
+    "mem_fraction_static": "fraction of GPU memory for weights plus the KV cache (default 0.8)",
+    "max_running_requests": "the most requests decoding at once (default: from the KV pool)",
+    "max_prefill_tokens": "the most prompt tokens admitted in one prefill round",
+    "chunked_prefill_size": "prompt tokens per prefill forward; -1: no chunking (default: by device memory, "
+                            "2048 on CPU)",
+    "max_queued_requests": "waiting requests past which a new one is refused with a 503",
+    "schedule_policy": "admission order: fcfs (arrival) or lpm (longest cached prefix first)",
+    "disable_radix_cache": "do not reuse the KV of shared prompt prefixes",
+    "disable_overlap_schedule": "run the scheduler and the forward in turn (default: overlapped on CUDA only)",
+    "attention_backend": "attention kernels: torch (reference) or flashinfer; auto: flashinfer on CUDA",
+    "skip_tokenizer_init": "load no tokenizer: requests send and receive token ids only",
+    "cuda_graph_max_bs": "the largest decode batch captured in a CUDA graph",
+    "disable_cuda_graph": "run decode without CUDA graphs",
+    "enable_cascade_attention": "read a decode batch's shared prefix once per step (default: on with flashinfer)",
+    "max_top_logprobs_num": "the most top logprobs a request may ask for per token",
+    "custom_logit_processors": "logit processors requests may use: registered names or pkg.mod:Class paths",
+    "grammar_backend": "structured output (json_schema, regex, ebnf): xgrammar, or none to refuse it",
+    "random_seed": "the sampler's seed; unset: a random one for each `sgl serve` (as SGLang), "
+                   "0 in the engines",
+    "log_level": "log level of sgl's loggers and uvicorn's",
+    "watchdog_interval": "seconds between checks that the child roles are alive",
+    "control_timeout": "seconds a control call (flush_cache, get_server_info) waits for its reply",
+    "health_timeout": "seconds a health check waits for the scheduler's reply",
+}
