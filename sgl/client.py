@@ -7,7 +7,9 @@
         await c.abort("r1")
 
 It speaks the native API (/generate) and returns the same dicts as the engines:
-{"text", "output_ids", "meta_info"}, streams as delta chunks. A 400 from the
+{"text", "output_ids", "meta_info"}, streams as delta chunks (each holds what is
+new, whichever way the server streams: SGLang's cumulative chunks are cut back
+to their new part). A 400 from the
 server is raised as ValueError, a missing or wrong key as PermissionError, any
 other failure as ServerError. It imports nothing of the engine."""
 
@@ -28,11 +30,17 @@ class ServerError(RuntimeError):
         self.status = status
 
 
-def _raise_for(status: int, body: Any) -> None:
+# The HTTP status an error event in a stream stands for, by its OpenAI error type.
+_TYPE_STATUS = {"invalid_request_error": 400, "authentication_error": 401, "not_found_error": 404,
+                "service_unavailable_error": 503}
+
+
+def _raise_for(status: int | None, body: Any) -> None:
+    """Raise what an error response (`status`) or a stream's error event (None) means."""
     err = body.get("error") if isinstance(body, dict) else None
     message = err.get("message", str(err)) if isinstance(err, dict) else str(body)
-    code = err.get("code") if isinstance(err, dict) else None
-    status = code if isinstance(code, int) else status
+    if status is None:
+        status = _TYPE_STATUS.get(str(err.get("type")) if isinstance(err, dict) else "", 500)
     if status in (400, 413):
         raise ValueError(message)
     if status == 401:
@@ -105,6 +113,10 @@ class Client:
             if r.status_code >= 400:
                 await r.aread()
                 self._json(r)
+            # sgl serve streams everything so far in each chunk unless it runs with
+            # --incremental-streaming-output; either way this yields what is new.
+            cumulative = r.headers.get("x-sgl-stream-output") == "cumulative"
+            seen: dict[int, dict[str, int]] = {}
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -113,8 +125,8 @@ class Client:
                     return
                 item = json.loads(data)
                 if "error" in item:
-                    _raise_for(503, item)
-                yield item
+                    _raise_for(None, item)
+                yield _new_part(item, seen) if cumulative else item
 
     async def abort(self, rid: str) -> None:
         await self._post("/abort_request", {"rid": rid})
@@ -131,6 +143,24 @@ class Client:
 
     async def flush_cache(self) -> dict[str, Any]:
         return await self._post("/flush_cache", {})
+
+
+def _new_part(chunk: dict[str, Any], seen: dict[int, dict[str, int]]) -> dict[str, Any]:
+    """A cumulative chunk's new part (text, output ids, logprob lists): the delta
+    chunk the engines give. `seen`: the lengths sent so far, per request index."""
+    lengths = seen.setdefault(chunk.get("index", 0), {})
+    out = dict(chunk)
+    for key in ("text", "output_ids"):
+        if key in chunk:
+            out[key] = chunk[key][lengths.get(key, 0):]
+            lengths[key] = len(chunk[key])
+    meta = dict(chunk.get("meta_info") or {})
+    for key, value in list(meta.items()):
+        if key.endswith("_logprobs") and isinstance(value, list):
+            meta[key] = value[lengths.get(key, 0):]
+            lengths[key] = len(value)
+    out["meta_info"] = meta
+    return out
 
 
 def _payload(prompt: Any, sp: Any, input_ids: Any, rid: Any, stream: bool, options: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from sgl.core.sampling_params import SamplingParams
 from sgl.runtime.detokenizer import Detokenizer
 from sgl.runtime.req_options import ReqOptions
 from sgl.runtime.tokenizer_manager import TokenizerManager
-from sgl.server.openai_api import ChatRequest, CompletionRequest, sampling_dict
+from sgl.server.openai_protocol import ChatRequest, CompletionRequest, sampling_dict
 from tests.conftest import NULL_VOCAB
 from tests.fake_channels import AsyncQueueReceiver, ListSender
 from tests.serve_util import ServerProc
@@ -294,7 +294,7 @@ def test_openai_beam_fields_map_to_sampling_params() -> None:
 def test_http_refuses_what_beams_cannot_do(server: ServerProc) -> None:
     cases: list[tuple[str, dict[str, Any], str]] = [
         ("/generate", {"text": "Hi", "sampling_params": BEAM, "stream": True}, "stream"),
-        ("/generate", {"text": "Hi", "sampling_params": BEAM, "return_logprob": True}, None),  # type: ignore[list-item]
+        ("/generate", {"text": "Hi", "sampling_params": BEAM, "return_logprob": True}, "return_logprob"),
         ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "n": 2, "stream": True}, "stream"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "beam_width": 2,
                                   "stream": True}, "stream"),

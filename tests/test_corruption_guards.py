@@ -83,7 +83,7 @@ def test_each_model_owns_its_rotary_tables() -> None:
 
 
 def test_openai_min_tokens_maps_to_min_new_tokens() -> None:
-    from sgl.server.openai_api import CompletionRequest, sampling_dict
+    from sgl.server.openai_protocol import CompletionRequest, sampling_dict
 
     req = CompletionRequest(prompt="hi", min_tokens=3, max_tokens=8)
     sp = sampling_dict(req, req.max_tokens)

@@ -4,7 +4,9 @@ own numbers), the native routes, the API key, sgl.Client, an AsyncEngine
 attached over tcp, client disconnects, and a clean Ctrl-C.
 
 One real server process on 127.0.0.1 (null model over SmolLM2's tokenizer and
-chat template, tcp transport with a fixed key); KV balanced after every test."""
+chat template, tcp transport with a fixed key, native streams as deltas:
+--incremental-streaming-output; tests/test_serve_surface.py covers the default,
+cumulative streams); KV balanced after every test."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def server() -> Iterator[ServerProc]:
 
     s = ServerProc("--model-path", default_model_dir(), "--load-format", "null", "--transport", "tcp",
                    "--transport-key", TRANSPORT_KEY, "--max-total-tokens", "4000", "--served-model-name", "smol",
-                   api_key=API_KEY)
+                   "--incremental-streaming-output", api_key=API_KEY)
     yield s
     s.stop(signal.SIGTERM)
 

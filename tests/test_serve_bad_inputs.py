@@ -36,7 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     log = tmp_path_factory.mktemp("bad-inputs") / "server.log"
     s = ServerProc("--model-path", default_model_dir(), "--load-format", "null", "--transport", "tcp",
                    "--transport-key", TRANSPORT_KEY, "--max-total-tokens", "4000",
-                   "--max-request-bytes", str(BODY_LIMIT), "--log-level", "warning",
+                   "--max-request-bytes", str(BODY_LIMIT), "--log-level", "warning", "--served-model-name", "m",
                    api_key=API_KEY, stderr_path=str(log))
     s.log_path = log  # type: ignore[attr-defined]
     yield s
@@ -60,6 +60,8 @@ class Http:
     says: str  # a piece of the error message
     method: str = "POST"
     auth: str | None = API_KEY
+    param: str | None = None  # the error's param, where the case checks it
+    code: str | None = None  # the error's OpenAI code, where the case checks it
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,56 @@ CASES: dict[str, Http | Py | Frame] = {
     "completion-no-prompt": Http(C, {"model": "m"}, 400, "prompt"),
     "completion-n-0": Http(C, {"model": "m", "prompt": "hi", "n": 0}, 400, "n=0"),
     "completion-max-tokens-negative": Http(C, {"model": "m", "prompt": "hi", "max_tokens": -1}, 400,
-                                           "max_new_tokens"),
+                                           "max_tokens=-1", param="max_tokens", code="invalid_value"),
+    "chat-max-completion-tokens-negative": Http(CH, {"model": "m", "messages": USER, "max_completion_tokens": -1},
+                                                400, "max_completion_tokens=-1", param="max_completion_tokens"),
+    "chat-min-tokens-negative": Http(CH, {"model": "m", "messages": USER, "min_tokens": -2}, 400, "min_tokens",
+                                     param="min_tokens"),
+    "completion-unknown-model": Http(C, {"model": "gpt-4", "prompt": "hi"}, 404, "The model `gpt-4` does not exist",
+                                     param="model", code="model_not_found"),
+    "chat-unknown-model": Http(CH, {"model": "/some/path", "messages": USER}, 404, "does not exist",
+                               code="model_not_found"),
+    "model-retrieve-unknown": Http("/v1/models/gpt-4", None, 404, "does not exist", method="GET"),
+    "completion-unknown-field-code": Http(C, {"model": "m", "prompt": "hi", "frobnicate": 1}, 400, "frobnicate",
+                                          param="frobnicate", code="unknown_parameter"),
+    "chat-unknown-message-field": Http(CH, {"model": "m", "messages": [{"role": "user", "content": "hi",
+                                                                       "mood": "sad"}]}, 400, "mood"),
+    # ---- HTTP: what is not implemented yet is refused, naming the field
+    "chat-tools": Http(CH, {"model": "m", "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, 400, "tools is not supported yet", param="tools", code="unsupported_parameter"),
+    "chat-tool-choice": Http(CH, {"model": "m", "messages": USER, "tool_choice": "auto"}, 400,
+                             "tool_choice is not supported yet", param="tool_choice"),
+    "chat-parallel-tool-calls": Http(CH, {"model": "m", "messages": USER, "parallel_tool_calls": True}, 400,
+                                     "parallel_tool_calls is not supported yet", param="parallel_tool_calls"),
+    "chat-response-format": Http(CH, {"model": "m", "messages": USER, "response_format": {"type": "json_object"}},
+                                 400, "response_format is not supported yet", param="response_format"),
+    "completion-response-format": Http(C, {"model": "m", "prompt": "hi", "response_format": {"type": "text"}}, 400,
+                                       "response_format is not supported yet"),
+    "completion-regex": Http(C, {"model": "m", "prompt": "hi", "regex": "a+"}, 400, "regex is not supported yet",
+                             param="regex"),
+    "chat-json-schema": Http(CH, {"model": "m", "messages": USER, "json_schema": "{}"}, 400,
+                             "json_schema is not supported yet"),
+    "chat-ebnf": Http(CH, {"model": "m", "messages": USER, "ebnf": "root ::= 'a'"}, 400, "ebnf is not supported yet"),
+    "chat-lora": Http(CH, {"model": "m", "messages": USER, "lora_path": "adapter"}, 400, "lora_path"),
+    "chat-hidden-states": Http(CH, {"model": "m", "messages": USER, "return_hidden_states": True}, 400,
+                               "return_hidden_states is not supported yet"),
+    "chat-audio-modality": Http(CH, {"model": "m", "messages": USER, "modalities": ["text", "audio"]}, 400,
+                                "modalities"),
+    "chat-template-kwargs-reserved": Http(CH, {"model": "m", "messages": USER,
+                                               "chat_template_kwargs": {"tokenize": True}}, 400, "tokenize",
+                                          param="chat_template_kwargs"),
+    "chat-template-kwargs-not-object": Http(CH, {"model": "m", "messages": USER, "chat_template_kwargs": [1]}, 400,
+                                            "chat_template_kwargs"),
+    # ---- HTTP: /tokenize, /detokenize
+    "tokenize-nothing": Http("/tokenize", {}, 400, "exactly one of prompt and messages"),
+    "tokenize-both": Http("/tokenize", {"prompt": "a", "messages": USER}, 400, "exactly one"),
+    "tokenize-prompt-int": Http("/tokenize", {"prompt": 5}, 400, "prompt"),
+    "tokenize-unknown-model": Http("/tokenize", {"model": "x", "prompt": "a"}, 404, "does not exist"),
+    "tokenize-unknown-field": Http("/tokenize", {"prompt": "a", "text": "b"}, 400, "unknown field `text`"),
+    "detokenize-strings": Http("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
+    "detokenize-bool": Http("/detokenize", {"tokens": [1, True]}, 400, "tokens"),
+    "detokenize-out-of-vocab": Http("/detokenize", {"tokens": [10**9]}, 400, "tokens: ids must lie in"),
+    "detokenize-ragged": Http("/detokenize", {"tokens": [[1], 2]}, 400, "tokens"),
     "completion-temperature-string": Http(C, {"model": "m", "prompt": "hi", "temperature": "hot"}, 400,
                                           "temperature"),
     "completion-unknown-field": Http(C, {"model": "m", "prompt": "hi", "frobnicate": True}, 400, "frobnicate"),
@@ -172,7 +223,7 @@ CASES: dict[str, Http | Py | Frame] = {
     "completion-stream-batch-rid": Http(C, {"model": "m", "prompt": ["a", "b"], "stream": True, "rid": "r"}, 400,
                                         "batch of prompts takes no rid"),
     "completion-stream-batch-bad-prompt": Http(C, {"model": "m", "prompt": [[1], [10**9]], "stream": True}, 400,
-                                               "input_ids"),
+                                               "prompt: ids must lie in", param="prompt"),
     "chat-no-messages": Http(CH, {"model": "m", "messages": []}, 400, "messages"),
     "chat-missing-messages": Http(CH, {"model": "m"}, 400, "messages"),
     "chat-bad-role": Http(CH, {"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
@@ -198,7 +249,7 @@ CASES: dict[str, Http | Py | Frame] = {
                             400, "logit_bias"),
     "seed-2-70": Http(G, {"text": "hi", "sampling_params": {"seed": 2**70}}, 400, "seed"),
     "top-k-2-64": Http(G, {"text": "hi", "sampling_params": {"top_k": 2**64}}, 400, "top_k"),
-    "max-tokens-2-70": Http(C, {"model": "m", "prompt": "hi", "max_tokens": 2**70}, 400, "max_new_tokens"),
+    "max-tokens-2-70": Http(C, {"model": "m", "prompt": "hi", "max_tokens": 2**70}, 400, "max_tokens"),
     "max-tokens-past-context": Http(C, {"model": "m", "prompt": "hi", "max_tokens": 100000}, 400, "context length"),
     "max-tokens-past-kv-pool": Http(G, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}}, 400,
                                     "can never fit the KV cache"),
@@ -251,7 +302,10 @@ def test_bad_input(name: str, server: ServerProc, attached: tuple[asyncio.Abstra
         assert r.status_code == case.status, (r.status_code, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
+        assert err["code"] is None or isinstance(err["code"], str), err  # OpenAI's codes: a string or null
         assert case.says in err["message"], err
+        assert case.param is None or err["param"] == case.param, err
+        assert case.code is None or err["code"] == case.code, err
     elif isinstance(case, Py):
         loop, engine = attached
         with pytest.raises(ValueError, match=case.says):

@@ -120,7 +120,7 @@ def test_killing_the_scheduler_under_load_fails_every_request(server: ServerProc
                     if n_started[0] == 10:  # the rest may still queue: they must fail too
                         started.set()
                 if isinstance(e, dict) and "error" in e:
-                    assert e["error"]["code"] == 503 and "scheduler" in e["error"]["message"]
+                    assert e["error"]["type"] == "service_unavailable_error" and "scheduler" in e["error"]["message"]
                     return time.monotonic()
         raise AssertionError("stream ended without an error")
 

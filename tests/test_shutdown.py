@@ -37,10 +37,14 @@ LONG = {"max_new_tokens": 7000, "ignore_eos": True}
 PREFILL_TOKENS = 2000
 
 
+NAME = "m"  # the served model name
+
+
 def _null_server(tmp_path: Path, *flags: str) -> ServerProc:
     """The null model over SmolLM2's config and tokenizer: instant start, endless streams."""
     return ServerProc("--model-path", default_model_dir(), "--load-format", "null", "--max-total-tokens", "16000",
-                      *flags, stderr_path=str(tmp_path / "stderr"), env={"TMPDIR": str(tmp_path)})
+                      "--served-model-name", NAME, *flags, stderr_path=str(tmp_path / "stderr"),
+                      env={"TMPDIR": str(tmp_path)})
 
 
 def _socket_dirs(tmp_path: Path) -> list[Path]:
@@ -166,7 +170,7 @@ def test_a_dead_scheduler_fails_open_streams_and_the_server_exits_non_zero(tmp_p
             t0 = time.monotonic()
             events = [first, *(line for line in lines if line)]
         err = _assert_error_then_done(events)
-        assert err["code"] == 503 and "scheduler" in err["message"], err
+        assert err["type"] == "service_unavailable_error" and "scheduler" in err["message"], err
         code = _exit_code(s.proc, 5 - (time.monotonic() - t0))
         assert code is not None, "the server still runs 5 s after its scheduler died"
         assert code != 0
@@ -203,7 +207,7 @@ def test_a_signal_ends_open_streams_with_an_error_event(tmp_path: Path, sig: int
     s = _null_server(tmp_path)
     try:
         pids = s.info()["role_pids"]
-        oai_body = {"model": "m", "prompt": "Hello", "max_tokens": LONG["max_new_tokens"], "ignore_eos": True,
+        oai_body = {"model": NAME, "prompt": "Hello", "max_tokens": LONG["max_new_tokens"], "ignore_eos": True,
                     "stream": True}
         native_body = {"text": "Hello", "stream": True, "sampling_params": LONG}
         with httpx.Client(base_url=s.url, timeout=30) as c, \
@@ -216,7 +220,7 @@ def test_a_signal_ends_open_streams_with_an_error_event(tmp_path: Path, sig: int
             events = [[first, *(line for line in lines if line)] for first, lines in zip(firsts, streams)]
         for ev in events:
             err = _assert_error_then_done(ev)
-            assert err["code"] == 503 and "shutting down" in err["message"], err
+            assert err["type"] == "service_unavailable_error" and "shutting down" in err["message"], err
         assert _exit_code(s.proc, GRACEFUL_SHUTDOWN_S + 10 - (time.monotonic() - t0)) == 0
         assert not any(exists(p) for p in pids.values()), "a role is left (alive or a zombie)"
         assert _socket_dirs(tmp_path) == []

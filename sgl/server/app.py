@@ -1,35 +1,51 @@
-"""The HTTP application: routes of http_native and http_openai behind one guard
-that checks the API key, reads the body within its limit, and turns every
-failure into a JSON error. It only wires; handlers live in those modules.
+"""The HTTP application: routes of native, openai_api and tokenize_api behind one
+guard that checks the API key, reads the body within its limit, and turns every
+failure into a JSON error; CORS (Starlette's middleware) for `allow_origins`. It
+only wires; handlers live in those modules.
 
-Every path but /health needs the API key when one is set."""
+Every path but /health (and a CORS preflight) needs the API key when one is set.
+The served model name is `served_model_name`, else the model directory's name
+(a .gguf file's without the suffix), else the default model's."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from sgl.core.log import get_logger
-from sgl.server import native
+from sgl.server import native, tokenize_api
 from sgl.server import openai_api as openai
 from sgl.server.common import ApiError, api_error_of, check_api_key, error_response, read_body
 from sgl.server.native import ServerState
 
 Handler = Callable[[ServerState, Request, bytes], Awaitable[Response]]
 log = get_logger("http")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what model_path=None serves
+
+
+def served_model_name(args: Any, model_path: str | None) -> str:
+    if args.served_model_name:
+        return str(args.served_model_name)
+    if args.model_path is None or not model_path:
+        return DEFAULT_MODEL_NAME
+    path = Path(model_path)
+    return path.stem if path.suffix == ".gguf" else (path.name or str(path))
 
 
 def build_app(engine: Any, model_name: str | None = None) -> Starlette:
     args = engine.args
-    state = ServerState(engine, model_name or args.served_model_name or engine.model_path,
+    state = ServerState(engine, model_name or served_model_name(args, engine.model_path),
                         time.monotonic(), time.time())
 
     def guarded(handler: Handler, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
@@ -61,7 +77,14 @@ def build_app(engine: Any, model_name: str | None = None) -> Starlette:
         route("/flush_cache", lambda s, r, b: native.flush_cache(s), ("GET", "POST")),
         route("/abort_request", lambda s, r, b: native.abort_request(s, b), ("POST",)),
         route("/metrics", lambda s, r, b: native.metrics(s), ("GET",)),
+        route("/version", lambda s, r, b: _now(native.version()), ("GET",)),
+        route("/tokenize", lambda s, r, b: tokenize_api.tokenize(s, b), ("POST",)),
+        route("/detokenize", lambda s, r, b: tokenize_api.detokenize(s, b), ("POST",)),
+        route("/v1/tokenize", lambda s, r, b: tokenize_api.tokenize(s, b), ("POST",)),
+        route("/v1/detokenize", lambda s, r, b: tokenize_api.detokenize(s, b), ("POST",)),
         route("/v1/models", lambda s, r, b: _now(openai.models(s)), ("GET",)),
+        route("/v1/models/{model_id:path}", lambda s, r, b: _now(openai.model(s, r.path_params["model_id"])),
+              ("GET",)),
         route("/v1/completions", lambda s, r, b: openai.completions(s, b), ("POST",)),
         route("/v1/chat/completions", lambda s, r, b: openai.chat_completions(s, b), ("POST",)),
     ]
@@ -70,7 +93,11 @@ def build_app(engine: Any, model_name: str | None = None) -> Starlette:
         assert isinstance(exc, HTTPException)
         return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
 
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    middleware = []
+    if args.allow_origins:  # a preflight is answered here, before the key check
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(args.allow_origins), allow_methods=["*"],
+                                     allow_headers=["*"], allow_credentials="*" not in args.allow_origins))
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
     app.state.sgl = state
     return app
 

@@ -22,7 +22,9 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
 
 
 class ApiError(Exception):
-    """An error the client should see as `status` with OpenAI's error body."""
+    """An error the client should see as `status` with OpenAI's error body. `code` is
+    OpenAI's: a string such as "invalid_api_key", "model_not_found",
+    "unknown_parameter", or null where OpenAI has none."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -33,7 +35,7 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "internal_error"),
-                          "param": self.param, "code": self.code if self.code is not None else self.status}}
+                          "param": self.param, "code": self.code}}
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -47,19 +49,35 @@ def error_response(err: ApiError) -> Response:
 _FIELD_AT = re.compile(r"at `\$\.([A-Za-z_][\w]*)")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _FIELD_NAMED = re.compile(r"(?:sampling_params\.)?([a-z_]+)=")
+_FIELD_LEAD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*): ")
 
 
 def param_of(message: str) -> str | None:
     """Best guess of the request field an error message is about."""
-    for pat in (_UNKNOWN, _FIELD_AT, _FIELD_NAMED):
+    for pat in (_UNKNOWN, _FIELD_AT, _FIELD_NAMED, _FIELD_LEAD):
         m = pat.search(message)
         if m:
             return m.group(1)
     return None
 
 
+def code_of(message: str) -> str | None:
+    """OpenAI's error code for an invalid-input message, where it has one."""
+    if "unknown field" in message:
+        return "unknown_parameter"
+    if "missing required field" in message:
+        return "missing_required_parameter"
+    if "Expected `" in message:
+        return "invalid_type"
+    if "context length" in message:
+        return "context_length_exceeded"
+    if " is invalid" in message or "must lie in" in message:
+        return "invalid_value"
+    return None
+
+
 def invalid(message: str) -> ApiError:
-    return ApiError(400, message, param_of(message))
+    return ApiError(400, message, param_of(message), code_of(message))
 
 
 def api_error_of(e: Exception) -> ApiError:

@@ -1,5 +1,9 @@
 """SGLang's native HTTP routes: /generate, /health (liveness), /health_generate (a generation),
-/get_model_info, /get_server_info, /flush_cache, /abort_request, /metrics.
+/get_model_info, /get_server_info, /flush_cache, /abort_request, /metrics, /version.
+
+A /generate stream is SGLang's: each chunk holds everything so far (text, output
+ids, logprobs), or only what is new with `incremental_streaming_output`; the
+response's X-SGL-Stream-Output header says which.
 
 Handlers turn HTTP into AsyncEngine calls and back; they hold no request state of
 their own, and never let bad input reach the scheduler unchecked."""
@@ -18,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from sgl.core.server_args import redacted
+from sgl.core.version import __version__
 from sgl.server.common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
 
 HEALTH_TIMEOUT_S = 5.0
@@ -84,14 +89,43 @@ async def primed(gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, 
     return rest()
 
 
+STREAM_OUTPUT_HEADER = "X-SGL-Stream-Output"  # "cumulative" or "incremental": what a /generate stream's chunks hold
+
+
 async def generate(state: ServerState, request: Request, body: bytes) -> Response:
     req = decode_body(body, GenerateRequest)
     if req.stream:
         chunks = await primed(state.engine.stream(req.text, req.sampling_params, req.input_ids, req.rid,
                                                   **options(req)))
-        return StreamingResponse(sse_stream(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+        incremental = state.engine.args.incremental_streaming_output
+        headers = {**SSE_HEADERS, STREAM_OUTPUT_HEADER: "incremental" if incremental else "cumulative"}
+        return StreamingResponse(sse_stream(chunks if incremental else cumulative(chunks)),
+                                 media_type="text/event-stream", headers=headers)
     out = await state.engine.generate(req.text, req.sampling_params, req.input_ids, req.rid, **options(req))
     return json_response(out)
+
+
+async def cumulative(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """SGLang's default /generate stream: each chunk holds its request's text, output
+    ids and logprob lists so far (the engine's chunks hold only what is new). A
+    batch's requests are told apart by their "index". Each chunk is encoded before
+    the next is made, so the growing lists are handed out without copies."""
+    so_far: dict[int, dict[str, Any]] = {}
+    async for c in chunks:
+        acc = so_far.setdefault(c.get("index", 0), {"text": "", "output_ids": [], "meta": {}})
+        out = dict(c)
+        if "text" in c:
+            acc["text"] += c["text"]
+            out["text"] = acc["text"]
+        acc["output_ids"].extend(c.get("output_ids") or ())
+        out["output_ids"] = acc["output_ids"]
+        meta = dict(c["meta_info"])
+        for key, value in c["meta_info"].items():
+            if key.endswith("_logprobs") and isinstance(value, list):
+                acc["meta"].setdefault(key, []).extend(value)
+        meta.update(acc["meta"])
+        out["meta_info"] = meta
+        yield out
 
 
 async def health(state: ServerState) -> Response:
@@ -143,6 +177,10 @@ async def abort_request(state: ServerState, body: bytes) -> Response:
     req = decode_body(body, AbortRequest)
     await state.engine.abort(req.rid)
     return json_response({"success": True})
+
+
+def version() -> Response:
+    return json_response({"version": __version__})
 
 
 async def metrics(state: ServerState) -> Response:

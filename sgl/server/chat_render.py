@@ -1,0 +1,62 @@
+"""Chat messages to prompt ids through the tokenizer's chat template, for
+/v1/chat/completions and the chat form of /tokenize. It renders and encodes
+(blocking work: callers run it off the event loop) and calls no engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sgl.server.common import ApiError
+from sgl.server.openai_protocol import ChatMessage
+
+# apply_chat_template's own parameters: chat_template_kwargs may not set them.
+_RESERVED = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "chat_template", "tools",
+                       "documents", "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                       "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+def _text_of(content: str | list[dict[str, Any]] | None) -> str:
+    if not isinstance(content, list):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, "messages: only text content parts are supported", "messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the template reads them: `developer` is `system`; an assistant's
+    tool calls and a tool's answer keep their fields."""
+    conv = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _text_of(m.content)}
+        for name in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            if (v := getattr(m, name)) is not None:
+                d[name] = v
+        conv.append(d)
+    return conv
+
+
+def chat_prompt_ids(tok: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The prompt's ids. `kwargs` (chat_template_kwargs) reach the template as variables."""
+    if tok is None:
+        raise ApiError(400, "chat needs a tokenizer, and this server runs with skip_tokenizer_init", "messages")
+    if not getattr(tok, "chat_template", None):
+        raise ApiError(400, "this model has no chat template: use /v1/completions, or start the server with "
+                            "--chat-template", "messages")
+    if not messages:
+        raise ApiError(400, "messages is empty", "messages")
+    bad = sorted(_RESERVED.intersection(kwargs or {}))
+    if bad:
+        raise ApiError(400, f"chat_template_kwargs: {', '.join(bad)} cannot be set there (a request field or "
+                            "the server decides it)", "chat_template_kwargs")
+    try:
+        text = tok.apply_chat_template(conversation(messages), tokenize=False,
+                                       add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                       continue_final_message=continue_final_message, **(kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - a template that rejects this conversation
+        raise ApiError(400, f"messages: the chat template rejected them: {e}", "messages") from None
+    return list(tok.encode(text, add_special_tokens=False))

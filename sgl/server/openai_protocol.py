@@ -1,0 +1,268 @@
+"""The OpenAI routes' request bodies, what becomes of each field, and the
+sampling dict the engine gets from them.
+
+Every field of OpenAI's request schema, and of SGLang's extras, is declared, so
+that a field neither defines stays a 400 (`forbid_unknown_fields`). A declared
+field is either used, or accepted and ignored where it cannot change the output
+(IGNORED: `store`, `metadata`, `user`, ...; one debug log line names them), or
+refused with a 400 "not supported yet" where ignoring it would hand back
+something the caller did not ask for (REFUSED: tools, structured output, LoRA,
+hidden states, ...). Errors raised below the route (SamplingParams, the request
+checks) are given back in the caller's names: `max_tokens`, not
+`sampling_params.max_new_tokens`. No engine is called here."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import msgspec
+
+from sgl.core.log import get_logger
+from sgl.server.common import ApiError, invalid
+
+log = get_logger("http")
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The fields both endpoints take: OpenAI's, then SGLang's (and vLLM's beam) extras."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    rid: str | None = None
+    custom_logit_processor: str | None = None
+    custom_params: dict[str, Any] | None = None
+    # Beam search: vLLM's use_beam_search (n beams), or beam_width itself (n: how many to return).
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
+    # Accepted and ignored: they cannot change what comes back.
+    user: Any = None
+    extra_key: Any = None
+    cache_salt: Any = None
+    priority: Any = None
+    custom_labels: Any = None
+    routed_dp_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    data_parallel_rank: Any = None
+    ngram_corpus_id: Any = None
+    images_config: Any = None
+    return_cached_tokens_details: Any = None
+    routed_experts_start_len: Any = None
+    # Refused when set: not implemented (yet).
+    response_format: Any = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    stop_regex: Any = None
+    lora_path: Any = None
+    session_id: Any = None
+    session_params: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
+    return_token_ids: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls: the template shows them
+    tool_call_id: str | None = None  # a tool message's answer to one
+    reasoning_content: str | None = None
+    refusal: str | None = None
+    function_call: dict[str, Any] | None = None  # OpenAI's deprecated form of tool_calls
+    audio: Any = None  # a reference to an earlier audio answer: ignored
+
+
+class ChatRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    input_ids: list[int] | None = None  # SGLang: the prompt's ids, in place of the rendered messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    modalities: list[str] | None = None  # only ["text"]
+    # Accepted and ignored.
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None  # no model here reasons
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    verbosity: Any = None
+    prediction: Any = None
+    separate_reasoning: Any = None
+    stream_reasoning: Any = None
+    task: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    use_audio_in_video: Any = None
+    # Refused when set.
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    return_prompt_token_ids: Any = None
+    return_meta_info: Any = None
+
+
+IGNORED = ("user", "extra_key", "cache_salt", "priority", "custom_labels", "routed_dp_rank",
+           "disagg_prefill_dp_rank", "data_parallel_rank", "ngram_corpus_id", "images_config",
+           "return_cached_tokens_details", "routed_experts_start_len", "store", "metadata", "service_tier",
+           "reasoning_effort", "prompt_cache_key", "safety_identifier", "verbosity", "prediction",
+           "separate_reasoning", "stream_reasoning", "task", "max_dynamic_patch", "min_dynamic_patch",
+           "use_audio_in_video")
+_TOOLS = "tool calling is not implemented"
+_STRUCTURED = "structured output (constrained decoding) is not implemented"
+REFUSED = {"tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS, "functions": _TOOLS,
+           "function_call": _TOOLS, "response_format": _STRUCTURED, "regex": _STRUCTURED,
+           "json_schema": _STRUCTURED, "ebnf": _STRUCTURED, "stop_regex": "stop strings are plain text here",
+           "lora_path": "this server runs no LoRA adapters", "session_id": "sessions are not implemented",
+           "session_params": "sessions are not implemented", "audio": "this server makes no audio",
+           "web_search_options": "this server searches nothing",
+           "bootstrap_host": "this server runs no prefill/decode disaggregation",
+           "bootstrap_port": "this server runs no prefill/decode disaggregation",
+           "bootstrap_room": "this server runs no prefill/decode disaggregation"}
+# Refused only when true: asking for an output this server does not return.
+REFUSED_IF_TRUE = ("return_hidden_states", "return_routed_experts", "return_token_ids", "return_prompt_token_ids",
+                   "return_meta_info")
+
+
+def screen(req: SamplingFields) -> None:
+    """Refuse the fields this server cannot honour, log the ones it ignores."""
+    for name, why in REFUSED.items():
+        if getattr(req, name, None) is not None:
+            raise ApiError(400, f"{name} is not supported yet: {why}", name, "unsupported_parameter")
+    for name in REFUSED_IF_TRUE:
+        if getattr(req, name, None) not in (None, False):
+            raise ApiError(400, f"{name} is not supported yet: this server does not return it", name,
+                           "unsupported_parameter")
+    modalities = getattr(req, "modalities", None)
+    if modalities is not None and set(modalities) - {"text"}:
+        raise ApiError(400, f"modalities={modalities} is not supported yet: this server makes text only",
+                       "modalities", "unsupported_parameter")
+    ignored = [name for name in IGNORED if getattr(req, name, None) is not None]
+    if ignored:
+        log.debug("request fields accepted and ignored", fields=",".join(ignored))
+
+
+# A field that equals its neutral value is left out, so a client sending OpenAI's
+# defaults never trips on a field the sampler does not know.
+_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
+_PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+           "spaces_between_special_tokens", "no_stop_trim", "length_penalty", "early_stopping", "custom_params",
+           *_NEUTRAL)
+
+
+def sampling_dict(req: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
+    sp: dict[str, Any] = {}
+    for name in _PASSED:
+        v = getattr(req, name)
+        if v is not None and _NEUTRAL.get(name, object()) != v:
+            sp[name] = v
+    if "min_tokens" in sp:
+        sp["min_new_tokens"] = sp.pop("min_tokens")  # vLLM's name for SGLang's field
+    if max_tokens is not None:
+        sp["max_new_tokens"] = max_tokens
+    if req.use_beam_search or req.beam_width:
+        sp.update(beam_fields(req))
+    elif req.n != 1:
+        sp["n"] = req.n  # the samples share the prompt's KV through the radix cache
+    if req.logit_bias:
+        sp["logit_bias"] = req.logit_bias  # OpenAI sends token ids as strings; SamplingParams converts them
+    if req.stop is not None and req.stop != []:
+        sp["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    return sp
+
+
+def beam_fields(req: SamplingFields) -> dict[str, Any]:
+    """The sampling fields of a beam-search request, which returns n choices, best first."""
+    if req.stream:
+        raise ApiError(400, "stream=true is not supported with beam search: the beams come back once they finish",
+                       "stream")
+    if getattr(req, "logprobs", None) not in (None, False):
+        raise ApiError(400, "logprobs is not supported with beam search (each beam has its cumulative logprob)",
+                       "logprobs")
+    width = req.beam_width or req.n
+    if req.n > width:
+        raise ApiError(400, f"n={req.n} is invalid: at most beam_width={width} beams can be returned", "n")
+    return {"beam_width": width, "num_return_beams": req.n}
+
+
+def completion_names(req: CompletionRequest) -> dict[str, str]:
+    """The caller's names for the engine's fields, in a completion request."""
+    return {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt",
+            "top_logprobs_num": "logprobs"}
+
+
+def chat_names(req: ChatRequest) -> dict[str, str]:
+    return {"max_new_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+            "min_new_tokens": "min_tokens", "input_ids": "input_ids" if req.input_ids is not None else "messages",
+            "top_logprobs_num": "top_logprobs"}
+
+
+_SAMPLING_PREFIX = re.compile(r"^sampling_params: |\bsampling_params\.")
+
+
+def in_callers_names(message: str, names: dict[str, str]) -> str:
+    """`message` with the engine's field names replaced by the request's."""
+    message = _SAMPLING_PREFIX.sub("", message)
+    for engine_name, caller_name in names.items():
+        message = re.sub(rf"\b{engine_name}\b", caller_name, message)
+    return message
+
+
+@contextmanager
+def callers_names(names: dict[str, str]) -> Iterator[None]:
+    """Invalid input found below the route (a ValueError) becomes a 400 in the caller's names."""
+    try:
+        yield
+    except ApiError:
+        raise
+    except ValueError as e:
+        raise invalid(in_callers_names(str(e), names)) from None
