@@ -50,7 +50,7 @@ class Req:
         "prefix_indices", "last_node", "kv_len", "extend_len", "finished_reason", "sent_len",
         "cached_tokens", "to_abort", "retractions", "inflight", "epoch",
         "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
-        "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial",
+        "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -89,6 +89,7 @@ class Req:
         # Never overlaps its own steps: the host must know each step's outcome before the next
         # (set by the scheduler: a processor that reads output ids, or beams on a CPU worker).
         self.serial = False
+        self.grammar: Any = None  # its xgrammar GrammarMatcher, once compiled (sgl.sched.grammar)
 
     @property
     def all_ids(self) -> list[int]:

@@ -44,6 +44,7 @@ from sgl.core.server_args import ServerArgs
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.beam import release_beams
 from sgl.sched.decode import INIT_NEW_TOKEN_RATIO, decode_batch
+from sgl.sched.grammar import Grammars, admit_compiled
 from sgl.sched.prefill_adder import PrefillAdder, prefill_batch
 from sgl.sched.req import Req
 from sgl.sched.results import error_message, fail_batch, process, start_logprobs, token_id_output
@@ -74,9 +75,12 @@ class Scheduler:
         self.runner.processors = {name: resolve(name) for name in args.custom_logit_processors}
         tok_path = None if args.skip_tokenizer_init else (args.tokenizer_path or model_path)
         self.stop_strings = StopStrings(tok_path, args.trust_remote_code)
+        self.grammars = Grammars(tok_path, self.runner.vocab_size, self.eos_ids, args.trust_remote_code,
+                                 enabled=args.grammar_backend != "none")
         r = self.runner
         self.limits = RequestLimits(r.vocab_size, r.context_length, r.max_total_tokens, self.stop_strings.available,
-                                    tuple(args.custom_logit_processors), max_running_requests=r.max_running_requests)
+                                    tuple(args.custom_logit_processors), args.max_top_logprobs_num,
+                                    max_running_requests=r.max_running_requests)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -102,8 +106,6 @@ class Scheduler:
         self.stats: dict[str, float] = {"prefill_tokens": 0, "decode_steps": 0, "retractions": 0, "cached_tokens": 0,
                                         "failures": 0, "build_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
 
-    # ---- info ------------------------------------------------------------------
-
     def info(self) -> dict[str, Any]:
         r = self.runner
         return {
@@ -111,12 +113,12 @@ class Scheduler:
             "vocab_size": r.vocab_size, "context_length": r.context_length, "max_total_tokens": r.max_total_tokens,
             "max_running_requests": r.max_running_requests, "eos_token_ids": sorted(self.eos_ids),
             "chunked_prefill_size": self.chunk_size, "max_queued_requests": self.args.max_queued_requests,
+            "max_top_logprobs_num": self.args.max_top_logprobs_num,
             "kv_free": self.allocator.available_size(), "kv_evictable": self.tree.evictable_size(),
-            "kv_protected": self.tree.protected_size(),
+            "kv_protected": self.tree.protected_size(), "grammars_compiling": len(self.grammars.pending),
             "running": len(self.running) + (self.chunked_req is not None), "waiting": len(self.waiting),
             "invariant_violations": self.invariant_violations, **self.stats, **r.gpu_timeline.info(),
-            "cascade_steps": r.cascade_steps,
-        }
+            "cascade_steps": r.cascade_steps}
 
     # ---- the loop --------------------------------------------------------------
 
@@ -131,7 +133,7 @@ class Scheduler:
         batch's results and send what finished or streamed. With overlap, batch N+1 is
         launched before batch N's results are processed; without it, each batch is
         processed in the turn that launched it. False once a ShutdownReq was handled."""
-        if self.waiting or self.running or self.chunked_req or self.pending:
+        if self.waiting or self.running or self.chunked_req or self.pending or self.grammars.pending:
             msgs = self.recv.recv_all_nowait()
         else:
             self._on_idle()
@@ -145,6 +147,8 @@ class Scheduler:
                 return False
             self.handle(msg)
         self._reap_aborts()
+        if self.grammars.pending:
+            admit_compiled(self)
         t0 = time.perf_counter()
         batch = self._build()
         launched = self._launch(batch) if batch is not None else None
@@ -243,7 +247,7 @@ class Scheduler:
                               "message": f"server busy: {len(self.waiting)} queued requests "
                                          f"(max_queued_requests={bound}); retry later"})
             return
-        error = constrain(req, self.tries, self.runner)
+        error = constrain(req, self.tries, self.runner) or self.grammars.error(req)
         if error is not None:
             self.finish(req, {"type": "abort", "message": error})
             return
@@ -254,6 +258,10 @@ class Scheduler:
         self.arrival[req] = next(self._arrivals)
         if req.prefill_only and not req.needs_input_logprobs:
             self.finish(req, {"type": "length", "length": 0})  # nothing to compute
+            return
+        if req.sampling_params.grammar is not None:
+            req.serial = True  # its matcher takes each token before the next mask
+            self.grammars.submit(req)  # it joins the queue once compiled
             return
         self.waiting.append(req)
 
@@ -279,8 +287,9 @@ class Scheduler:
         req = self.rids.get(rid)
         if req is None or req.finished:
             return
-        if req in self.waiting:
-            self.waiting.remove(req)
+        if req in self.waiting or self.grammars.drop(req):
+            if req in self.waiting:
+                self.waiting.remove(req)
             self.finish(req, {"type": "abort", "message": message})
         else:
             req.to_abort = message  # finished once no launched batch holds it
@@ -291,12 +300,10 @@ class Scheduler:
                 self.finish(req, {"type": "abort", "message": req.to_abort})
 
     def _flush_cache(self) -> FlushCacheReqOutput:
-        if self.waiting or self.running or self.chunked_req:
+        if self.waiting or self.running or self.chunked_req or self.grammars.pending:
             return FlushCacheReqOutput(False, "cannot flush the cache while requests are running or waiting")
         self.tree.reset()
         return FlushCacheReqOutput(True)
-
-    # ---- batching --------------------------------------------------------------
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` KV slots, evicting from the radix tree what the free ones lack; None if even that fails."""

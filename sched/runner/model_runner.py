@@ -185,8 +185,9 @@ class ModelRunner:
                                    seed=args.random_seed or 0)
         return model, config  # in eval mode already
 
-    def _mask_tries(self, processed: torch.Tensor, logits: torch.Tensor, p: PreparedBatch) -> torch.Tensor:
-        """Each trie row keeps only its node's children (EOS where a sequence ends)."""
+    def _mask(self, processed: torch.Tensor, logits: torch.Tensor, p: PreparedBatch) -> torch.Tensor:
+        """Each trie row keeps only its node's children (EOS where a sequence ends), each
+        grammar row only the tokens its bitmask allows."""
         if processed is logits and p.beam_src is None:
             processed = processed.to(torch.float32, copy=True)  # never mask the model's own buffer
         nodes = self.beam_buffers.node
@@ -196,6 +197,13 @@ class ModelRunner:
             rows = processed[tg.entries]
             trie_mask_(rows, tg.trie, nodes[p.rows[tg.entries]], tg.width, self.eos_dev)
             processed[tg.entries] = rows
+        if p.grammar is not None:
+            from xgrammar import apply_token_bitmask_inplace
+
+            entries, mask = p.grammar
+            rows = processed[entries]
+            apply_token_bitmask_inplace(rows, mask, vocab_size=self.vocab_size)
+            processed[entries] = rows
         return processed
 
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
@@ -261,8 +269,8 @@ class ModelRunner:
             logits = logits.to(torch.float32, copy=True)
             logits[p.beam_src] = torch.log_softmax(logits[p.beam_src], dim=-1)
         processed = process_logits(logits, p.sampling, counts, errors)
-        if p.tries:
-            processed = self._mask_tries(processed, logits, p)
+        if p.tries or p.grammar is not None:
+            processed = self._mask(processed, logits, p)
         next_ids = sample(processed, p.sampling, self.generator)
         self.next_token[p.rows] = next_ids
         if self.counts is not None:

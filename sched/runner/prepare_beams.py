@@ -1,9 +1,11 @@
-"""The host's part of beam selection and trie constraints for one batch, at build
-time: which sampled rows are a beam request's sources and which request rows carry
+"""The host's part of beam selection and of the constraints (tries, grammars) for
+one batch, at build time: which sampled rows are a beam request's sources and which request rows carry
 its beams next, grouped by shape for one batched top-k each (sgl.sched.runner.
 beam_select); and, per trie, the rows it masks, the widest node they can be at
 (from their depths, so the device gathers a fixed width), the nodes of rows whose
-first token this batch samples, and the rows the sampled token advances.
+first token this batch samples, and the rows the sampled token advances; and each
+grammar row's token bitmask, filled from its matcher (grammar requests run serially,
+so the matcher has taken every token before this one).
 
 It reads request state and writes the beam groups' order into the batch
 (`beam_index`, for the results); it runs nothing on the device."""
@@ -34,6 +36,23 @@ class TrieGroup:
     init_nodes: torch.Tensor | None
     advance: torch.Tensor | None  # [a] sampled rows (not beams) whose token moves their node
     advance_rows: torch.Tensor | None  # their request rows
+
+
+def grammar_masks(batch: ScheduleBatch, runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the grammar rows among the sampled logits rows, their token bitmasks) on the
+    device, or None when no row of the batch has a grammar."""
+    entries = [i for i, r in enumerate(batch.reqs) if r.grammar is not None and sampled(batch, i)]
+    if not entries:
+        return None
+    import xgrammar
+
+    mask = xgrammar.allocate_token_bitmask(len(entries), runner.vocab_size)
+    for j, i in enumerate(entries):
+        m = batch.reqs[i].grammar
+        if not m.is_terminated():
+            m.fill_next_token_bitmask(mask, j)
+    dev = runner.device
+    return to_device(torch.tensor(entries, dtype=torch.int64), dev), to_device(mask, dev)
 
 
 def stop_ids_of(r: Req, eos_ids: frozenset[int]) -> list[int]:

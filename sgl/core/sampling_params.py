@@ -24,6 +24,7 @@ MAX_LOGIT_BIAS = 4096
 MAX_BEAM_WIDTH = 512  # also bounded by the scheduler's request rows (one per beam)
 MAX_TRIE_IDS = 4_000_000  # token ids in one inline trie constraint (100k sequences of 40)
 MAX_TRIE_NAME_CHARS = 128
+MAX_GRAMMAR_CHARS = 200_000  # of one json_schema, regex or ebnf
 INT64_MAX = 2**63 - 1  # every integer travels as a 64-bit MessagePack int
 
 
@@ -81,6 +82,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     constraint: TrieConstraint | None = None
+    # Structured output (SGLang's fields; at most one): the output must match a JSON
+    # schema (a JSON string; "{}"-like schemas allowed), a regular expression, or an
+    # EBNF grammar (GBNF dialect), compiled by xgrammar and enforced token by token.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "seed"):
@@ -126,6 +133,17 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             _check(not self.stop, "stop", self.stop, "unset with beam_width (stop strings are not matched on beams)")
             _check(self.min_p == 0.0 and self.top_p == 1.0 and self.top_k in (-1, 1), "top_p", self.top_p,
                    "1 with beam_width, and top_k and min_p unset (no sampling filters on beams)")
+        grammars = [f for f in ("json_schema", "regex", "ebnf") if getattr(self, f) is not None]
+        _check(len(grammars) <= 1, grammars[-1] if grammars else "json_schema", "<set>",
+               "alone: json_schema, regex and ebnf exclude each other")
+        for f in grammars:
+            text = getattr(self, f)
+            _check(0 < len(text) <= MAX_GRAMMAR_CHARS, f, f"<{len(text)} characters>",
+                   f"a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+        _check(not (grammars and self.constraint is not None), "constraint", "<trie>",
+               f"unset with {grammars[0] if grammars else ''} (one constraint per request)")
+        _check(not (grammars and self.beam_width), "beam_width", self.beam_width,
+               "0 with a grammar (structured output does not run on beams yet)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         stops = self.stop or []
@@ -138,6 +156,15 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1 or self.beam_width > 0  # beams are never sampled
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar, or None."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def return_beams(self) -> int:

@@ -67,6 +67,8 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_top_logprobs_num: int = 20  # the most top logprobs a request may ask for per token (OpenAI's bound)
     # Names (registered) or dotted paths (pkg.mod:Class) of logit processors requests may use.
     custom_logit_processors: list[str] = []
+    # Structured output (json_schema, regex, ebnf): xgrammar, or "none" to refuse it.
+    grammar_backend: Literal["xgrammar", "none"] = "xgrammar"
 
     random_seed: int | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "warning"

@@ -240,6 +240,8 @@ class TokenizerManager:
                 finished = fin is not None
                 if finished and fin.get("status_code") == 503:
                     raise ServerBusyError(fin["message"])  # refused before it ran: nothing to return
+                if finished and fin.get("status_code") == 400:
+                    raise ValueError(fin["message"])  # the scheduler found the request invalid (a grammar)
                 if stream:
                     yield item
                 elif finished:

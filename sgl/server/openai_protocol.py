@@ -6,13 +6,15 @@ that a field neither defines stays a 400 (`forbid_unknown_fields`). A declared
 field is either used, or accepted and ignored where it cannot change the output
 (IGNORED: `store`, `metadata`, `user`, ...; one debug log line names them), or
 refused with a 400 "not supported yet" where ignoring it would hand back
-something the caller did not ask for (REFUSED: tools, structured output, LoRA,
-hidden states, ...). Errors raised below the route (SamplingParams, the request
+something the caller did not ask for (REFUSED: tools, LoRA, hidden states, ...).
+Structured output (response_format, SGLang's regex / json_schema / ebnf) becomes the
+sampling fields the grammar backend enforces. Errors raised below the route (SamplingParams, the request
 checks) are given back in the caller's names: `max_tokens`, not
 `sampling_params.max_new_tokens`. No engine is called here."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,11 +77,12 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     images_config: Any = None
     return_cached_tokens_details: Any = None
     routed_experts_start_len: Any = None
-    # Refused when set: not implemented (yet).
+    # Structured output (grammar_fields).
     response_format: Any = None
     regex: Any = None
     json_schema: Any = None
     ebnf: Any = None
+    # Refused when set: not implemented (yet).
     stop_regex: Any = None
     lora_path: Any = None
     session_id: Any = None
@@ -158,10 +161,8 @@ IGNORED = ("user", "extra_key", "cache_salt", "priority", "custom_labels", "rout
            "separate_reasoning", "stream_reasoning", "task", "max_dynamic_patch", "min_dynamic_patch",
            "use_audio_in_video")
 _TOOLS = "tool calling is not implemented"
-_STRUCTURED = "structured output (constrained decoding) is not implemented"
 REFUSED = {"tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS, "functions": _TOOLS,
-           "function_call": _TOOLS, "response_format": _STRUCTURED, "regex": _STRUCTURED,
-           "json_schema": _STRUCTURED, "ebnf": _STRUCTURED, "stop_regex": "stop strings are plain text here",
+           "function_call": _TOOLS, "stop_regex": "stop strings are plain text here",
            "lora_path": "this server runs no LoRA adapters", "session_id": "sessions are not implemented",
            "session_params": "sessions are not implemented", "audio": "this server makes no audio",
            "web_search_options": "this server searches nothing",
@@ -217,7 +218,45 @@ def sampling_dict(req: SamplingFields, max_tokens: int | None) -> dict[str, Any]
         sp["logit_bias"] = req.logit_bias  # OpenAI sends token ids as strings; SamplingParams converts them
     if req.stop is not None and req.stop != []:
         sp["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    sp.update(grammar_fields(req))
     return sp
+
+
+def grammar_fields(req: SamplingFields) -> dict[str, Any]:
+    """Structured output: SGLang's regex / json_schema / ebnf, or OpenAI's response_format
+    (text; json_object: any JSON object; json_schema: its schema, strict or not, since the
+    grammar enforces the schema either way)."""
+    out: dict[str, Any] = {}
+    for name in ("regex", "ebnf", "json_schema"):
+        v = getattr(req, name, None)
+        if v is None:
+            continue
+        if name == "json_schema" and isinstance(v, dict):
+            v = json.dumps(v)
+        if not isinstance(v, str):
+            raise ApiError(400, f"{name} must be a string" + (" or an object" if name == "json_schema" else ""), name,
+                           "invalid_type")
+        out[name] = v
+    rf = getattr(req, "response_format", None)
+    if rf is None:
+        return out
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return out
+    if out:
+        raise ApiError(400, f"response_format cannot be combined with {next(iter(out))}", "response_format",
+                       "invalid_value")
+    if kind == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema must be an object with a 'schema' object",
+                           "response_format", "invalid_value")
+        return {"json_schema": json.dumps(schema)}
+    raise ApiError(400, f"response_format.type={kind!r} is invalid: must be text, json_object or json_schema",
+                   "response_format", "invalid_value")
 
 
 def beam_fields(req: SamplingFields) -> dict[str, Any]:

@@ -1,0 +1,140 @@
+"""Structured output in the scheduler: requests' grammars (json_schema, regex, ebnf)
+compiled by xgrammar (the grammar engine SGLang and vLLM use) off the loop, on a
+worker thread, and kept by xgrammar's compiler cache; a request waits here, not in
+the queue, until its grammar is ready. A grammar that fails to compile ends its
+request with an abort reason that carries status_code 400 and names the field.
+
+A ready request holds an xgrammar GrammarMatcher (`req.grammar`): the batch
+preparation fills each such row's token bitmask from it, the sampler applies it, and
+each sampled token is accepted into it when the results are processed. Grammar
+requests run their steps serially (the matcher must have taken the last token before
+the next mask), while the others keep the overlap loop.
+
+It never builds batches and never touches logits."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from sgl.core.log import get_logger
+from sgl.sched.req import Req
+
+if TYPE_CHECKING:
+    from sgl.sched.scheduler import Scheduler
+
+COMPILE_THREADS = 2  # xgrammar's own threads per compile; one compile at a time here
+MAX_JSON_WHITESPACE = 2  # whitespace characters in a row between JSON tokens
+
+
+def _backend() -> Any:
+    try:
+        import xgrammar
+    except ImportError as e:  # a clear error, not an ImportError from inside the scheduler
+        raise ValueError("structured output needs the xgrammar package: pip install xgrammar") from e
+    return xgrammar
+
+
+class Grammars:
+    """Compiles grammars for one scheduler; created with the tokenizer's path."""
+
+    def __init__(self, tokenizer_path: str | None, vocab_size: int, eos_ids: set[int], trust_remote_code: bool,
+                 enabled: bool = True) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self.trust_remote_code = trust_remote_code
+        self.enabled = enabled
+        self.log = get_logger("scheduler")
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiler: Any = None
+        self.pending: dict[Req, Future[Any]] = {}
+
+    def error(self, req: Req) -> str | None:
+        """Why this engine cannot constrain the request at all, or None."""
+        g = req.sampling_params.grammar
+        if g is None:
+            return None
+        if not self.enabled:
+            return f"{g[0]}: structured output is off in this engine (grammar_backend='none')"
+        if self.tokenizer_path is None:
+            return f"{g[0]}: structured output needs a tokenizer, and this engine runs with skip_tokenizer_init"
+        return None
+
+    def submit(self, req: Req) -> None:
+        """Start compiling the request's grammar (it waits in `pending`)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sgl-grammar")
+        kind, text = req.sampling_params.grammar  # type: ignore[misc]
+        self.pending[req] = self._pool.submit(self._compile, kind, text)
+
+    def ready(self) -> list[tuple[Req, str | None]]:
+        """The pending requests whose compile is done: (request, error or None); a
+        request's matcher is set on success."""
+        done = [(r, f) for r, f in self.pending.items() if f.done()]
+        out: list[tuple[Req, str | None]] = []
+        for req, fut in done:
+            del self.pending[req]
+            try:
+                req.grammar = _backend().GrammarMatcher(fut.result())
+                out.append((req, None))
+            except Exception as e:  # noqa: BLE001 - the caller's grammar: their 400
+                kind = req.sampling_params.grammar[0]  # type: ignore[index]
+                # xgrammar's messages start with a time and a source location: the caller needs neither.
+                text = re.sub(r"^\[[\d:]+\] \S+: (Check failed: \(.*?\) is false: )?", "", str(e).strip())
+                out.append((req, f"{kind}: the grammar does not compile: {text[:500]}"))
+        return out
+
+    def drop(self, req: Req) -> bool:
+        """Forget a pending request (aborted); whether it was pending."""
+        fut = self.pending.pop(req, None)
+        if fut is not None:
+            fut.cancel()
+        return fut is not None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the worker thread ----
+
+    def _compile(self, kind: str, text: str) -> Any:
+        xgr = _backend()
+        if self._compiler is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=self.trust_remote_code,
+                                                local_files_only=True)
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
+        if kind == "json_schema":
+            # Whitespace between tokens stays allowed but bounded: a small model left free
+            # can emit it until max_new_tokens, and the JSON never closes.
+            return self._compiler.compile_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        if kind == "regex":
+            return self._compiler.compile_regex(text)
+        return self._compiler.compile_grammar(text)
+
+
+def admit_compiled(s: Scheduler) -> None:
+    """Requests whose grammar compiled join the queue; the others end (a failed compile
+    is the caller's error: status_code 400, a ValueError to engine callers)."""
+    for req, error in s.grammars.ready():
+        if req.to_abort is not None or error is not None:
+            reason: dict[str, Any] = {"type": "abort", "message": req.to_abort or error}
+            if req.to_abort is None:
+                reason["status_code"] = 400
+            s.finish(req, reason)
+        else:
+            s.waiting.append(req)
+
+
+def advance(req: Req, tok: int) -> str | None:
+    """Accept a sampled token into the request's matcher; why the request must end, or None."""
+    m = req.grammar
+    if m is None or m.is_terminated():
+        return None
+    if not m.accept_token(tok):
+        return f"internal error: the grammar rejected token {tok}, which its own mask allowed"
+    return None

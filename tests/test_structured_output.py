@@ -1,0 +1,193 @@
+"""Structured output through xgrammar on the default model (SmolLM2, float32, CPU):
+for random JSON schemas (a Hypothesis strategy over objects, arrays, enums, strings
+with patterns and bounds, numbers with bounds, booleans, nesting) every output,
+greedy and sampled, parses and validates with `jsonschema`; for random regular
+expressions every output is a `re.fullmatch`; EBNF too. A grammar that does not
+compile is a ValueError naming the field; grammars work with n > 1, streaming, stop
+strings, logprobs and through retraction (a small pool, on null weights with the
+default model's tokenizer, where only the mask makes the output valid); aborting a
+request while its grammar compiles leaves nothing behind. KV balances after each."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import sgl
+from tests.conftest import assert_kv_balanced
+
+NAMES = st.sampled_from(["id", "name", "tags", "score", "ok", "kind", "items", "size"])
+
+
+def _leaf() -> st.SearchStrategy[dict[str, Any]]:
+    return st.one_of(
+        st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+                  st.integers(-50, 50), st.integers(0, 100)),
+        st.builds(lambda lo: {"type": "number", "minimum": lo, "maximum": lo + 10}, st.integers(-5, 5)),
+        st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(1, 8)),
+        st.sampled_from([{"type": "string", "pattern": "^[a-z]{2,5}$"}, {"type": "string", "pattern": "^[0-9]{3}$"},
+                         {"type": "boolean"}, {"type": "null"}]),
+        st.lists(st.sampled_from(["red", "green", "blue", "x y"]), min_size=1, max_size=3, unique=True).map(
+            lambda vals: {"enum": vals}),
+    )
+
+
+def _schema(depth: int = 0) -> st.SearchStrategy[dict[str, Any]]:
+    child = _leaf() if depth >= 1 else st.one_of(_leaf(), st.deferred(lambda: _schema(depth + 1)))
+    obj = st.dictionaries(NAMES, child, min_size=1, max_size=3).flatmap(
+        lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(
+            lambda req: {"type": "object", "properties": props, "required": req, "additionalProperties": False}))
+    arr = st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, child, st.integers(1, 3))
+    return obj if depth == 0 else st.one_of(obj, arr)
+
+
+REGEXES = st.lists(st.sampled_from([r"[0-9]{2,4}", r"(yes|no)", r"[A-Z][a-z]{1,6}", r"-", r" ", r"\.", r"(ab){1,3}",
+                                    r"[a-f0-9]{4}", r"(cat|dog|bird)s?"]), min_size=1, max_size=4).map("".join)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[sgl.Engine]:
+    from sgl.sched.models.default_model import default_model_dir
+
+    e = sgl.Engine(default_model_dir(), dtype="float32", transport="inproc", max_total_tokens=8000)
+    yield e
+    assert_kv_balanced(e.get_server_info())
+    e.shutdown()
+
+
+# No shrinking: each example runs the model; a failure prints its example and output as they are.
+SETTINGS = settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@SETTINGS
+@given(st.lists(_schema(), min_size=2, max_size=2), st.sampled_from([0.0, 0.8]))
+def test_random_json_schemas_validate(engine: sgl.Engine, schemas: list[dict[str, Any]], temperature: float) -> None:
+    prompts = [f"Reply with a JSON value for the schema {json.dumps(s)}:" for s in schemas]
+    outs = engine.generate(prompts, [{"temperature": temperature, "max_new_tokens": 96, "seed": 1,
+                                      "json_schema": json.dumps(s)} for s in schemas])
+    for s, out in zip(schemas, outs):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out  # the grammar completed
+        jsonschema.validate(json.loads(out["text"]), s)
+
+
+@SETTINGS
+@given(st.lists(REGEXES, min_size=2, max_size=2), st.sampled_from([0.0, 0.8]))
+def test_random_regexes_fullmatch(engine: sgl.Engine, patterns: list[str], temperature: float) -> None:
+    outs = engine.generate([f"Write text matching /{p}/:" for p in patterns],
+                           [{"temperature": temperature, "max_new_tokens": 48, "seed": 2, "regex": p}
+                            for p in patterns])
+    for p, out in zip(patterns, outs):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        assert re.fullmatch(p, out["text"]), (p, out["text"])
+
+
+def test_ebnf_n_stream_stop_and_logprobs(engine: sgl.Engine) -> None:
+    grammar = 'root ::= "The answer is " ("yes" | "no") "."'
+    outs = engine.generate("Is the sky blue?", {"temperature": 0.9, "max_new_tokens": 16, "n": 3, "ebnf": grammar,
+                                                 "seed": 3}, return_logprob=True)
+    for o in outs:
+        assert re.fullmatch(r"The answer is (yes|no)\.", o["text"]), o["text"]
+        assert len(o["meta_info"]["output_token_logprobs"]) == o["meta_info"]["completion_tokens"]
+    chunks = list(engine.generate("Is the sky blue?", {"temperature": 0, "max_new_tokens": 16, "ebnf": grammar},
+                                  stream=True))
+    assert re.fullmatch(r"The answer is (yes|no)\.", "".join(c["text"] for c in chunks))
+    stopped = engine.generate("Is the sky blue?", {"temperature": 0, "max_new_tokens": 16, "ebnf": grammar,
+                                                   "stop": " is"})
+    assert stopped["text"] == "The answer" and stopped["meta_info"]["finish_reason"]["matched"] == " is"
+
+
+@pytest.mark.parametrize("field, text", [("json_schema", "{not json"), ("regex", "(unclosed"),
+                                         ("ebnf", "root ::= undefined_rule")])
+def test_bad_grammar_is_a_value_error_naming_the_field(engine: sgl.Engine, field: str, text: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: the grammar does not compile"):
+        engine.generate("x", {"max_new_tokens": 4, field: text})
+
+
+def test_grammar_refusals_name_the_field(engine: sgl.Engine) -> None:
+    for sp, field in [({"json_schema": "{}", "regex": "a"}, "regex"), ({"regex": "a", "beam_width": 2}, "beam_width"),
+                      ({"regex": "a", "constraint": {"type": "trie", "sequences": [[1]]}}, "constraint")]:
+        with pytest.raises(ValueError, match=field):
+            engine.generate("x", sp)
+
+
+def test_grammars_hold_through_retraction_on_null_weights(tmp_path: Any) -> None:
+    """Null weights: the logits know nothing of the grammar, so only the mask makes
+    these valid; a pool that cannot hold all of them at once makes retraction happen."""
+    import asyncio
+    import shutil
+
+    from sgl.sched.models.default_model import default_model_dir
+
+    src = default_model_dir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(f"{src}/{f}", tmp_path / f)
+    pattern = r"[0-9]{50,55}"  # single-digit tokens: 50 or more of them, so the requests outgrow their reserve
+
+    async def main() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        async with sgl.AsyncEngine(str(tmp_path), load_format="null", transport="inproc", max_total_tokens=200,
+                                   chunked_prefill_size=16, disable_overlap_schedule=False) as e:
+            outs = await asyncio.gather(*(e.generate(f"r {i}", {"temperature": 0.7, "seed": i, "max_new_tokens": 60,
+                                                                 "regex": pattern}) for i in range(12)))
+            aborted = asyncio.ensure_future(e.generate("x", {"max_new_tokens": 4, "json_schema": json.dumps(
+                {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(40)}})}))
+            await asyncio.sleep(0)
+            aborted.cancel()
+            await asyncio.gather(aborted, return_exceptions=True)
+            for _ in range(300):
+                info = await e.get_server_info()
+                if not info["running"] and not info["waiting"] and not info["grammars_compiling"]:
+                    break
+                await asyncio.sleep(0.02)
+            return outs, info
+
+    outs, info = asyncio.run(main())
+    for o in outs:
+        assert re.fullmatch(pattern, o["text"]), o["text"]
+    assert info["retractions"] > 0
+    assert_kv_balanced(info)
+
+
+def test_openai_response_format_through_the_server() -> None:
+    """The official openai client against `sgl serve` on the default model (real
+    weights): response_format json_schema (strict) and json_object, and SGLang's regex
+    as an extra body field, on chat and completions."""
+    import openai
+
+    from sgl.sched.models.default_model import default_model_dir
+    from tests.serve_util import ServerProc
+
+    server = ServerProc("--model-path", default_model_dir(), "--dtype", "float32", "--max-total-tokens", "4000",
+                        "--served-model-name", "smol")
+    try:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                   "population": {"type": "integer", "minimum": 0,
+                                                                  "maximum": 99999999}},
+                  "required": ["city", "population"], "additionalProperties": False}
+        chat = c.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Describe Paris as JSON."}], max_tokens=128,
+            temperature=0, response_format={"type": "json_schema",
+                                            "json_schema": {"name": "city", "schema": schema, "strict": True}})
+        jsonschema.validate(json.loads(chat.choices[0].message.content or ""), schema)
+        assert chat.choices[0].finish_reason == "stop"
+        ask = [{"role": "user", "content": 'Reply with {"ok": true}.'}]
+        obj = c.chat.completions.create(model="smol", messages=ask, max_tokens=256, temperature=0,
+                                        response_format={"type": "json_object"})
+        assert obj.choices[0].finish_reason == "stop", obj.choices[0].message.content
+        assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+        done = c.completions.create(model="smol", prompt="The year was", max_tokens=16, temperature=0,
+                                    extra_body={"regex": r" (19|20)[0-9]{2}\."})
+        assert re.fullmatch(r" (19|20)[0-9]{2}\.", done.choices[0].text), done.choices[0].text
+        with pytest.raises(openai.BadRequestError, match="json_schema: the grammar does not compile"):
+            c.completions.create(model="smol", prompt="x", max_tokens=4, extra_body={"json_schema": "{oops"})
+        server.assert_balanced()
+    finally:
+        server.stop()
