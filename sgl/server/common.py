@@ -18,7 +18,8 @@ from starlette.responses import Response
 T = TypeVar("T")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+                405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                503: "service_unavailable_error"}
 
 
 class ApiError(Exception):
@@ -92,8 +93,22 @@ def api_error_of(e: Exception) -> ApiError:
     return ApiError(500, f"internal error: {type(e).__name__}: {e}")
 
 
+def check_content_type(request: Request) -> None:
+    """Bodies are JSON: a 415 for one that says it is something else (a form, as `curl -d`
+    sends without `-H 'Content-Type: application/json'`), as FastAPI servers (SGLang, vLLM)
+    refuse it. No Content-Type at all is read as JSON."""
+    declared = request.headers.get("content-type")
+    if declared is None or not declared.strip():
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(415, f"Content-Type {media!r} is not supported: send the body as application/json")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 as soon as it exceeds `limit` bytes (never buffered past it)."""
+    """The body, or a 413 as soon as it exceeds `limit` bytes (never buffered past it);
+    a 415 for a body declared as something other than JSON (check_content_type)."""
+    check_content_type(request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
