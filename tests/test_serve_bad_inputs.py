@@ -174,12 +174,16 @@ CASES: dict[str, Http | Py | Frame] = {
     "chat-unknown-message-field": Http(CH, {"model": "m", "messages": [{"role": "user", "content": "hi",
                                                                        "mood": "sad"}]}, 400, "mood"),
     # ---- HTTP: what is not implemented yet is refused, naming the field
-    "chat-tools": Http(CH, {"model": "m", "messages": USER, "tools": [{"type": "function", "function": {
-        "name": "f"}}]}, 400, "tools is not supported yet", param="tools", code="unsupported_parameter"),
-    "chat-tool-choice": Http(CH, {"model": "m", "messages": USER, "tool_choice": "auto"}, 400,
-                             "tool_choice is not supported yet", param="tool_choice"),
-    "chat-parallel-tool-calls": Http(CH, {"model": "m", "messages": USER, "parallel_tool_calls": True}, 400,
-                                     "parallel_tool_calls is not supported yet", param="parallel_tool_calls"),
+    "chat-functions": Http(CH, {"model": "m", "messages": USER, "functions": [{"name": "f"}]}, 400,
+                           "functions is not supported yet", param="functions", code="unsupported_parameter"),
+    # ---- HTTP: tool calling, naming the field
+    "chat-tools-shape": Http(CH, {"model": "m", "messages": USER, "tools": [{"type": "function", "function": {
+        "description": "no name"}}]}, 400, "tools[0].function.name", param="tools", code="invalid_value"),
+    "chat-tool-choice-unknown": Http(CH, {"model": "m", "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "'g'",
+        param="tool_choice"),
+    "chat-parallel-tool-calls": Http(CH, {"model": "m", "messages": USER, "parallel_tool_calls": "yes"}, 400,
+                                     "parallel_tool_calls must be a boolean", param="parallel_tool_calls"),
     # ---- HTTP: structured output that cannot be had, naming the field
     "chat-response-format-type": Http(CH, {"model": "m", "messages": USER, "response_format": {"type": "xml"}},
                                       400, "response_format.type='xml' is invalid", param="response_format"),

@@ -35,6 +35,8 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allow_origins: list[str] = []  # CORS: origins a browser may call the HTTP server from ("*": any)
     # Native /generate streams: each chunk the new text and ids only (default: everything so far, as SGLang).
     incremental_streaming_output: bool = False
+    # OpenAI tool_choice "auto": how the model writes its tool calls (None: they stay content).
+    tool_call_parser: Literal["hermes", "qwen", "qwen25", "llama3", "llama3_json"] | None = None
 
     max_total_tokens: int | None = None  # KV slots; None: sized from memory
     mem_fraction_static: float | None = None

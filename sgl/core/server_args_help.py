@@ -28,6 +28,9 @@ FIELD_HELP: dict[str, str] = {
     "allow_origins": "CORS: the origins browsers may call the HTTP server from ('*': any); none by default",
     "incremental_streaming_output": "native /generate streams send only the new text and ids in each chunk "
                                     "(default: everything so far, as SGLang does)",
+    "tool_call_parser": "how the model writes tool calls, read out of its text for OpenAI tool_choice auto: "
+                        "hermes (<tool_call> JSON blocks; qwen and qwen25 are its aliases) or llama3 (a JSON "
+                        "message; alias llama3_json); unset: the text stays content",
     "max_total_tokens": "KV cache slots (default: sized from free memory)",
     "mem_fraction_static": "fraction of GPU memory for weights plus the KV cache (default 0.8)",
     "max_running_requests": "the most requests decoding at once (default: from the KV pool)",

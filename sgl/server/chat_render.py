@@ -1,9 +1,15 @@
 """Chat messages to prompt ids through the tokenizer's chat template, for
 /v1/chat/completions and the chat form of /tokenize. It renders and encodes
-(blocking work: callers run it off the event loop) and calls no engine."""
+(blocking work: callers run it off the event loop) and calls no engine.
+
+The template gets `tools` (OpenAI's `{"type": "function", "function": {...}}`
+dicts, as Hugging Face templates read them) and an assistant's earlier
+`tool_calls` with their JSON `arguments` text turned into objects, as vLLM hands
+them over (templates such as Llama 3.1's and Qwen 2.5's write them with `tojson`)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from sgl.server.common import ApiError
@@ -26,6 +32,18 @@ def _text_of(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call with its arguments as an object (when they are JSON text of one)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
+
+
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the template reads them: `developer` is `system`; an assistant's
     tool calls and a tool's answer keep their fields."""
@@ -35,13 +53,17 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         for name in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if (v := getattr(m, name)) is not None:
                 d[name] = v
+        if m.tool_calls is not None:
+            d["tool_calls"] = [_template_call(c) for c in m.tool_calls]
         conv.append(d)
     return conv
 
 
 def chat_prompt_ids(tok: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> list[int]:
-    """The prompt's ids. `kwargs` (chat_template_kwargs) reach the template as variables."""
+                    continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt's ids. `kwargs` (chat_template_kwargs) reach the template as variables, `tools`
+    as its `tools`."""
     if tok is None:
         raise ApiError(400, "chat needs a tokenizer, and this server runs with skip_tokenizer_init", "messages")
     if not getattr(tok, "chat_template", None):
@@ -56,7 +78,8 @@ def chat_prompt_ids(tok: Any, messages: list[ChatMessage], add_generation_prompt
     try:
         text = tok.apply_chat_template(conversation(messages), tokenize=False,
                                        add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                       continue_final_message=continue_final_message, **(kwargs or {}))
+                                       continue_final_message=continue_final_message, tools=tools,
+                                       **(kwargs or {}))
     except Exception as e:  # noqa: BLE001 - a template that rejects this conversation
         raise ApiError(400, f"messages: the chat template rejected them: {e}", "messages") from None
     return list(tok.encode(text, add_special_tokens=False))

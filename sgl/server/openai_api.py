@@ -9,6 +9,10 @@ caller's field names. A `model` other than the served name is a 404 (as vLLM).
 Streams are server-sent events ending in an optional usage chunk and `data: [DONE]`.
 Choices carry SGLang's `matched_stop` (the stop string or token id that ended them).
 
+Chat takes OpenAI's tools, tool_choice and parallel_tool_calls (server/tool_calls:
+a forced choice is enforced by the grammar, "auto" read by the server's
+--tool-call-parser); choices then carry `tool_calls`, streams their deltas.
+
 Beam search takes vLLM's extra fields (`use_beam_search` with `n` beams,
 `length_penalty`, `early_stopping`) or `beam_width` (then `n` is how many beams
 come back): the n choices are the beams, best first; it never streams."""
@@ -37,6 +41,7 @@ from sgl.server.openai_protocol import (
     sampling_dict,
     screen,
 )
+from sgl.server.tool_calls import ChoiceTools, ToolPlan, message, plan, tool_schema
 
 
 def finish_reason(fin: dict[str, Any] | None) -> str | None:
@@ -176,13 +181,27 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
         return await _chat(state, req)
 
 
+def _tool_plan(state: ServerState, req: ChatRequest, sp: dict[str, Any]) -> ToolPlan:
+    """The request's tool plan; a forced choice becomes the json_schema the grammar enforces."""
+    tp = plan(req.tools, req.tool_choice, req.parallel_tool_calls, getattr(state.engine.args, "tool_call_parser", None))
+    schema = tool_schema(tp)
+    if schema is not None:
+        if other := next((k for k in ("json_schema", "regex", "ebnf") if k in sp), None):
+            name = "response_format" if req.response_format is not None else other
+            raise ApiError(400, f"tool_choice={tp.mode} cannot be combined with {name}: the tool's schema "
+                                "constrains the output", "tool_choice", "invalid_value")
+        sp["json_schema"] = schema
+    return tp
+
+
 async def _chat(state: ServerState, req: ChatRequest) -> Response:
     sp = sampling_dict(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
+    tp = _tool_plan(state, req, sp)
     ids = req.input_ids
     if ids is None:  # the template, off the loop
         ids = await state.engine.tm.run_sync(chat_prompt_ids, state.engine.tokenizer, req.messages,
                                              req.add_generation_prompt, req.continue_final_message,
-                                             req.chat_template_kwargs)
+                                             req.chat_template_kwargs, tp.tools)
     opts = logprob_options(req.top_logprobs or 0, prompt=False) if req.logprobs else {}
     if req.custom_logit_processor is not None:
         opts["custom_logit_processor"] = req.custom_logit_processor
@@ -190,23 +209,34 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
     if req.stream:
         chunks = await primed(state.engine.stream(None, sp, ids, req.rid, **opts))
         seen: set[int] = set()
+        tools: dict[int, ChoiceTools] = {}
 
         def chunk(c: dict[str, Any]) -> dict[str, Any]:
-            delta: dict[str, Any] = {"content": c["text"]}
-            if c.get("index", 0) not in seen:  # each choice's first delta names the role
+            i, reason = c.get("index", 0), finish_reason(c["meta_info"]["finish_reason"])
+            ct = tools.setdefault(i, ChoiceTools(tp))
+            content, calls = ct.feed(c["text"])
+            if reason is not None:
+                more, calls2 = ct.finish()
+                content, calls = content + more, calls + calls2
+            delta: dict[str, Any] = {"content": content} if content or not calls else {}
+            if calls:
+                delta["tool_calls"] = calls
+            if i not in seen:  # each choice's first delta names the role
                 delta["role"] = "assistant"
-                seen.add(c.get("index", 0))
-            choice = {"index": c.get("index", 0), "delta": delta,
-                      "logprobs": chat_logprobs(c["meta_info"]) if req.logprobs else None, **end_fields(c["meta_info"])}
+                seen.add(i)
+            choice = {"index": i, "delta": delta, "logprobs": chat_logprobs(c["meta_info"]) if req.logprobs else None,
+                      **end_fields(c["meta_info"]), "finish_reason": ct.finish_reason(reason)}
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
                     "choices": [choice]}
 
         return _sse(_openai_stream(chunks, chunk, req, cid, "chat.completion.chunk", created, state.model_name))
     res = await state.engine.generate(None, sp, ids, req.rid, **opts)
     outs = res if isinstance(res, list) else [res]
-    choices = [{"index": k, "message": {"role": "assistant", "content": o["text"]},
-                "logprobs": chat_logprobs(o["meta_info"]) if req.logprobs else None,
-                **end_fields(o["meta_info"])} for k, o in enumerate(outs)]
+    choices = []
+    for k, o in enumerate(outs):
+        msg, reason = message(tp, o["text"], finish_reason(o["meta_info"]["finish_reason"]))
+        choices.append({"index": k, "message": msg, "logprobs": chat_logprobs(o["meta_info"]) if req.logprobs else None,
+                        **end_fields(o["meta_info"]), "finish_reason": reason})
     return json_response({"id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
                           "choices": choices, "usage": usage([[o["meta_info"] for o in outs]])})
 

@@ -6,11 +6,13 @@ that a field neither defines stays a 400 (`forbid_unknown_fields`). A declared
 field is either used, or accepted and ignored where it cannot change the output
 (IGNORED: `store`, `metadata`, `user`, ...; one debug log line names them), or
 refused with a 400 "not supported yet" where ignoring it would hand back
-something the caller did not ask for (REFUSED: tools, LoRA, hidden states, ...).
-Structured output (response_format, SGLang's regex / json_schema / ebnf) becomes the
-sampling fields the grammar backend enforces. Errors raised below the route (SamplingParams, the request
-checks) are given back in the caller's names: `max_tokens`, not
-`sampling_params.max_new_tokens`. No engine is called here."""
+something the caller did not ask for (REFUSED: the deprecated functions /
+function_call, LoRA, hidden states, ...). Structured output (response_format,
+SGLang's regex / json_schema / ebnf) becomes the sampling fields the grammar backend
+enforces; tools, tool_choice and parallel_tool_calls are server/tool_calls'.
+Errors raised below the route (SamplingParams, the request checks) are given back
+in the caller's names: `max_tokens`, not `sampling_params.max_new_tokens`. No
+engine is called here."""
 
 from __future__ import annotations
 
@@ -142,10 +144,11 @@ class ChatRequest(SamplingFields, kw_only=True):
     max_dynamic_patch: Any = None
     min_dynamic_patch: Any = None
     use_audio_in_video: Any = None
-    # Refused when set.
+    # Tool calling (server/tool_calls).
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    # Refused when set.
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -160,9 +163,8 @@ IGNORED = ("user", "extra_key", "cache_salt", "priority", "custom_labels", "rout
            "reasoning_effort", "prompt_cache_key", "safety_identifier", "verbosity", "prediction",
            "separate_reasoning", "stream_reasoning", "task", "max_dynamic_patch", "min_dynamic_patch",
            "use_audio_in_video")
-_TOOLS = "tool calling is not implemented"
-REFUSED = {"tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS, "functions": _TOOLS,
-           "function_call": _TOOLS, "stop_regex": "stop strings are plain text here",
+_FUNCTIONS = "OpenAI's deprecated function calling: use tools and tool_choice"
+REFUSED = {"functions": _FUNCTIONS, "function_call": _FUNCTIONS, "stop_regex": "stop strings are plain text here",
            "lora_path": "this server runs no LoRA adapters", "session_id": "sessions are not implemented",
            "session_params": "sessions are not implemented", "audio": "this server makes no audio",
            "web_search_options": "this server searches nothing",

@@ -2,7 +2,7 @@
 
 /tokenize takes `prompt` (a string, or SGLang's list of strings) with
 `add_special_tokens` (default true), or vLLM's chat form, `messages` with
-`add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`
+`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `tools`
 (rendered as /v1/chat/completions renders them); it answers `{"tokens", "count",
 "max_model_len"}`, plus `token_strs` when `return_token_strs` is true.
 /detokenize takes `tokens` (ids, or a list of id lists) and answers `{"text"}`,
@@ -21,6 +21,7 @@ from sgl.server.common import ApiError, decode_body, json_response
 from sgl.server.native import ServerState
 from sgl.server.openai_api import check_model
 from sgl.server.openai_protocol import ChatMessage
+from sgl.server.tool_calls import check_tools
 
 MAX_BATCH = 1024  # the most prompts (or id lists) one call may hold
 
@@ -33,6 +34,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None  # OpenAI's tools, for the template
     return_token_strs: bool = False
 
 
@@ -52,7 +54,7 @@ def _tokenizer(state: ServerState) -> Any:
 def _encode(tok: Any, req: TokenizeRequest) -> list[int] | list[list[int]]:
     if req.messages is not None:
         return chat_prompt_ids(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
-                               req.chat_template_kwargs)
+                               req.chat_template_kwargs, check_tools(req.tools))
     special = req.add_special_tokens is not False
     if isinstance(req.prompt, str):
         return list(tok.encode(req.prompt, add_special_tokens=special))
@@ -65,6 +67,9 @@ async def tokenize(state: ServerState, body: bytes) -> Response:
     check_model(state, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+    if req.tools is not None and req.messages is None:
+        raise ApiError(400, "tools go with messages", "tools")
+    check_tools(req.tools)
     if req.messages is not None and req.add_special_tokens:
         raise ApiError(400, "add_special_tokens=true is invalid with messages: the chat template adds them",
                        "add_special_tokens")
