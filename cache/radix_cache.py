@@ -93,6 +93,11 @@ class RadixCache:
         self.root = TreeNode(None, [], self._empty, 0)  # never locked, never evicted
         # Invariant: exactly the non-root nodes with no children and lock_ref == 0.
         self._evictable_leaves: set[TreeNode] = set()
+        # A heap over them by (last_access, id), kept across evictions: each time a node
+        # becomes an evictable leaf or an evictable leaf is touched, an entry is pushed;
+        # an entry is stale once its node left the set or was touched again (skipped on
+        # pop), and the heap is rebuilt when stale entries outnumber live ones.
+        self._heap: list[tuple[int, int, TreeNode]] = []
         self._evictable_size = 0
         self._protected_size = 0
 
@@ -172,7 +177,7 @@ class RadixCache:
             n = self._match_len(child.key, key)
             if n < len(child.key):
                 child = self._split(child, n)  # the next lookup then fails: the loop ends
-            child.last_access = self._tick
+            self._touch(child)
             values.append(child.value)
             node = child
             key = key[n:]
@@ -197,27 +202,40 @@ class RadixCache:
             n = self._match_len(child.key, key[i:])
             if n < len(child.key):
                 child = self._split(child, n)
-            child.last_access = self._tick
+            self._touch(child)
             node = child
             i += n
         if i < len(key):
             leaf = TreeNode(node, key[i:], value[i:].to(self.device, torch.int64, copy=True), self._tick)
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable_leaves.discard(node)
-            self._evictable_leaves.add(leaf)
+            self._add_evictable(leaf)
             self._evictable_size += len(leaf.key)
         return i
+
+    def _touch(self, node: TreeNode) -> None:
+        node.last_access = self._tick
+        if node in self._evictable_leaves:
+            heapq.heappush(self._heap, (node.last_access, node.id, node))
+
+    def _add_evictable(self, node: TreeNode) -> None:
+        self._evictable_leaves.add(node)
+        heapq.heappush(self._heap, (node.last_access, node.id, node))
+        if len(self._heap) > 2 * len(self._evictable_leaves) + 64:
+            self._heap = [(n.last_access, n.id, n) for n in self._evictable_leaves]
+            heapq.heapify(self._heap)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` slots (fewer if not enough are evictable) by
         dropping least recently used unlocked leaves; return how many were freed."""
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._evictable_leaves]
-        heapq.heapify(heap)
+        heap = self._heap
         freed = 0
         while freed < num_tokens and heap:
-            node = heapq.heappop(heap)[2]
+            access, _, node = heapq.heappop(heap)
+            if node not in self._evictable_leaves or access != node.last_access:
+                continue  # stale: the node was locked, evicted or touched since
             parent = node.parent
             assert parent is not None
             self.allocator.free(node.value)
@@ -226,8 +244,8 @@ class RadixCache:
             self._evictable_leaves.remove(node)
             self._evictable_size -= len(node.key)
             if not parent.children and parent.lock_ref == 0 and parent is not self.root:
-                self._evictable_leaves.add(parent)
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                self._add_evictable(parent)
+                heap = self._heap  # it may have been rebuilt
         return freed
 
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -247,7 +265,7 @@ class RadixCache:
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
                 if not node.children:
-                    self._evictable_leaves.add(node)
+                    self._add_evictable(node)
             elif node.lock_ref < 1:
                 raise RuntimeError(f"dec_lock_ref below zero on {node}")
             node.lock_ref -= 1
@@ -320,11 +338,8 @@ class RadixCache:
         that set, never takes a locked node); free + evictable + protected + tails ==
         allocator.size, and every slot 1..size has exactly one owner, slot 0 none."""
         size = self.allocator.size
-        tails = (
-            self._empty.cpu()
-            if running_tail_slots is None
-            else running_tail_slots.reshape(-1).to("cpu", torch.int64)
-        )
+        given = running_tail_slots
+        tails = self._empty.cpu() if given is None else given.reshape(-1).to("cpu", torch.int64)
         free = self.allocator.free_slots()
         if self.root.key or self.root.value.numel() or self.root.lock_ref:
             raise AssertionError("the root must have an empty key and value and no lock")
@@ -338,9 +353,7 @@ class RadixCache:
                 if child.parent is not node:
                     raise AssertionError(f"{child} is a child of {node} but points to {child.parent}")
                 if len(child.key) != len(child.value) or not child.key:
-                    raise AssertionError(
-                        f"{child}: len(key)={len(child.key)} != len(value)={len(child.value)} or empty"
-                    )
+                    raise AssertionError(f"{child}: key {len(child.key)} != value {len(child.value)} or empty")
                 if len(child.key) % self.page_size:
                     raise AssertionError(f"{child}: key of {len(child.key)} tokens is not whole pages")
                 if ck != self._child_key(child.key):
@@ -361,10 +374,11 @@ class RadixCache:
                 owned.append(child.value)
                 stack.append(child)
         if leaves != self._evictable_leaves:
-            raise AssertionError(
-                f"evictable leaf set: missing {leaves - self._evictable_leaves}, "
-                f"extra {self._evictable_leaves - leaves}"
-            )
+            raise AssertionError(f"evictable leaf set: missing {leaves - self._evictable_leaves}, "
+                                 f"extra {self._evictable_leaves - leaves}")
+        live = {n for a, _, n in self._heap if a == n.last_access}
+        if leaves - live:
+            raise AssertionError(f"evictable leaves without a live eviction-heap entry: {leaves - live}")
         if (evictable, protected) != (self._evictable_size, self._protected_size):
             raise AssertionError(
                 f"counters (evictable, protected)={self._evictable_size, self._protected_size}, "
