@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import random
@@ -49,14 +48,6 @@ CPU_SMALL_CONFIG: dict[str, Any] = {
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 1024, "eos_token_id": 511, "bos_token_id": 0, "tie_word_embeddings": False,
 }
-
-
-def beams_ready() -> bool:
-    """Whether the scheduler has native beam search yet."""
-    try:
-        return hasattr(importlib.import_module("sgl.sched.beam"), "BeamState")
-    except ImportError:
-        return False
 
 
 @dataclass
@@ -204,10 +195,7 @@ async def bench(a: argparse.Namespace) -> None:
     if not a.no_trie:
         shapes.append(Shape("W6 trie", a.trie_width, a.requests, a.input_len, 3,
                             random_trie(a.trie_sequences, 3, vocab, low=low)))
-    native = not a.no_native and beams_ready()
-    if not a.no_native and not native:
-        print("native beam search is not in the scheduler yet (sgl.sched.beam has no BeamState): loop only",
-              flush=True)
+    native = not a.no_native
     kw: dict[str, Any] = dict(transport="ipc", load_format="dummy", skip_tokenizer_init=True, random_seed=0,
                               max_running_requests=a.max_running,
                               max_top_logprobs_num=max(loop_top_n(s, 1 << 20) for s in shapes),

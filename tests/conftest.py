@@ -90,3 +90,15 @@ def tiny_model_dir(base: Path, arch: str, vocab: int, seed: int = 0, **overrides
     d = base / f"{arch}-{seed}"
     model.save_pretrained(d, safe_serialization=True)
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def peer_server() -> Iterator[Any]:
+    """The real server the two OpenAI conformance modules share (one start for both)."""
+    import signal
+
+    from tests.peer_util import start_server
+
+    s = start_server()
+    yield s
+    assert s.stop(signal.SIGTERM) == 0

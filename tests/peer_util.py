@@ -1,6 +1,7 @@
 """What tests/test_openai_conformance.py and tests/test_openai_conformance_more.py share: the
-served name, the server they start (the default model, real weights in float32), the
-tokenizer, and short-hands for the openai client's calls."""
+served name, the server they share (tests/conftest.py's session fixture `peer_server`:
+the default model, real weights in float32; each test checks KV balances after it,
+so none leaves state behind), the tokenizer, and short-hands for the openai client's calls."""
 
 from __future__ import annotations
 

@@ -16,12 +16,10 @@ HF keeps, HF pads with placeholder beams scored near -1e9; the reference has non
 request may return fewer than `width` beams.
 
 The reference itself is checked against HF `generate` (unconstrained, and with
-`prefix_allowed_tokens_fn` where HF's placeholders cannot change the result): those
-tests run now; the sgl ones are skipped until `sgl.sched.beam` provides `BeamState`."""
+`prefix_allowed_tokens_fn` where HF's placeholders cannot change the result)."""
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,12 +34,6 @@ from hypothesis import strategies as st
 import sgl
 from tests.conftest import assert_kv_balanced, tiny_model_dir
 from tests.hypothesis_profiles import PROFILE
-
-try:
-    BEAMS_READY = hasattr(importlib.import_module("sgl.sched.beam"), "BeamState")
-except ImportError:
-    BEAMS_READY = False
-needs_beams = pytest.mark.skipif(not BEAMS_READY, reason="no beam search in the scheduler yet (sgl.sched.beam)")
 
 VOCAB = 64
 EOS = VOCAB - 1  # tiny_model_dir's eos_token_id
@@ -247,7 +239,6 @@ def engine(tiny_dir: str) -> Iterator[sgl.Engine]:
     e.shutdown()
 
 
-@needs_beams
 @SETTINGS
 @given(case=trie_cases())
 def test_trie_beams_equal_the_reference(engine: sgl.Engine, scorer: Any, case: dict[str, Any]) -> None:

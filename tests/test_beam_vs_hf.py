@@ -5,13 +5,10 @@ num_return_sequences=W, do_sample=False)`'s sequences, in HF's order, with HF's
 `sequences_scores` within 1e-4: with EOS banned (min_new_tokens = max_new_tokens on
 both sides) and with EOS allowed, early_stopping False and True, length_penalty 1.0,
 0.5 and 2.0. HF runs one prompt at a time without padding; width 1 is HF's greedy
-search (which HF's beam rules reduce to), scored from its raw logits.
-
-Skipped until the scheduler has beam search (`sgl.sched.beam` providing `BeamState`)."""
+search (which HF's beam rules reduce to), scored from its raw logits."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,12 +17,6 @@ import torch
 
 import sgl
 from tests.conftest import assert_kv_balanced
-
-try:
-    BEAMS_READY = hasattr(importlib.import_module("sgl.sched.beam"), "BeamState")
-except ImportError:
-    BEAMS_READY = False
-pytestmark = pytest.mark.skipif(not BEAMS_READY, reason="no beam search in the scheduler yet (sgl.sched.beam)")
 
 TOL = 1e-4
 NEW_TOKENS = 8

@@ -10,7 +10,6 @@ behaviour and says so. tests/test_openai_conformance_more.py holds part 2
 
 from __future__ import annotations
 
-import signal
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -27,17 +26,14 @@ from tests.peer_util import (
     chat,
     cmpl,
     sse_events,
-    start_server,
     tokenizer,
 )
 from tests.serve_util import ServerProc
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProc]:
-    s = start_server()
-    yield s
-    assert s.stop(signal.SIGTERM) == 0
+@pytest.fixture
+def server(peer_server: ServerProc) -> ServerProc:
+    return peer_server  # one server for both conformance modules (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)

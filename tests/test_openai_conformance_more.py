@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,15 +19,13 @@ import openai
 import pytest
 
 import sgl
-from tests.peer_util import API_KEY, CHAT, EOS_PROMPT, MODEL, chat, cmpl, start_server, tokenizer
+from tests.peer_util import API_KEY, CHAT, EOS_PROMPT, MODEL, chat, cmpl, tokenizer
 from tests.serve_util import ServerProc
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProc]:
-    s = start_server()
-    yield s
-    assert s.stop(signal.SIGTERM) == 0
+@pytest.fixture
+def server(peer_server: ServerProc) -> ServerProc:
+    return peer_server  # one server for both conformance modules (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)

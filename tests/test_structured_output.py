@@ -6,7 +6,9 @@ expressions every output is a `re.fullmatch`; EBNF too. A grammar that does not
 compile is a ValueError naming the field; grammars work with n > 1, streaming, stop
 strings, logprobs and through retraction (a small pool, on null weights with the
 default model's tokenizer, where only the mask makes the output valid); aborting a
-request while its grammar compiles leaves nothing behind. KV balances after each."""
+request while its grammar compiles leaves nothing behind. KV balances after each.
+The OpenAI routes' structured output (response_format, regex, ebnf, bad grammars) is
+checked through the real server in tests/test_openai_conformance_more.py."""
 
 from __future__ import annotations
 
@@ -154,40 +156,3 @@ def test_grammars_hold_through_retraction_on_null_weights(tmp_path: Any) -> None
     assert info["retractions"] > 0
     assert_kv_balanced(info)
 
-
-def test_openai_response_format_through_the_server() -> None:
-    """The official openai client against `sgl serve` on the default model (real
-    weights): response_format json_schema (strict) and json_object, and SGLang's regex
-    as an extra body field, on chat and completions."""
-    import openai
-
-    from sgl.sched.models.default_model import default_model_dir
-    from tests.serve_util import ServerProc
-
-    server = ServerProc("--model-path", default_model_dir(), "--dtype", "float32", "--max-total-tokens", "4000",
-                        "--served-model-name", "smol")
-    try:
-        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                   "population": {"type": "integer", "minimum": 0,
-                                                                  "maximum": 99999999}},
-                  "required": ["city", "population"], "additionalProperties": False}
-        chat = c.chat.completions.create(
-            model="smol", messages=[{"role": "user", "content": "Describe Paris as JSON."}], max_tokens=128,
-            temperature=0, response_format={"type": "json_schema",
-                                            "json_schema": {"name": "city", "schema": schema, "strict": True}})
-        jsonschema.validate(json.loads(chat.choices[0].message.content or ""), schema)
-        assert chat.choices[0].finish_reason == "stop"
-        ask = [{"role": "user", "content": 'Reply with {"ok": true}.'}]
-        obj = c.chat.completions.create(model="smol", messages=ask, max_tokens=256, temperature=0,
-                                        response_format={"type": "json_object"})
-        assert obj.choices[0].finish_reason == "stop", obj.choices[0].message.content
-        assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
-        done = c.completions.create(model="smol", prompt="The year was", max_tokens=16, temperature=0,
-                                    extra_body={"regex": r" (19|20)[0-9]{2}\."})
-        assert re.fullmatch(r" (19|20)[0-9]{2}\.", done.choices[0].text), done.choices[0].text
-        with pytest.raises(openai.BadRequestError, match="json_schema: the grammar does not compile"):
-            c.completions.create(model="smol", prompt="x", max_tokens=4, extra_body={"json_schema": "{oops"})
-        server.assert_balanced()
-    finally:
-        server.stop()
