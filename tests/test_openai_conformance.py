@@ -148,13 +148,13 @@ def test_completion_stream_options(oai: openai.OpenAI) -> None:
     # it (continuous_usage_stats alone decides), a documented superset.
 
 
-@pytest.mark.xfail(strict=True, reason="stream_options without stream=true is accepted (200), where vLLM and "
-                   "OpenAI answer 400; the check belongs in sgl/server/openai_protocol.py, being edited elsewhere")
 def test_stream_options_need_stream(oai: openai.OpenAI) -> None:
     """vLLM test_completion.py::test_completion_stream_options and test_chat.py::
     test_chat_completion_stream_options (stream=False with stream_options is a 400)."""
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
         cmpl(oai, max_tokens=1, stream=False, stream_options={"include_usage": True})
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        chat(oai, max_tokens=1, stream=False, stream_options={"include_usage": True})
 
 
 def test_parallel_sampling(oai: openai.OpenAI) -> None:

@@ -178,6 +178,9 @@ REFUSED_IF_TRUE = ("return_hidden_states", "return_routed_experts", "return_toke
 
 def screen(req: SamplingFields) -> None:
     """Refuse the fields this server cannot honour, log the ones it ignores."""
+    if getattr(req, "stream_options", None) is not None and not req.stream:
+        # OpenAI's and vLLM's answer: the options describe a stream that was not asked for.
+        raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options", "invalid_value")
     for name, why in REFUSED.items():
         if getattr(req, name, None) is not None:
             raise ApiError(400, f"{name} is not supported yet: {why}", name, "unsupported_parameter")
