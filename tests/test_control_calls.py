@@ -12,8 +12,7 @@ import pytest
 from sgl.core.protocol import GetServerInfoReq, GetServerInfoReqOutput, HealthCheckReq, Message
 from sgl.core.request_checks import RequestLimits
 from sgl.runtime.tokenizer_manager import TokenizerManager
-from sgl.transports.channel import ChannelClosed, Receiver
-from tests.fake_channels import ListSender
+from tests.fake_channels import AsyncQueueReceiver, ListSender
 
 LIMITS = RequestLimits(vocab_size=100, context_length=64, max_total_tokens=64, has_tokenizer=False)
 BACKENDS = [pytest.param("asyncio", id="asyncio")]
@@ -30,23 +29,6 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
 
 
-class FakeReceiver(Receiver):
-    def __init__(self) -> None:
-        self.q: asyncio.Queue[Message | None] = asyncio.Queue()
-
-    def recv(self, timeout: float | None = None) -> Message | None:
-        raise NotImplementedError
-
-    async def recv_async(self) -> Message:
-        msg = await self.q.get()
-        if msg is None:
-            raise ChannelClosed("closed")
-        return msg
-
-    def close(self) -> None:
-        self.q.put_nowait(None)
-
-
 def reply(req: Message, tag: str) -> GetServerInfoReqOutput:
     assert isinstance(req, GetServerInfoReq) and req.req_id
     return GetServerInfoReqOutput(info={"tag": tag}, req_id=req.req_id)
@@ -59,7 +41,7 @@ async def wait_sent(send: ListSender, n: int) -> None:
 
 @pytest.mark.anyio
 async def test_lost_reply_times_out_and_later_calls_get_their_own() -> None:
-    send, recv = ListSender(), FakeReceiver()
+    send, recv = ListSender(), AsyncQueueReceiver()
     tm = TokenizerManager(None, send, recv, LIMITS, control_timeout=0.2, health_timeout=0.1)
     try:
         with pytest.raises(TimeoutError, match="GetServerInfoReq"):
@@ -83,7 +65,7 @@ async def test_lost_reply_times_out_and_later_calls_get_their_own() -> None:
 
 @pytest.mark.anyio
 async def test_cancelled_call_forgets_its_future() -> None:
-    send, recv = ListSender(), FakeReceiver()
+    send, recv = ListSender(), AsyncQueueReceiver()
     tm = TokenizerManager(None, send, recv, LIMITS)
     try:
         t = asyncio.ensure_future(tm.server_info())
