@@ -1,10 +1,23 @@
-"""Helpers shared by the benchmark scripts: random prompts, the scheduler loop split
-and the result table."""
+"""Helpers shared by the benchmark scripts: random prompts, the scheduler loop split,
+the result table, and W6's shape (also read by the vLLM side: nothing here imports sgl)."""
 
 from __future__ import annotations
 
 import platform
 import random
+from dataclasses import dataclass
+
+
+@dataclass
+class Shape:
+    """One W6 workload: beam width, requests x input ids, new tokens, and a trie if any."""
+
+    workload: str
+    width: int
+    requests: int
+    input_len: int
+    output_len: int
+    trie: list[list[int]] | None = None
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0, low: int = 100) -> list[list[int]]:

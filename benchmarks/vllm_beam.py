@@ -35,10 +35,9 @@ import os
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import random_prompts, table
+from benchmarks.common import Shape, random_prompts, table
 
 PROMPT_VOCAB = 151000  # as benchmarks/w6_beam.py (and W1, W3)
 WARMUP_REQUESTS = 2
@@ -48,15 +47,6 @@ ENGINE_ENV = {
     "TRANSFORMERS_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CACHE_ROOT": "/tmp/vllm-cache",
     "PYTHONUNBUFFERED": "1",
 }
-
-
-@dataclass
-class Shape:
-    workload: str
-    width: int
-    requests: int
-    input_len: int
-    output_len: int
 
 
 def log(*a: object) -> None:

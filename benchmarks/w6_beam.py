@@ -33,11 +33,10 @@ import os
 import random
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import sgl
-from benchmarks.common import dummy_model_dir, machine, random_prompts, table
+from benchmarks.common import Shape, dummy_model_dir, machine, random_prompts, table
 
 PROMPT_VOCAB = 151000  # prompt ids are drawn from [100, PROMPT_VOCAB), as in W1 and W3
 MAX_TOKEN_IDS_LOGPROB = 256  # sgl.core.request_checks: the most ids token_ids_logprob may name
@@ -48,16 +47,6 @@ CPU_SMALL_CONFIG: dict[str, Any] = {
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 1024, "eos_token_id": 511, "bos_token_id": 0, "tie_word_embeddings": False,
 }
-
-
-@dataclass
-class Shape:
-    workload: str
-    width: int
-    requests: int
-    input_len: int
-    output_len: int
-    trie: list[list[int]] | None = None
 
 
 class TrieIndex:
