@@ -20,13 +20,13 @@ the device or builds batches."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from sgl.core.protocol import Beam
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.req import BeamState, Req
+from sgl.sched.req import Req
 from sgl.sched.runner.beam_select import DEAD, STOP_PENALTY, BeamPicks
 from sgl.sched.runner.prepare_beams import stop_ids_of
 
@@ -72,8 +72,6 @@ def _move_rows(s: Scheduler, batch: ScheduleBatch, i: int, req: Req, parents: li
     assert b is not None
     pool = s.pool.req_to_token
     prompt = len(req.origin_input_ids)
-    rows = torch.tensor(b.rows, dtype=torch.int64)
-    length = batch.kv_lens[i]  # this step's written length; a later step's slot may already follow
     if fresh:
         # The prompt's row is its own; the others take its entries, synced to the device with the next step.
         lead = b.rows[0]
@@ -81,13 +79,14 @@ def _move_rows(s: Scheduler, batch: ScheduleBatch, i: int, req: Req, parents: li
         for row in b.rows[1:]:
             s.pool.write(row, 0, pool[lead, :prompt])
         return
+    rows = torch.tensor(b.rows, dtype=torch.int64)
+    length = batch.kv_lens[i]  # this step's written length; a later step's slot may already follow
     written = batch.out_cache_loc[i : i + b.width].to("cpu", torch.int64)
     before = (pool[rows, length - 2].to(torch.int64) if length - 2 >= prompt
               else torch.zeros(b.width, dtype=torch.int64))
-    parent_rows = rows[torch.tensor(parents, dtype=torch.int64)]
-    pool[rows, :length] = pool[parent_rows, :length]
-    children = torch.bincount(torch.tensor(parents, dtype=torch.int64), minlength=b.width)
-    s.beam_tails.step(written, before, children)
+    sources = torch.tensor(parents, dtype=torch.int64)
+    pool[rows, :length] = pool[rows[sources], :length]
+    s.beam_tails.step(written, before, torch.bincount(sources, minlength=b.width))
 
 
 def finish_beams(s: Scheduler, req: Req) -> None:
@@ -124,6 +123,3 @@ def restart(req: Req) -> None:
     req.beam.reset()
     req.output_ids = []
 
-
-def beam_info(b: BeamState) -> dict[str, Any]:
-    return {"width": b.width, "running": len(b.outputs), "finished": len(b.finished), "open": b.open}

@@ -99,7 +99,7 @@ def _apply(s: Scheduler, batch: ScheduleBatch, res: StepResult, i: int, req: Req
 def _apply_beams(s: Scheduler, batch: ScheduleBatch, res: StepResult, i: int, req: Req, partial: bool) -> None:
     """A beam request's share of a batch's results (its entries start at i)."""
     if res.errors and req.to_abort is None:
-        bad = [e for j, e in res.errors.items() if j >= i and j < i + len(req.rows) and batch.reqs[j] is req]
+        bad = [e for j, e in sorted(res.errors.items()) if batch.reqs[j] is req]
         if bad:
             req.to_abort = bad[0]
     if req.to_abort is not None:

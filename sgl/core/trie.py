@@ -30,15 +30,6 @@ class Trie:
     digest: str
     _device: dict[str, Trie] = field(default_factory=dict)  # copies of the tables per device
 
-    @property
-    def num_nodes(self) -> int:
-        return int(self.terminal.shape[0])
-
-    @property
-    def depth(self) -> int:
-        """The longest sequence's length."""
-        return len(self.max_children) - 1
-
     def children_at(self, depth: int) -> int:
         """How many children a node at `depth` may have (0 past the longest sequence)."""
         return self.max_children[depth] if 0 <= depth < len(self.max_children) else 0
