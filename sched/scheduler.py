@@ -260,7 +260,6 @@ class Scheduler:
             self.finish(req, {"type": "length", "length": 0})  # nothing to compute
             return
         if req.sampling_params.grammar is not None:
-            req.serial = True  # its matcher takes each token before the next mask
             self.grammars.submit(req)  # it joins the queue once compiled
             return
         self.waiting.append(req)
