@@ -85,22 +85,9 @@ class Detokenizer:
                 self.log.warning("ignored unexpected message", type=type(msg).__name__)
 
     def process(self, b: BatchTokenIDOutput) -> BatchStrOutput:
+        """Each request's new text. A finished beam-search request's beams are decoded
+        whole into their own texts (its new_ids are empty, and it never streamed)."""
         beams = b.beams or [None] * len(b.rids)  # every output carries the column, one entry per rid
-        if beams.count(None) != len(beams):
-            return self._process_beams(b, beams)
-        texts = [
-            self._step(b.rids[i], b.new_ids[i], b.finished_reasons[i], _Opts(
-                b.skip_special_tokens[i], b.spaces_between_special_tokens[i], b.no_stop_trim[i], b.stop_strs[i]))
-            if b.detokenize[i] and self.tokenizer is not None else ""
-            for i in range(len(b.rids))
-        ]
-        return BatchStrOutput(b.rids, texts, b.new_ids, b.finished_reasons, b.prompt_tokens,
-                              b.completion_tokens, b.cached_tokens, b.logprobs, beams)
-
-    def _process_beams(self, b: BatchTokenIDOutput, beams: list[list[Beam] | None]) -> BatchStrOutput:
-        """A batch holding finished beam-search requests: each of their beams is decoded
-        whole into its own text (the request's new_ids are empty, and it never streamed);
-        the other requests step as usual."""
         texts: list[str] = []
         out_beams: list[list[Beam] | None] = []
         for i, rid in enumerate(b.rids):
