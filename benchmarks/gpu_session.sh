@@ -59,6 +59,7 @@ run() {
   timeout -k 5 "$cap" "$@" 2>&1 | grep --line-buffered -v "info \|USDT"
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 124 ] && echo "timed out after ${cap}s"
+  return "$rc"  # never the status of the test above: `run A && run B` skipped B when A passed
 }
 # Carried model parts (benchmarks/model_parts.sh) go to /tmp, which outlives the call
 # while the machine stays warm; carried folders do not.
@@ -93,7 +94,7 @@ for step in "$@"; do
         rm -rf /tmp/oldrun && mkdir -p /tmp/oldrun && cp -r .old/benchmarks /tmp/oldrun/
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
           && run 300 python3 -m benchmarks.w1_w2_gpu --workloads ${OLD_WORKLOADS:-W1,W2} --no-hf \
-          && run 300 python3 -m benchmarks.w3_shared_prefix)
+          ; run 300 python3 -m benchmarks.w3_shared_prefix)
       else
         echo "no .old checkout carried, or it failed to install"
       fi ;;
