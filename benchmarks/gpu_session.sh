@@ -5,7 +5,7 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w6 beamtests looplag profile profile2 cascadeprof parts model old
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w6 beamtests looplag profile profile2 cascadeprof parts model old
 # (old: W1, W2 and W3 on an older checkout carried in .old/ (`git archive COMMIT | tar x
 # -C .old`), installed apart in /tmp/oldsite, so a change is measured against what it
 # changed in the same lease)
@@ -76,6 +76,7 @@ for step in "$@"; do
     w2) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W2 --no-hf ;;
     w2hf) run 500 python3 -m benchmarks.w1_w2_gpu --workloads W2 ;;
     w3) run 400 python3 -m benchmarks.w3_shared_prefix ;;
+    w3c16k) run 400 python3 -m benchmarks.w3_shared_prefix --chunked-prefill-size 16384 ;;
     profile) run 300 python3 -m benchmarks.profile_decode ;;
     # The front end's loop stalls at the size (carry .lt: the default model's config
     # and tokenizer files, ~3.4 MB; null weights, so the host's 16 cores serve the front end).

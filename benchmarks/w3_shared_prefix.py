@@ -5,6 +5,7 @@ ids), 128 output tokens, greedy, ignore_eos, Qwen3-0.6B architecture with dummy
 weights. Scale it down for a CPU with the flags.
 
     python -m benchmarks.w3_shared_prefix [--requests 256 --prefix 2000 --unique 100 --output 128]
+        [--chunked-prefill-size N]
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from benchmarks.common import dummy_model_dir, loop_split, machine, random_promp
 def run(model_dir: str, prompts: list[list[int]], a: argparse.Namespace, radix: bool,
         cascade: bool | None) -> dict[str, object]:
     params = {"temperature": 0, "max_new_tokens": a.output, "ignore_eos": True}
-    kw = {} if a.device == "auto" else {"device": a.device}
+    kw: dict[str, object] = {} if a.device == "auto" else {"device": a.device}
+    if a.chunked_prefill_size is not None:
+        kw["chunked_prefill_size"] = a.chunked_prefill_size
     with sgl.Engine(model_dir, transport="ipc", load_format="dummy", skip_tokenizer_init=True,
                     disable_radix_cache=not radix, enable_cascade_attention=cascade, random_seed=0, **kw) as e:
         e.generate(input_ids=[list(range(1, 40))], sampling_params={**params, "max_new_tokens": 4})
@@ -44,6 +47,8 @@ def main() -> None:
     ap.add_argument("--unique", type=int, default=100)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None,
+                    help="prefill tokens per forward (default: the engine's, 8192 on an H200; -1: no chunking)")
     a = ap.parse_args()
     model_dir = dummy_model_dir()
     shared = random_prompts(1, a.prefix, 151000, seed=5)[0]
