@@ -4,12 +4,20 @@ over the paged KV pool.
 
 Parameters are named like Hugging Face's, except that q/k/v are fused into
 `qkv_proj` and gate/up into `gate_up_proj`; `load_weights` takes Hugging Face
-names and does the fusing. This module computes; it never reads files, never
-allocates KV slots and never imports transformers' modelling code."""
+names and does the fusing.
+
+Under tensor parallelism (a `TPGroup` of size > 1) each rank holds a Megatron-style
+shard with this rank's shapes: q/k/v (by heads) and gate/up split by output rows,
+o/down by input columns and summed over the ranks, embedding and LM head by vocab
+rows. `load_weights` takes full Hugging Face tensors and keeps this rank's part;
+`forward` gives every rank the same full logits. A group of size 1 changes nothing.
+
+This module computes; it never reads files, never allocates KV slots, never starts
+processes and never imports transformers' modelling code."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -18,6 +26,8 @@ from torch import nn
 
 from sgl.kernels.layers import RopeTables, add_rms_norm, apply_rope, rms_norm, rope_tables, silu_and_mul
 from sgl.sched.models.forward_batch import ForwardBatch
+from sgl.sched.models.parallel import TPGroup
+from sgl.sched.models.tp_layers import Embedding, Linear, local_heads, rank_slice
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -37,20 +47,6 @@ def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
     return theta, (dict(scaling) if rope_type != "default" else None)
 
 
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -59,15 +55,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype, device=device), requires_grad=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
 
 
 class Attention(nn.Module):
@@ -80,18 +67,23 @@ class Attention(nn.Module):
         qk_norm: bool,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup,
     ):
         super().__init__()
         hidden = config.hidden_size
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        total_heads = config.num_attention_heads
+        self.total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        # This rank's heads; q_start / kv_start are the first one's index in the full model.
+        self.num_heads, self.num_kv_heads = local_heads(total_heads, self.total_kv_heads, tp)
+        self.q_start = tp.rank * self.num_heads
+        self.kv_start = tp.rank * self.total_kv_heads // tp.size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device, reduce=tp)
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
@@ -113,10 +105,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype, device: torch.device):
+    def __init__(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype, device: torch.device, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias, dtype, device)
-        self.down_proj = Linear(inter, hidden, bias, dtype, device)
+        lo, hi = tp.split(inter)
+        self.gate_up_proj = Linear(hidden, 2 * (hi - lo), bias, dtype, device)
+        self.down_proj = Linear(hi - lo, hidden, bias, dtype, device, reduce=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -132,12 +125,13 @@ class DecoderLayer(nn.Module):
         qk_norm: bool,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup,
     ):
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = Attention(config, layer_id, qkv_bias, o_bias, qk_norm, dtype, device)
+        self.self_attn = Attention(config, layer_id, qkv_bias, o_bias, qk_norm, dtype, device, tp)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, mlp_bias, dtype, device)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, mlp_bias, dtype, device, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
@@ -164,11 +158,13 @@ class Backbone(nn.Module):
         qk_norm: bool,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup,
     ):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, qkv_bias, o_bias, qk_norm, dtype, device) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, qkv_bias, o_bias, qk_norm, dtype, device, tp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -181,29 +177,36 @@ class LlamaForCausalLM(nn.Module):
     o_bias_follows_config = True
 
     def __init__(
-        self, config: PretrainedConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+        self,
+        config: PretrainedConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tp: TPGroup = TPGroup(),
     ):
         super().__init__()
         device = torch.device(device)
         self.config = config
+        self.tp = tp
         layer_types = getattr(config, "layer_types", None) or []
         if "sliding_attention" in layer_types:
             raise ValueError("sliding-window attention layers are not supported by sgl's attention backends")
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = self.qkv_bias_default or attn_bias
         o_bias = attn_bias and self.o_bias_follows_config
-        self.model = Backbone(config, qkv_bias, o_bias, self.qk_norm, dtype, device)
+        self.model = Backbone(config, qkv_bias, o_bias, self.qk_norm, dtype, device, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        local_vocab = self.model.embed_tokens.weight.shape[0]  # this rank's rows, as the embedding's
         self.lm_head = (
-            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+            None if self.tie_word_embeddings else Linear(config.hidden_size, local_vocab, False, dtype, device)
         )
 
         attn = cast(DecoderLayer, self.model.layers[0]).self_attn
         self.num_layers: int = config.num_hidden_layers
+        # This rank's heads: the KV pool and the attention backends are sized from them.
         self.num_heads: int = attn.num_heads
         self.num_kv_heads: int = attn.num_kv_heads
         self.head_dim: int = attn.head_dim
-        self.vocab_size: int = config.vocab_size
+        self.vocab_size: int = config.vocab_size  # the full vocab, as the logits are
         self.dtype = dtype
         # Mistral v0.1 attends within a window; up to the window that equals full attention.
         window = getattr(config, "sliding_window", None) if not layer_types else None
@@ -225,7 +228,10 @@ class LlamaForCausalLM(nn.Module):
         h = h[fb.logits_indices] + residual[fb.logits_indices]
         h = self.model.norm(h)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, head)
+        logits = F.linear(h, head)
+        if self.tp.size > 1:  # each rank's vocab slice, joined, then the padding rows dropped
+            logits = self.tp.all_gather_last(logits)[:, : self.vocab_size].contiguous()
+        return logits
 
     # ---- weights ----
 
@@ -242,13 +248,14 @@ class LlamaForCausalLM(nn.Module):
             a = layer.self_attn
             starts = (0, a.q_size, a.q_size + a.kv_size, a.q_size + 2 * a.kv_size)
             return starts[shard], starts[shard + 1]
-        inter = self.config.intermediate_size
+        inter = layer.mlp.gate_up_proj.weight.shape[0] // 2  # this rank's part of intermediate_size
         return shard * inter, (shard + 1) * inter
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy Hugging Face-named tensors in; returns the names of our parameters
-        (with `#shard` suffixes for fused parts) that were filled. Raises KeyError
-        naming an unexpected tensor and ValueError on a shape mismatch."""
+        """Copy Hugging Face-named tensors in (full tensors: under tensor parallelism
+        this rank keeps its part); returns the names of our parameters (with `#shard`
+        suffixes for fused parts) that were filled. Raises KeyError naming an
+        unexpected tensor and ValueError on a shape mismatch."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -264,6 +271,8 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r}: no parameter {target!r} in {type(self).__name__}")
             param = params[target]
+            if self.tp.size > 1:
+                tensor = self._rank_part(name, target, shard, tensor)
             if shard is None:
                 dst = param.data
             else:
@@ -275,6 +284,42 @@ class LlamaForCausalLM(nn.Module):
             dst.copy_(tensor)
             loaded.add(target if shard is None else f"{target}#{shard}")
         return loaded
+
+    def _rank_part(self, name: str, target: str, shard: int | None, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full Hugging Face tensor `name` that fills `target`:
+        q/k/v (by heads) and gate/up rows, o/down weight columns, embedding and LM head
+        rows (zero-padded past the vocab); norms and o/down biases are replicated whole."""
+        kind = target.split(".")[-2]
+        if kind in ("embed_tokens", "lm_head"):
+            emb = self.model.embed_tokens
+            return rank_slice(name, full, 0, self.vocab_size, emb.lo, emb.hi)
+        inter = self.config.intermediate_size
+        if kind == "gate_up_proj":
+            return rank_slice(name, full, 0, inter, *self.tp.split(inter))
+        if kind == "down_proj" and target.endswith(".weight"):
+            return rank_slice(name, full, 1, inter, *self.tp.split(inter))
+        if kind not in ("qkv_proj", "o_proj") or target.endswith("o_proj.bias"):
+            return full
+        a = cast(DecoderLayer, self.model.layers[int(target.split(".")[2])]).self_attn
+        d = a.head_dim
+        q = (self.config.num_attention_heads * d, a.q_start * d, (a.q_start + a.num_heads) * d)
+        kv = (a.total_kv_heads * d, a.kv_start * d, (a.kv_start + a.num_kv_heads) * d)
+        if kind == "o_proj":
+            return rank_slice(name, full, 1, *q)
+        return rank_slice(name, full, 0, *(q if shard == 0 else kv))
+
+    def unfuse(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The Hugging Face-named tensors that `load_weights` would fuse into our
+        parameter `name` holding `tensor` (views of it): the inverse of the fusing."""
+        parts = name.split(".")
+        shards = [(hf, shard) for hf, (fused, shard) in self._FUSED.items() if len(parts) >= 2 and fused == parts[-2]]
+        if not shards:
+            yield name, tensor
+            return
+        layer = cast(DecoderLayer, self.model.layers[int(parts[2])])
+        for hf, shard in shards:
+            lo, hi = self._shard_range(parts[-2], shard, layer)
+            yield ".".join(parts[:-2] + [hf, parts[-1]]), tensor[lo:hi]
 
     def expected_weights(self) -> dict[str, str]:
         """Our loaded-name (as `load_weights` returns them) -> the Hugging Face name that fills it."""

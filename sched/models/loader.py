@@ -1,7 +1,9 @@
 """Builds a model and fills its weights: from a Hugging Face directory (config.json
 + safetensors, one file or sharded), from a GGUF file (dequantized, llama.cpp
 names mapped to Hugging Face's, llama.cpp's Q/K rotary permutation undone), or
-with seeded random weights ("dummy").
+with seeded random weights ("dummy"). Under tensor parallelism every format is read
+whole and the model keeps this rank's shard, so each rank holds a part of exactly
+the model that one process would load.
 
 It reads local files only: it never downloads, never imports transformers'
 modelling code and never allocates KV memory."""
@@ -17,11 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from sgl.core.progress import progress_bar
 from sgl.sched.models.llama import LlamaForCausalLM
+from sgl.sched.models.parallel import TPGroup
 from sgl.sched.models.registry import model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -63,8 +65,9 @@ def load_model(
     device: torch.device,
     *,
     seed: int = 0,
+    tp: TPGroup = TPGroup(),
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
-    """The model (eval mode, on `device`, in `dtype`) and its config."""
+    """The model (eval mode, on `device`, in `dtype`; this rank's shard under `tp`) and its config."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     if model_path is None:
@@ -84,7 +87,7 @@ def load_model(
     config = gguf_ckpt.config if gguf_ckpt is not None else _hf_config(path)
 
     cls = model_class(getattr(config, "architectures", None))
-    model = cls(config, dtype=dtype, device=device)
+    model = cls(config, dtype=dtype, device=device, tp=tp)
     if load_format == "dummy":
         _init_dummy(model, seed)
     elif gguf_ckpt is not None:
@@ -139,17 +142,27 @@ def _fill(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], 
         raise ValueError(f"missing weights in {source}: {shown}; is the checkpoint complete and for this architecture?")
 
 
-def _init_dummy(model: nn.Module, seed: int) -> None:
+def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     """Normal(0, 0.02) for matrices and biases, ones for norm weights: random but
-    numerically tame, so benchmarks see realistic magnitudes."""
-    params = list(model.named_parameters())
-    gen = torch.Generator(device=params[0][1].device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in params:
+    numerically tame, so benchmarks see realistic magnitudes. The values are drawn for
+    the whole model's parameters (a tp=1 twin on the meta device gives their shapes), in
+    its order from one generator, and reach this rank through `load_weights`: every
+    tp_size holds the same model for a seed."""
+    whole = type(model)(model.config, dtype=model.dtype, device="meta")
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in whole.named_parameters():
+            t = torch.empty(p.shape, dtype=p.dtype, device=device)
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                t.fill_(1.0)
             else:
-                p.normal_(0.0, 0.02, generator=gen)
+                t.normal_(0.0, 0.02, generator=gen)
+            yield from whole.unfuse(name, t)
+
+    with torch.no_grad():
+        model.load_weights(tensors())
 
 
 def safetensors_files(path: Path) -> list[Path]:
