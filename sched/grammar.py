@@ -15,10 +15,11 @@ It never builds batches and never touches logits."""
 from __future__ import annotations
 
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from sgl.core.log import get_logger
+from sgl.sched.models.parallel import TPGroup
 from sgl.sched.req import Req
 
 if TYPE_CHECKING:
@@ -40,8 +41,9 @@ class Grammars:
     """Compiles grammars for one scheduler; created with the tokenizer's path."""
 
     def __init__(self, tokenizer_path: str | None, vocab_size: int, eos_ids: set[int], trust_remote_code: bool,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, tp: TPGroup = TPGroup()) -> None:
         self.tokenizer_path = tokenizer_path
+        self.tp = tp
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self.trust_remote_code = trust_remote_code
@@ -73,6 +75,13 @@ class Grammars:
         """The pending requests whose compile is done: (request, error or None); a
         request's matcher is set on success."""
         done = [(r, f) for r, f in self.pending.items() if f.done()]
+        if self.tp.size > 1:
+            # Compiles finish at different times on each rank: rank 0's set is every rank's
+            # (the others wait for theirs), so all admit the same requests in the same step.
+            rids = self.tp.broadcast_object([r.rid for r, _ in done])
+            by_rid = {r.rid: (r, f) for r, f in self.pending.items()}
+            done = [by_rid[rid] for rid in rids]
+            wait([f for _, f in done])
         out: list[tuple[Req, str | None]] = []
         for req, fut in done:
             del self.pending[req]

@@ -45,6 +45,7 @@ from sgl.sched.batch import ScheduleBatch
 from sgl.sched.beam import release_beams
 from sgl.sched.decode import INIT_NEW_TOKEN_RATIO, decode_batch
 from sgl.sched.grammar import Grammars, admit_compiled
+from sgl.sched.models.parallel import TPGroup
 from sgl.sched.prefill_adder import PrefillAdder, prefill_batch
 from sgl.sched.req import Req
 from sgl.sched.results import error_message, fail_batch, process, start_logprobs, token_id_output
@@ -58,12 +59,13 @@ IDLE_POLL_S = 0.5
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, model_path: str, recv: Receiver, send: Sender) -> None:
+    def __init__(self, args: ServerArgs, model_path: str, recv: Receiver, send: Sender,
+                 tp: TPGroup = TPGroup()) -> None:  # tp: this rank's group (channels: sgl.sched.tp_channels)
         self.args = args
-        self.log = get_logger("scheduler")
+        self.log = get_logger("scheduler", **({"tp_rank": tp.rank} if tp.size > 1 else {}))
         self.recv = recv
         self.send = send
-        self.runner = ModelRunner(args, model_path)
+        self.runner = ModelRunner(args, model_path, tp)
         self.pool = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
         self.tree = RadixCache(self.pool, self.allocator, disable=args.disable_radix_cache)
@@ -76,7 +78,7 @@ class Scheduler:
         tok_path = None if args.skip_tokenizer_init else (args.tokenizer_path or model_path)
         self.stop_strings = StopStrings(tok_path, args.trust_remote_code)
         self.grammars = Grammars(tok_path, self.runner.vocab_size, self.eos_ids, args.trust_remote_code,
-                                 enabled=args.grammar_backend != "none")
+                                 enabled=args.grammar_backend != "none", tp=tp)
         r = self.runner
         self.limits = RequestLimits(r.vocab_size, r.context_length, r.max_total_tokens, self.stop_strings.available,
                                     tuple(args.custom_logit_processors), args.max_top_logprobs_num,

@@ -26,7 +26,7 @@ class Addresses(msgspec.Struct, frozen=True):
     ipc_dir: str | None = None  # private socket folder to remove at shutdown
 
 
-def _free_tcp_ports(host: str, n: int) -> list[int]:
+def free_tcp_ports(host: str, n: int) -> list[int]:
     """n distinct free ports: all held open until each is picked."""
     socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
     try:
@@ -47,9 +47,22 @@ def make_addresses(transport: str, host: str = "127.0.0.1") -> Addresses:
         os.chmod(d, 0o700)
         return Addresses(f"ipc://{d}/sched", f"ipc://{d}/detok", f"ipc://{d}/tok", ipc_dir=d)
     if transport == "tcp":
-        ports = _free_tcp_ports(host, 3)
+        ports = free_tcp_ports(host, 3)
         return Addresses(*(f"tcp://{host}:{p}" for p in ports))
     raise ValueError(f"transport={transport!r} is invalid: must be 'inproc', 'ipc' or 'tcp'")
+
+
+def replica_addresses(addresses: Addresses, n: int, host: str = "127.0.0.1") -> list[Addresses]:
+    """Data parallelism: n copies of `addresses`, each with a scheduler address of its own
+    (the first is `addresses`); the detokenizer and tokenizer manager stay shared."""
+    out = [addresses]
+    if n > 1 and addresses.to_scheduler.startswith("tcp://"):
+        out += [msgspec.structs.replace(addresses, to_scheduler=f"tcp://{host}:{p}")
+                for p in free_tcp_ports(host, n - 1)]
+    else:
+        out += [msgspec.structs.replace(addresses, to_scheduler=f"{addresses.to_scheduler}-dp{k}")
+                for k in range(1, n)]
+    return out
 
 
 def open_sender(address: str, key: str | None = None, block: bool = True, curve: CurveClient | None = None) -> Sender:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from sgl.cache.pools import build_kv_pools
+from sgl.cache.pools import build_kv_pools, default_kv_tokens
 from sgl.core.log import get_logger
 from sgl.core.logit_processor import CustomLogitProcessor
 from sgl.core.server_args import ServerArgs
@@ -23,6 +23,7 @@ from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.kernels.trie_mask import trie_advance, trie_mask_
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
+from sgl.sched.models.parallel import TPGroup
 from sgl.sched.runner.beam_select import BeamBuffers, select
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
@@ -91,8 +92,9 @@ def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, model_path: str) -> None:
+    def __init__(self, args: ServerArgs, model_path: str, tp: TPGroup = TPGroup()) -> None:
         self.log = get_logger("scheduler")
+        self.tp = tp
         self.device = resolve_device(args)
         off = args.disable_overlap_schedule
         self.overlap = self.device.type == "cuda" if off is None else not off
@@ -111,8 +113,12 @@ class ModelRunner:
         self.context_length = args.context_length or limit or int(getattr(self.config, "max_position_embeddings", 4096))
         self.chunked_prefill_size = chunked_prefill_size(args, self.device)
         m = self.model
+        slots = args.max_total_tokens
+        if slots is None and tp.size > 1:  # every rank must hold the same slots: the smallest pool fits all
+            slots = tp.min_int(default_kv_tokens(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device,
+                                                 args.mem_fraction_static))
         pools = build_kv_pools(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device, self.context_length,
-                               args.max_total_tokens, args.max_running_requests, args.mem_fraction_static)
+                               slots, args.max_running_requests, args.mem_fraction_static)
         self.max_total_tokens = pools.max_total_tokens
         self.max_running_requests = pools.max_running_requests
         self.kv_pool = pools.kv_pool
@@ -182,7 +188,7 @@ class ModelRunner:
         from sgl.sched.models.loader import load_model
 
         model, config = load_model(model_path, args.load_format, self.dtype, self.device,
-                                   seed=args.random_seed or 0)
+                                   seed=args.random_seed or 0, tp=self.tp)
         return model, config  # in eval mode already
 
     def _mask(self, processed: torch.Tensor, logits: torch.Tensor, p: PreparedBatch) -> torch.Tensor:

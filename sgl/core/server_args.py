@@ -72,6 +72,17 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Structured output (json_schema, regex, ebnf): xgrammar, or "none" to refuse it.
     grammar_backend: Literal["xgrammar", "none"] = "xgrammar"
 
+    # Tensor parallelism: one scheduler process per rank over torch.distributed (NCCL on
+    # GPUs, rank r on cuda:r; gloo on CPU), rank 0 receiving requests and broadcasting
+    # them so every rank schedules the same batches. Needs processes (not inproc).
+    tp_size: int = 1
+    # Where the ranks meet (host:port); None: a free port on 127.0.0.1 (one node).
+    dist_init_addr: str | None = None
+    # Data parallelism: replicas of the whole scheduler (each of tp_size ranks; on GPU the
+    # ranks of replica k on GPUs k x tp_size onward) behind one tokenizer manager, which
+    # routes each request by prefix affinity, then load (sgl/runtime/dp_router.py).
+    dp_size: int = 1
+
     random_seed: int | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
     watchdog_interval: float = 0.5  # seconds between child liveness checks
@@ -109,6 +120,16 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.transport_keys is not None and self.transport_key is not None:
             raise ValueError("transport_keys and transport_key are invalid together: give CURVE keys (a folder) or "
                              "a shared HMAC key, not both")
+        if self.tp_size < 1 or self.dp_size < 1:
+            raise ValueError(f"tp_size={self.tp_size}, dp_size={self.dp_size} are invalid: each must be >= 1")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) + self.dp_size - 1 <= 65535:
+                raise ValueError(f"dist_init_addr={self.dist_init_addr!r} is invalid: must be host:port "
+                                 "(replica k's ranks meet at port + k)")
+        if self.tp_size > 1 and self.transport == "inproc":
+            raise ValueError(f"tp_size={self.tp_size} needs one process per rank: use transport='ipc' or 'tcp', "
+                             "not 'inproc'")
         if self.watchdog_interval <= 0:
             raise ValueError(f"watchdog_interval={self.watchdog_interval} is invalid: must be > 0")
 

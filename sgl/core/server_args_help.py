@@ -49,6 +49,9 @@ FIELD_HELP: dict[str, str] = {
     "max_top_logprobs_num": "the most top logprobs a request may ask for per token",
     "custom_logit_processors": "logit processors requests may use: registered names or pkg.mod:Class paths",
     "grammar_backend": "structured output (json_schema, regex, ebnf): xgrammar, or none to refuse it",
+    "tp_size": "tensor parallelism: scheduler processes (GPUs) the model is split over",
+    "dist_init_addr": "host:port where the tensor-parallel ranks meet (default: a free local port)",
+    "dp_size": "data parallelism: scheduler replicas behind one front end, routed by prefix and load",
     "random_seed": "the sampler's seed; unset: a random one for each `sgl serve` (as SGLang), "
                    "0 in the engines",
     "log_level": "log level of sgl's loggers and uvicorn's",

@@ -23,6 +23,7 @@ from sgl.core.request_checks import RequestLimits, limits_of
 from sgl.core.server_args import ServerArgs
 from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
 from sgl.runtime.chat_template import apply_chat_template_arg
+from sgl.runtime.dp_router import DataParallelSender
 from sgl.runtime.identity import Security, attach_channels
 from sgl.runtime.launch import (
     RoleHandle,
@@ -36,11 +37,11 @@ from sgl.runtime.launch import (
 )
 from sgl.runtime.metrics import Metrics
 from sgl.runtime.req_options import ReqOptions
-from sgl.runtime.roles import ChildConfig
+from sgl.runtime.roles import ChildConfig, child_configs
 from sgl.runtime.streams import gather_calls, merge_streams
 from sgl.runtime.tokenizer_manager import EngineDeadError, TokenizerManager
-from sgl.transports.channel import Receiver
-from sgl.transports.factory import make_addresses
+from sgl.transports.channel import Receiver, Sender
+from sgl.transports.factory import make_addresses, replica_addresses
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
 
@@ -80,9 +81,10 @@ class AsyncEngine:
         self.model_path = resolve_model_path(self.args)
         tokenizer = self._load_tokenizer()
         self.addresses = make_addresses(self.args.transport, self.args.host)
+        self.replicas = replica_addresses(self.addresses, self.args.dp_size, self.args.host)
         recv = self.security.receiver(self.addresses.to_tokenizer, "tokenizer")
         try:
-            roles, infos = start_roles(self._child_configs(), in_threads=self.args.transport == "inproc")
+            roles, infos = start_roles(self._configs(), in_threads=self.args.transport == "inproc")
         except BaseException:
             recv.close()
             self._remove_ipc_dir()
@@ -96,10 +98,11 @@ class AsyncEngine:
         self._configure(model_path, kwargs)
         self.model_path = await off_loop(resolve_model_path, self.args)
         self.addresses = make_addresses(self.args.transport, self.args.host)
+        self.replicas = replica_addresses(self.addresses, self.args.dp_size, self.args.host)
         recv = self.security.receiver(self.addresses.to_tokenizer, "tokenizer")
         roles: list[RoleHandle] = []
         try:
-            roles = spawn_roles(self._child_configs(), in_threads=self.args.transport == "inproc")
+            roles = spawn_roles(self._configs(), in_threads=self.args.transport == "inproc")
             tokenizer = await off_loop(self._load_tokenizer)  # while the roles load
             infos = await await_ready(roles)
         except BaseException:  # a startup error, or cancelled (Ctrl-C): leave nothing behind
@@ -129,17 +132,20 @@ class AsyncEngine:
         apply_chat_template_arg(tokenizer, self.args.chat_template)
         return tokenizer
 
-    def _child_configs(self) -> list[ChildConfig]:
-        tokenizer_path = self.args.tokenizer_path or self.model_path
-        return [ChildConfig(role, self.args, self.model_path, tokenizer_path, self.addresses, self.security)
-                for role in ("scheduler", "detokenizer")]
+    def _configs(self) -> list[ChildConfig]:
+        return child_configs(self.args, self.model_path, self.replicas, self.addresses, self.security)
+
+    def _scheduler_sender(self) -> Sender:
+        """To the scheduler, or behind data parallelism to the router over the replicas."""
+        senders = [self.security.sender(a.to_scheduler) for a in self.replicas]
+        return senders[0] if len(senders) == 1 else DataParallelSender(senders)
 
     def _finish(self, roles: list[RoleHandle], infos: dict[str, dict[str, Any]], tokenizer: Any,
                 recv: Receiver) -> None:
         self._roles = roles
         self.info = infos["scheduler"]
         self.tokenizer = tokenizer
-        self.tm = TokenizerManager(tokenizer, self.security.sender(self.addresses.to_scheduler), recv,
+        self.tm = TokenizerManager(tokenizer, self._scheduler_sender(), recv,
                                    limits_of(self.info, tokenizer is not None, self.args.custom_logit_processors),
                                    self.model_path, metrics=self.metrics, control_timeout=self.args.control_timeout,
                                    health_timeout=self.args.health_timeout)

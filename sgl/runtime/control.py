@@ -5,12 +5,15 @@ and order. Every call runs under `anyio.fail_after` and raises a TimeoutError
 naming the call.
 
 It sends through the given Sender and is fed replies by the tokenizer manager's
-receive loop; it knows nothing of generate requests."""
+receive loop; it knows nothing of generate requests. Behind data parallelism a call
+with a req_id reaches every replica (`fanout` of them): it completes with `merge` of
+all their replies."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -21,9 +24,13 @@ from sgl.transports.channel import Sender
 
 
 class ControlCalls:
-    def __init__(self, send: Sender, timeout: float) -> None:
+    def __init__(self, send: Sender, timeout: float, fanout: int = 1,
+                 merge: Callable[[list[Message]], Message] | None = None) -> None:
         self.send = send
         self.timeout = timeout
+        self.fanout = fanout
+        self.merge = merge
+        self.partial: dict[int, list[Message]] = {}  # replies so far of a fanned-out call
         self._ids = itertools.count(1)
         self.pending: dict[int, asyncio.Future[Any]] = {}  # replies awaited, by req_id
         self.by_type: dict[type, list[asyncio.Future[Any]]] = {}  # replies without a req_id
@@ -48,12 +55,21 @@ class ControlCalls:
         finally:
             if key:
                 self.pending.pop(key, None)
+                self.partial.pop(key, None)
             elif fut in (futs := self.by_type.get(reply_type, [])):
                 futs.remove(fut)
 
     def reply(self, msg: Message) -> None:
         key = getattr(msg, "req_id", 0)
         if key:
+            if key in self.pending and self.fanout > 1:
+                got = self.partial.setdefault(key, [])
+                got.append(msg)
+                if len(got) < self.fanout:
+                    return
+                del self.partial[key]
+                assert self.merge is not None
+                msg = self.merge(got)
             fut = self.pending.pop(key, None)
             if fut is None:  # its call timed out or was cancelled
                 self.log.warning("dropped a late control reply", type=type(msg).__name__, req_id=key)
@@ -70,4 +86,5 @@ class ControlCalls:
             if not fut.done():
                 fut.set_exception(error)
         self.pending.clear()
+        self.partial.clear()
         self.by_type.clear()

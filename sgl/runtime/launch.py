@@ -65,7 +65,7 @@ class RoleHandle(ABC):
 
 class ProcessRole(RoleHandle):
     def __init__(self, cfg: ChildConfig) -> None:
-        self.name = cfg.role
+        self.name = cfg.name
         r, w = os.pipe()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sgl.runtime.child", str(w)],
@@ -154,7 +154,7 @@ class ProcessRole(RoleHandle):
 
 class ThreadRole(RoleHandle):
     def __init__(self, cfg: ChildConfig) -> None:
-        self.name = cfg.role
+        self.name = cfg.name
         self._reports: queue.Queue[dict[str, Any]] = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(cfg,), name=f"sgl-{cfg.role}", daemon=True)

@@ -15,7 +15,8 @@ import msgspec
 from sgl.core.log import get_logger
 from sgl.core.server_args import ServerArgs
 from sgl.runtime.identity import Security
-from sgl.transports.factory import Addresses
+from sgl.transports.channel import Receiver, Sender
+from sgl.transports.factory import Addresses, free_tcp_ports
 
 Role = Literal["scheduler", "detokenizer"]
 
@@ -28,6 +29,34 @@ class ChildConfig(msgspec.Struct, frozen=True):
     addresses: Addresses
     # The engine's transport keys. None: from server_args (an ephemeral CURVE set must come from the engine).
     security: Security | None = None
+    # Tensor parallelism: this scheduler's rank, and where its replica's ranks meet
+    # (tcp://host:port); data parallelism: its replica (`addresses` are the replica's).
+    tp_rank: int = 0
+    dist_init: str | None = None
+    dp_rank: int = 0
+
+    @property
+    def name(self) -> str:
+        """The role's name for readiness and the watchdog, e.g. scheduler-dp1-tp1."""
+        dp, tp = f"-dp{self.dp_rank}" if self.dp_rank else "", f"-tp{self.tp_rank}" if self.tp_rank else ""
+        return self.role + dp + tp
+
+
+def child_configs(args: ServerArgs, model_path: str, replicas: list[Addresses], addresses: Addresses,
+                  security: Security) -> list[ChildConfig]:
+    """One scheduler per tensor-parallel rank of each data-parallel replica (replica 0's
+    rank 0 first; each replica's ranks meet at an address of their own), then the detokenizer."""
+    tokenizer_path = args.tokenizer_path or model_path
+    cfgs = []
+    for dp, addrs in enumerate(replicas):
+        dist_init = None
+        if args.tp_size > 1:
+            host, _, port = (args.dist_init_addr or "").rpartition(":")
+            at = f"{host}:{int(port) + dp}" if host else f"127.0.0.1:{free_tcp_ports('127.0.0.1', 1)[0]}"
+            dist_init = f"tcp://{at}"
+        cfgs += [ChildConfig("scheduler", args, model_path, tokenizer_path, addrs, security, tp_rank=rank,
+                             dist_init=dist_init, dp_rank=dp) for rank in range(args.tp_size)]
+    return [*cfgs, ChildConfig("detokenizer", args, model_path, tokenizer_path, addresses, security)]
 
 
 def run_role(cfg: ChildConfig, report: Callable[[dict[str, Any]], None]) -> None:
@@ -54,8 +83,14 @@ def _build(cfg: ChildConfig) -> Any:
     if cfg.role == "scheduler":
         from sgl.sched.scheduler import Scheduler
 
-        recv = sec.receiver(a.to_scheduler, "scheduler")
-        sched = Scheduler(cfg.server_args, cfg.model_path, recv, sec.sender(a.to_detokenizer))
+        args = cfg.server_args
+        _take_gpu(cfg)
+        if args.tp_size == 1:
+            recv: Receiver = sec.receiver(a.to_scheduler, "scheduler")
+            sched = Scheduler(args, cfg.model_path, recv, sec.sender(a.to_detokenizer))
+        else:
+            sched = _tp_scheduler(cfg, sec)
+            recv = sched.recv
         recv.count_into(sched.stats)  # refused frames show in get_server_info as transport_refused*
         return sched
     from sgl.runtime.detokenizer import Detokenizer
@@ -65,3 +100,38 @@ def _build(cfg: ChildConfig) -> Any:
     tok = None if cfg.server_args.skip_tokenizer_init else load_tokenizer(cfg.tokenizer_path or cfg.model_path)
     recv = sec.receiver(a.to_detokenizer, "detokenizer")
     return Detokenizer(tok, recv, OutputRouter(sec.sender(a.to_tokenizer), sec.route, sec.identity_bound))
+
+
+def _tp_scheduler(cfg: ChildConfig, sec: Security) -> Any:
+    """One rank's scheduler: join the group (on GPU, rank r takes cuda:r), then only
+    rank 0 connects to the other roles; the followers read what it reads."""
+    from sgl.sched.models.parallel import init_tp
+    from sgl.sched.runner.model_runner import resolve_device
+    from sgl.sched.scheduler import Scheduler
+    from sgl.sched.tp_channels import DropSender, FollowerReceiver, LeaderReceiver
+
+    args, a = cfg.server_args, cfg.addresses
+    assert cfg.dist_init is not None  # the engine gives every rank of a replica the same address
+    tp = init_tp(cfg.tp_rank, args.tp_size, cfg.dist_init, resolve_device(args))
+    if tp.is_leader:
+        recv: Receiver = LeaderReceiver(sec.receiver(a.to_scheduler, "scheduler"), tp)
+        send: Sender = sec.sender(a.to_detokenizer)
+    else:
+        recv, send = FollowerReceiver(tp), DropSender()
+    return Scheduler(args, cfg.model_path, recv, send, tp=tp)
+
+
+def _take_gpu(cfg: ChildConfig) -> None:
+    """On GPU, rank r of replica k runs on cuda:(k x tp_size + r)."""
+    from sgl.sched.runner.model_runner import resolve_device
+
+    args = cfg.server_args
+    need = args.tp_size * args.dp_size
+    if need == 1 or resolve_device(args).type != "cuda":
+        return
+    import torch
+
+    if torch.cuda.device_count() < need:
+        raise ValueError(f"tp_size={args.tp_size} x dp_size={args.dp_size} needs {need} GPUs; this machine has "
+                         f"{torch.cuda.device_count()}")
+    torch.cuda.set_device(cfg.dp_rank * args.tp_size + cfg.tp_rank)

@@ -49,6 +49,7 @@ from sgl.core.sampling_params import SamplingParams
 from sgl.runtime.beam_results import STREAM_ERROR as BEAM_STREAM_ERROR
 from sgl.runtime.beam_results import beam_results
 from sgl.runtime.control import ControlCalls
+from sgl.runtime.dp_router import DataParallelSender
 from sgl.runtime.logprob_format import format_logprobs
 from sgl.runtime.metrics import Metrics
 from sgl.runtime.req_options import ReqOptions, generation_defaults, is_int, is_int_list, replace_params
@@ -102,7 +103,9 @@ class TokenizerManager:
         self.states: dict[str, _ReqState] = {}
         self.control_timeout = control_timeout
         self.health_timeout = health_timeout
-        self.control = ControlCalls(send, control_timeout)
+        dp = send if isinstance(send, DataParallelSender) else None  # replicas: calls fan out, loads are counted
+        self.control = ControlCalls(send, control_timeout, len(dp.replicas) if dp else 1, dp.merge if dp else None)
+        self.ended: Callable[[str], None] = dp.finished if dp else lambda rid: None
         self.limiter = anyio.CapacityLimiter(TOKENIZER_THREADS)  # this manager's tokenizer threads
         self.dead: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -214,6 +217,7 @@ class TokenizerManager:
         for r in rids:
             if self.states.pop(r, None) is not None:
                 self.abort(r)
+                self.ended(r)
 
     def _submit(self, rid: str, ids: list[int], params: SamplingParams, stream: bool, opts: ReqOptions,
                 leader: str | None) -> str:
@@ -254,6 +258,7 @@ class TokenizerManager:
             self.states.pop(rid, None)
             if not finished and self.dead is None:
                 self.send.send(AbortReq(rid))
+            self.ended(rid)
 
     def abort(self, rid: str) -> None:
         """Abort a request; for n > 1 the rid the caller gave aborts all its samples."""

@@ -1,0 +1,115 @@
+"""Tensor parallelism end to end on CPU (gloo): real scheduler processes, one per rank.
+
+The engine at tp_size > 1 gives Hugging Face's greedy tokens, with the chosen tokens'
+logprobs within 1e-4 (float32), on a tiny Qwen2 whose single KV head every rank holds
+(replication) and whose q/k/v carry biases, and on SmolLM2 split over 3 ranks (its 9
+query and 3 KV heads split no other way). Killing one rank fails the requests in flight
+and any later one within 5 s, and the KV accounting balances after the TP runs.
+The model's shards alone are checked tensor by tensor in tests/test_tp_model.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import sgl
+from sgl.runtime.tokenizer_manager import EngineDeadError
+from tests.conftest import assert_kv_balanced, tiny_model_dir
+from tests.paged_driver import converted_default_model
+
+PROMPTS = [[5, 17, 42, 9, 300], [7, 7, 7], [100, 3, 250, 11, 60, 2, 480]]
+NEW = 8
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], new: int) -> list[tuple[list[int], list[float]]]:
+    """Hugging Face's greedy continuation of each prompt and its tokens' logprobs."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    for p in prompts:
+        g = model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        ids = g.sequences[0, len(p):].tolist()
+        # Raw logits: HF's scores have min_new_tokens' EOS ban in them, our logprobs do not.
+        lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(g.logits, ids)]
+        out.append((ids, lps))
+    return out
+
+
+def engine_greedy(model_dir: str, tp: int, prompts: list[list[int]], new: int,
+                  **kw: Any) -> tuple[list[tuple[list[int], list[float]]], dict[str, Any]]:
+    with sgl.Engine(model_dir, tp_size=tp, transport="ipc", skip_tokenizer_init=True, device="cpu",
+                    dtype="float32", **kw) as e:
+        outs = e.generate(input_ids=prompts, return_logprob=True,
+                          sampling_params={"max_new_tokens": new, "min_new_tokens": new, "temperature": 0})
+        info = e.get_server_info()
+    got = [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+    return got, info
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(request: pytest.FixtureRequest) -> str:
+    return converted_default_model(str(request.config.cache.mkdir("sgl-default-model")))
+
+
+def assert_same(got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], list[float]]]) -> None:
+    for (ids, lps), (hf_ids, hf_lps) in zip(got, want, strict=True):
+        assert ids == hf_ids
+        assert lps == pytest.approx(hf_lps, abs=1e-4)
+
+
+def test_tp2_equals_hf_with_replicated_kv_head(tmp_path: Path) -> None:
+    d = tiny_model_dir(tmp_path, "qwen2", vocab=512, num_key_value_heads=1)
+    got, info = engine_greedy(d, 2, PROMPTS, NEW)
+    assert_same(got, hf_greedy(d, PROMPTS, NEW))
+    assert_kv_balanced(info)
+
+
+def test_tp3_smollm2_equals_hf(smollm2_dir: str) -> None:
+    prompts = [[1, 504, 3458, 314, 253], [2, 33, 4016]]
+    got, info = engine_greedy(smollm2_dir, 3, prompts, 4)
+    assert_same(got, hf_greedy(smollm2_dir, prompts, 4))
+    assert_kv_balanced(info)
+
+
+def test_tp_size_that_does_not_split_the_heads_is_refused(smollm2_dir: str) -> None:
+    with pytest.raises(ValueError, match="tp_size"):
+        sgl.Engine(smollm2_dir, tp_size=2, transport="ipc", skip_tokenizer_init=True, device="cpu")
+
+
+def test_tp_with_inproc_is_refused() -> None:
+    with pytest.raises(ValueError, match="tp_size=2 needs one process per rank"):
+        sgl.Engine("unused", tp_size=2, transport="inproc")
+
+
+def _pid_of(engine: sgl.AsyncEngine, name: str) -> int:
+    return next(h.pid for h in engine._roles if h.name == name)  # type: ignore[attr-defined]
+
+
+def test_killing_a_rank_fails_pending_requests_within_5s(tmp_path: Path) -> None:
+    d = tiny_model_dir(tmp_path, "llama", vocab=512, num_hidden_layers=4, max_position_embeddings=4096)
+
+    async def main() -> None:
+        async with sgl.AsyncEngine(d, tp_size=2, transport="ipc", skip_tokenizer_init=True, device="cpu",
+                                   dtype="float32") as e:
+            stream = e.stream(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3000, "ignore_eos": True})
+            first = await stream.__anext__()
+            assert first.get("meta_info", {}).get("finish_reason") is None  # still running
+            os.kill(_pid_of(e, "scheduler-tp1"), signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+            with pytest.raises(EngineDeadError):
+                await e.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+            assert time.monotonic() - t0 < 5.0
+
+    asyncio.run(main())
