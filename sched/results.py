@@ -132,6 +132,12 @@ def fail_batch(s: Scheduler, batch: ScheduleBatch, e: BaseException, stage: str,
     once: it comes back through admission, recomputed. The caller has already taken
     the batch off its requests' `inflight`. `kv_written=False`: the forward may not
     have written the batch's KV, which the tree may share: it is dropped there."""
+    if s.runner.tp.size > 1:
+        # One rank's failure (an OOM on its GPU) is not the others': containing it would let
+        # the ranks' states part and their collectives wait on each other. The rank ends
+        # instead, and the engine's watchdog fails every request (and the server exits).
+        raise RuntimeError(f"a batch failed on tensor-parallel rank {s.runner.tp.rank} ({stage}): this rank "
+                           "stops, as the ranks can no longer agree") from e
     live = list(dict.fromkeys(r for r, ep in zip(batch.reqs, batch.epochs) if not r.finished and r.epoch == ep))
     oom = isinstance(e, torch.cuda.OutOfMemoryError)
     s.stats["failures"] += 1

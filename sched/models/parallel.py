@@ -80,7 +80,9 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> TPG
     if size == 1:
         return TPGroup()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=OBJECT_TIMEOUT)
+    # The model's collectives keep torch's default timeout: every rank runs them in step, so
+    # one that waits that long means a rank is lost.
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
     # Objects get a group of their own even on CPU: the overlap loop's forward thread runs
     # the model's collectives while the loop broadcasts its input, and two threads must
     # never share one group (their calls could pair up across ranks in different orders).
