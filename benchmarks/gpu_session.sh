@@ -5,7 +5,7 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w6 beamtests looplag profile profile2 cascadeprof parts model old
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w6 beamtests tp looplag profile profile2 cascadeprof parts model old
 # (old: W1, W2 and W3 on an older checkout carried in .old/ (`git archive COMMIT | tar x
 # -C .old`), installed apart in /tmp/oldsite, so a change is measured against what it
 # changed in the same lease)
@@ -83,6 +83,12 @@ for step in "$@"; do
     looplag) run 300 python3 benchmarks/loop_lag.py --prompts 64 --words 3000 --transport ipc --null --model .lt ;;
     beamtests) run 300 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
                  tests/test_gpu_beams.py ;;
+    # Issue 18, on nvidia-h200-x2: the TP/DP GPU test, then W1 and W2 on the Qwen3-8B
+    # architecture at TP=1, TP=2 and DP=2.
+    tp) run 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu_tp.py
+        for par in "--tp-size 1" "--tp-size 2" "--dp-size 2"; do
+          run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf $par
+        done ;;
     w6) run 400 python3 -m benchmarks.w6_beam ${W6_ARGS:-} ;;
     cascadeprof) run 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 10 ;;
     profile2) run 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 ;;

@@ -8,6 +8,7 @@ for W2 it runs to the longest output, and its throughput counts useful tokens).
 Throughput = requested output tokens / wall time, start-up and warm-up excluded.
 
     python -m benchmarks.w1_w2_gpu [--workloads W1,W2] [--no-hf] [--requests 256]
+        [--config qwen3-8b] [--tp-size 2] [--dp-size 2]   # issue 18: a bigger model over GPUs
 """
 
 from __future__ import annotations
@@ -80,17 +81,22 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--overlap-off", action="store_true", help="also run with the overlap loop off")
+    ap.add_argument("--config", default="qwen3-0.6b", help="an architecture of benchmarks/configs")
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--dp-size", type=int, default=1)
     a = ap.parse_args()
-    model_dir = dummy_model_dir()
+    model_dir = dummy_model_dir(a.config)
+    par = {k: v for k, v in (("tp_size", a.tp_size), ("dp_size", a.dp_size)) if v > 1}
     rows: list[dict[str, object]] = []
     for name in a.workloads.split(","):
         prompts, outs, temp = workload(name, a.requests)
         tokens = sum(outs)
-        t = run_sgl(model_dir, prompts, outs, temp)
-        rows.append({"workload": name, "engine": "sgl", "seconds": t, "tok/s": tokens / t,
+        t = run_sgl(model_dir, prompts, outs, temp, **par)
+        engine = f"sgl {a.config} tp{a.tp_size} dp{a.dp_size}"
+        rows.append({"workload": name, "engine": engine, "seconds": t, "tok/s": tokens / t,
                      "of W1 floor": f"{tokens / t / FLOOR_W1_TOK_S:.0%}"})
         if a.overlap_off:
-            t2 = run_sgl(model_dir, prompts, outs, temp, disable_overlap_schedule=True)
+            t2 = run_sgl(model_dir, prompts, outs, temp, disable_overlap_schedule=True, **par)
             rows.append({"workload": name, "engine": "sgl no-overlap", "seconds": t2, "tok/s": tokens / t2,
                          "of W1 floor": f"{tokens / t2 / FLOOR_W1_TOK_S:.0%}"})
         if not a.no_hf:
