@@ -127,3 +127,17 @@ def test_transport_refusals_are_reported_by_kind() -> None:
     assert got[("sgl_transport_refused_total", (("kind", "auth"),))] == 2
     assert got[("sgl_transport_refused_total", (("kind", "policy"),))] == 1
     assert got[("sgl_transport_refused_total", (("kind", "replay"),))] == 0
+
+
+def test_data_parallel_replicas_are_reported_by_dp_rank() -> None:
+    replicas = [{**INFO, "routed": 5, "routed_by_prefix": 3},
+                {**INFO, "kv_free": 100, "kv_evictable": 0, "running": 0, "waiting": 4, "routed": 2,
+                 "routed_by_prefix": 0}]
+    got = samples(Metrics().render({**INFO, "replicas": replicas}))
+    assert got[("sgl_dp_num_running_reqs", (("dp_rank", "0"),))] == 2
+    assert got[("sgl_dp_num_queue_reqs", (("dp_rank", "1"),))] == 4
+    assert got[("sgl_dp_token_usage", (("dp_rank", "0"),))] == 0.4
+    assert got[("sgl_dp_token_usage", (("dp_rank", "1"),))] == 0.0
+    assert got[("sgl_dp_routed_requests_total", (("dp_rank", "0"),))] == 5
+    assert got[("sgl_dp_routed_by_prefix_total", (("dp_rank", "1"),))] == 0
+    assert not any(name.startswith("sgl_dp_") for name, _ in samples(Metrics().render(INFO)))

@@ -127,6 +127,25 @@ def _scheduler_families(info: dict[str, Any] | None) -> Iterator[Metric]:
     for kind in KINDS:
         refused.add_metric([kind], info.get(f"{TOTAL}_{kind}", 0))
     yield refused
+    yield from _replica_families(info.get("replicas") or [])
+
+
+def _replica_families(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Behind data parallelism, each replica's gauges and routing counts, by dp_rank."""
+    if not replicas:
+        return
+    fams = [GaugeMetricFamily("sgl_dp_num_running_reqs", "Requests in a replica's running batch.", labels=["dp_rank"]),
+            GaugeMetricFamily("sgl_dp_num_queue_reqs", "Requests waiting in a replica.", labels=["dp_rank"]),
+            GaugeMetricFamily("sgl_dp_token_usage", "Share of a replica's KV slots held.", labels=["dp_rank"]),
+            CounterMetricFamily("sgl_dp_routed_requests", "Requests routed to a replica.", labels=["dp_rank"]),
+            CounterMetricFamily("sgl_dp_routed_by_prefix", "Of them, routed by prefix affinity.", labels=["dp_rank"])]
+    for k, r in enumerate(replicas):
+        total = r["max_total_tokens"]
+        used = (total - r["kv_free"] - r["kv_evictable"]) / total if total else 0.0
+        for fam, value in zip(fams, (r["running"], r["waiting"], used, r.get("routed", 0),
+                                     r.get("routed_by_prefix", 0))):
+            fam.add_metric([str(k)], value)
+    yield from fams
 
 
 def _sglang_families(families: Iterable[Metric], model_name: str) -> Iterator[Metric]:
