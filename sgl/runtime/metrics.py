@@ -134,7 +134,8 @@ def _replica_families(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
     """Behind data parallelism, each replica's gauges and routing counts, by dp_rank."""
     if not replicas:
         return
-    fams = [GaugeMetricFamily("sgl_dp_num_running_reqs", "Requests in a replica's running batch.", labels=["dp_rank"]),
+    fams: list[GaugeMetricFamily | CounterMetricFamily] = [
+            GaugeMetricFamily("sgl_dp_num_running_reqs", "Requests in a replica's running batch.", labels=["dp_rank"]),
             GaugeMetricFamily("sgl_dp_num_queue_reqs", "Requests waiting in a replica.", labels=["dp_rank"]),
             GaugeMetricFamily("sgl_dp_token_usage", "Share of a replica's KV slots held.", labels=["dp_rank"]),
             CounterMetricFamily("sgl_dp_routed_requests", "Requests routed to a replica.", labels=["dp_rank"]),
