@@ -1,6 +1,7 @@
 """A real `sgl serve` process on 127.0.0.1 for tests: started with
 `python -m sgl.launch_server --port 0`, ready once it prints its address, stopped
-with a signal; plus small helpers to wait on its state without sleeping blind."""
+with a signal; plus small helpers to wait on its state without sleeping blind, and the
+HTTP clients the serve tests talk to it with (`HTTP`, `openai_client`)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,27 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import openai
 
 from tests.conftest import assert_kv_balanced
 
 START_TIMEOUT_S = 120
+
+# Every httpx client builds a TLS context unless given one, loading the CA bundle: ~50 ms
+# on the CI machine, paid by each `httpx.get`/`httpx.post` (a client apiece) and each
+# openai client. The servers here are plain http on loopback, so one context serves all.
+SSL_CONTEXT = httpx.create_ssl_context()
+# `httpx.get(...)` and friends, without a client built per call: the same defaults (5 s
+# timeout, no headers) and, with keep-alive off, a fresh connection per request as they
+# make. Tests pass their own headers and timeouts per call.
+HTTP = httpx.Client(verify=SSL_CONTEXT, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def openai_client(base_url: str, api_key: str, **kw: Any) -> openai.OpenAI:
+    """`openai.OpenAI(base_url=..., api_key=..., **kw)` with openai's own default http
+    client (its limits, keep-alive, redirects), built on the shared TLS context."""
+    return openai.OpenAI(base_url=base_url, api_key=api_key,
+                         http_client=openai.DefaultHttpxClient(verify=SSL_CONTEXT), **kw)
 
 
 class ServerProc:
@@ -73,10 +91,10 @@ class ServerProc:
         raise RuntimeError(f"sgl serve did not start (exit {self.proc.poll()})")
 
     def get(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.get(self.url + path, headers=self.headers, timeout=30, **kw)
+        return HTTP.get(self.url + path, headers=self.headers, timeout=30, **kw)
 
     def post(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.post(self.url + path, headers={**self.headers, **kw.pop("headers", {})}, timeout=30, **kw)
+        return HTTP.post(self.url + path, headers={**self.headers, **kw.pop("headers", {})}, timeout=30, **kw)
 
     def info(self) -> dict[str, Any]:
         r = self.get("/get_server_info")

@@ -10,7 +10,6 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 import sgl
@@ -23,7 +22,7 @@ from sgl.runtime.tokenizer_manager import TokenizerManager
 from sgl.server.openai_protocol import ChatRequest, CompletionRequest, sampling_dict
 from tests.conftest import NULL_VOCAB
 from tests.fake_channels import AsyncQueueReceiver, ListSender
-from tests.serve_util import ServerProc
+from tests.serve_util import HTTP, ServerProc
 
 BEAM_META = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
              "cumulative_logprob", "score", "beam_index"}
@@ -350,7 +349,7 @@ def test_http_returns_the_beams(server: ServerProc) -> None:
 
     chat = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "beam_width": 3,
             "n": 2}
-    r2 = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30).json()
+    r2 = HTTP.post(server.url + "/v1/chat/completions", json=chat, timeout=30).json()
     assert [ch["index"] for ch in r2["choices"]] == [0, 1]
     assert all(ch["message"]["role"] == "assistant" for ch in r2["choices"])
     assert r2["usage"]["completion_tokens"] >= 2

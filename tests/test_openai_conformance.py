@@ -28,7 +28,7 @@ from tests.peer_util import (
     sse_events,
     tokenizer,
 )
-from tests.serve_util import ServerProc
+from tests.serve_util import ServerProc, openai_client
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def balanced(server: ServerProc) -> Iterator[None]:
 
 @pytest.fixture
 def oai(server: ServerProc) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    c = openai_client(server.url + "/v1", API_KEY, max_retries=0, timeout=120)
     yield c
     c.close()
 

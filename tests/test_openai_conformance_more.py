@@ -13,14 +13,13 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
 
 import sgl
 from tests.peer_util import API_KEY, CHAT, EOS_PROMPT, MODEL, chat, cmpl, tokenizer
-from tests.serve_util import ServerProc
+from tests.serve_util import HTTP, ServerProc, openai_client
 
 
 @pytest.fixture
@@ -36,7 +35,7 @@ def balanced(server: ServerProc) -> Iterator[None]:
 
 @pytest.fixture
 def oai(server: ServerProc) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    c = openai_client(server.url + "/v1", API_KEY, max_retries=0, timeout=120)
     yield c
     c.close()
 
@@ -250,7 +249,7 @@ def test_version_and_health(server: ServerProc) -> None:
     here without the API key too)."""
     r = server.get("/version")
     assert r.status_code == 200 and r.json() == {"version": sgl.__version__}
-    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    assert HTTP.get(server.url + "/health", timeout=30).status_code == 200
 
 
 def test_metrics_counts(server: ServerProc, oai: openai.OpenAI) -> None:

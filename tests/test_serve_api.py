@@ -24,7 +24,7 @@ import openai
 import pytest
 
 import sgl
-from tests.serve_util import ServerProc, alive
+from tests.serve_util import HTTP, ServerProc, alive, openai_client
 
 API_KEY = "sk-test-123"
 TRANSPORT_KEY = "ab" * 32
@@ -49,7 +49,7 @@ def balanced(server: ServerProc) -> Iterator[None]:
 
 @pytest.fixture
 def oai(server: ServerProc) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+    c = openai_client(server.url + "/v1", API_KEY, max_retries=0, timeout=30)
     yield c
     c.close()
 
@@ -169,7 +169,7 @@ def test_native_streamed_batch(server: ServerProc) -> None:
                             "sampling_params": [{"max_new_tokens": 3, "temperature": 0},
                                                 {"max_new_tokens": 2, "temperature": 0, "n": 2}]}
     outs = server.post("/generate", json=body).json()
-    with httpx.stream("POST", server.url + "/generate", headers=server.headers, json={**body, "stream": True}) as r:
+    with HTTP.stream("POST", server.url + "/generate", headers=server.headers, json={**body, "stream": True}) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
     assert lines[-1] == "data: [DONE]"
     per: dict[int, list[int]] = {}
@@ -308,8 +308,8 @@ def test_native_generate_logprobs(server: ServerProc) -> None:
                                            "return_logprob": [True, False], "logprob_start_len": [2, 0]}).json()
     assert batch[0]["meta_info"]["input_token_logprobs"] == [[v, t, None] for v, t, _ in m["input_token_logprobs"]]
     assert "input_token_logprobs" not in batch[1]["meta_info"]
-    with httpx.stream("POST", server.url + "/generate", headers=server.headers,
-                      json={"input_ids": prompt, "sampling_params": sp, "stream": True, **lp}) as s:
+    with HTTP.stream("POST", server.url + "/generate", headers=server.headers,
+                     json={"input_ids": prompt, "sampling_params": sp, "stream": True, **lp}) as s:
         chunks = [json.loads(ln[5:]) for ln in s.iter_lines() if ln.startswith("data: {")]
     assert [x for c in chunks for x in c["meta_info"]["output_token_logprobs"]] == m["output_token_logprobs"]
 
@@ -318,15 +318,15 @@ def test_openai_errors(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="smol", prompt="x", max_tokens=5, temperature=-2)
     assert e.value.status_code == 400 and "temperature" in str(e.value)
-    bad = openai.OpenAI(base_url=oai.base_url, api_key="wrong", max_retries=0)
+    bad = openai_client(str(oai.base_url), "wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     bad.close()
 
 
 def test_native_routes(server: ServerProc) -> None:
-    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
-    assert httpx.get(server.url + "/get_model_info").status_code == 401
+    assert HTTP.get(server.url + "/health").status_code == 200  # no key needed
+    assert HTTP.get(server.url + "/get_model_info").status_code == 401
     assert server.get("/health_generate").status_code == 200
     info = server.get("/get_model_info").json()
     assert info["served_model_name"] == "smol" and info["is_generation"]
@@ -337,8 +337,8 @@ def test_native_routes(server: ServerProc) -> None:
     assert out.status_code == 200 and out.json()["meta_info"]["completion_tokens"] == 4
     batch = server.post("/generate", json={"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 2}})
     assert [len(o["output_ids"]) for o in batch.json()] == [2, 2]
-    with httpx.stream("POST", server.url + "/generate", headers=server.headers,
-                      json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}, "stream": True}) as r:
+    with HTTP.stream("POST", server.url + "/generate", headers=server.headers,
+                     json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}, "stream": True}) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
     assert lines[-1] == "data: [DONE]" and len(lines) == 4
     server.wait_idle()
@@ -406,7 +406,7 @@ def test_disconnect_while_waiting_for_a_plain_response_aborts(server: ServerProc
     steps_before = server.info()["decode_steps"]
     body = {"input_ids": [4], "sampling_params": {"max_new_tokens": 3900, "ignore_eos": True}}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/generate", json=body, headers=server.headers, timeout=1.0)
+        HTTP.post(server.url + "/generate", json=body, headers=server.headers, timeout=1.0)
     info = server.wait_idle(timeout=5)
     assert info["running"] == 0
     assert info["decode_steps"] - steps_before < 3500
@@ -444,9 +444,9 @@ def test_sigint_shuts_down_cleanly(server: ServerProc) -> None:
     info = s.info()
     pids = list(info["role_pids"].values())
     ipc_dir = os.path.dirname(info["scheduler_address"].removeprefix("ipc://"))
-    with httpx.stream("POST", s.url + "/generate", json={"input_ids": [1], "stream": True,
-                                                         "sampling_params": {"max_new_tokens": 1900,
-                                                                             "ignore_eos": True}}) as r:
+    with HTTP.stream("POST", s.url + "/generate", json={"input_ids": [1], "stream": True,
+                                                        "sampling_params": {"max_new_tokens": 1900,
+                                                                            "ignore_eos": True}}) as r:
         next(r.iter_lines())
         assert s.stop(signal.SIGINT) == 0
     assert not any(alive(p) for p in pids)

@@ -22,7 +22,7 @@ import sgl
 from sgl.core.protocol import GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.transports.auth import new_session, sign
-from tests.serve_util import ServerProc
+from tests.serve_util import HTTP, ServerProc
 
 API_KEY = "sk-bad-inputs"
 TRANSPORT_KEY = "5e" * 32
@@ -305,11 +305,9 @@ def test_bad_input(name: str, server: ServerProc, attached: tuple[asyncio.Abstra
     case = CASES[name]
     if isinstance(case, Http):
         headers = {"Authorization": f"Bearer {case.auth}"} if case.auth else {}
-        import httpx
-
         kw: dict[str, Any] = {"content": case.body} if isinstance(case.body, bytes) else (
             {} if case.body is None else {"json": case.body})
-        r = httpx.request(case.method, server.url + case.path, headers=headers, timeout=30, **kw)
+        r = HTTP.request(case.method, server.url + case.path, headers=headers, timeout=30, **kw)
         assert r.status_code == case.status, (r.status_code, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}

@@ -18,13 +18,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio
-import httpx
 import openai
 import pytest
 
 import sgl
 from sgl.server.app import DEFAULT_MODEL_NAME, served_model_name
-from tests.serve_util import ServerProc
+from tests.serve_util import HTTP, ServerProc, openai_client
 
 API_KEY = "sk-surface"
 NAME = "smollm2-135m-instruct"  # the default model's converted directory
@@ -54,7 +53,7 @@ def balanced(server: ServerProc) -> Iterator[None]:
 
 @pytest.fixture
 def oai(server: ServerProc) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+    c = openai_client(server.url + "/v1", API_KEY, max_retries=0, timeout=30)
     yield c
     c.close()
 
@@ -152,8 +151,8 @@ def test_matched_stop(server: ServerProc, oai: openai.OpenAI) -> None:
 
 
 def _events(server: ServerProc, body: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]]]:
-    with httpx.stream("POST", server.url + "/generate", headers=server.headers, json={**body, "stream": True},
-                      timeout=30) as r:
+    with HTTP.stream("POST", server.url + "/generate", headers=server.headers, json={**body, "stream": True},
+                     timeout=30) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
         header = r.headers.get("x-sgl-stream-output")
     assert lines[-1] == "data: [DONE]"
@@ -187,13 +186,13 @@ def test_native_streams_are_cumulative_and_the_client_gets_deltas(server: Server
 
 
 def test_cors(server: ServerProc) -> None:
-    pre = httpx.options(server.url + "/v1/chat/completions", timeout=10, headers={
+    pre = HTTP.options(server.url + "/v1/chat/completions", timeout=10, headers={
         "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization,content-type"})
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN  # no key for a preflight
-    other = httpx.options(server.url + "/v1/models", timeout=10, headers={
+    other = HTTP.options(server.url + "/v1/models", timeout=10, headers={
         "Origin": "http://evil.test", "Access-Control-Request-Method": "GET"})
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
-    r = httpx.get(server.url + "/v1/models", headers={**server.headers, "Origin": ORIGIN}, timeout=10)
+    r = HTTP.get(server.url + "/v1/models", headers={**server.headers, "Origin": ORIGIN}, timeout=10)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
-    assert httpx.get(server.url + "/v1/models", headers={"Origin": ORIGIN}, timeout=10).status_code == 401
+    assert HTTP.get(server.url + "/v1/models", headers={"Origin": ORIGIN}, timeout=10).status_code == 401

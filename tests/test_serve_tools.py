@@ -22,7 +22,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.serve_util import ServerProc
+from tests.serve_util import ServerProc, openai_client
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
                                             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -79,7 +79,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
 
 
 def client(s: ServerProc) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    c = openai_client(s.url + "/v1", "none", max_retries=0, timeout=120)
     yield c
     c.close()
     s.assert_balanced()
