@@ -115,19 +115,27 @@ def _scheduler_families(info: dict[str, Any] | None) -> Iterator[Metric]:
     yield GaugeMetricFamily("sgl_scheduler_up", "1 while the scheduler answers.", 0 if info is None else 1)
     if info is None:
         return
-    total = info["max_total_tokens"]
-    used = total - info["kv_free"] - info["kv_evictable"]
     yield GaugeMetricFamily("sgl_num_running_reqs", "Requests in the running batch.", info["running"])
     yield GaugeMetricFamily("sgl_num_queue_reqs", "Requests waiting to be scheduled.", info["waiting"])
-    yield GaugeMetricFamily("sgl_token_usage", "Share of KV slots held by requests.", used / total if total else 0.0)
-    yield GaugeMetricFamily("sgl_kv_used_tokens", "KV slots held by requests.", used)
-    yield GaugeMetricFamily("sgl_kv_total_tokens", "KV slots in the pool.", total)
+    yield GaugeMetricFamily("sgl_token_usage", "Share of KV slots held by requests.", _token_usage(info))
+    yield GaugeMetricFamily("sgl_kv_used_tokens", "KV slots held by requests.", _kv_used(info))
+    yield GaugeMetricFamily("sgl_kv_total_tokens", "KV slots in the pool.", info["max_total_tokens"])
     refused = CounterMetricFamily("sgl_transport_refused", "Frames or messages the scheduler's receiver refused.",
                                   labels=["kind"])
     for kind in KINDS:
         refused.add_metric([kind], info.get(f"{TOTAL}_{kind}", 0))
     yield refused
     yield from _replica_families(info.get("replicas") or [])
+
+
+def _kv_used(info: dict[str, Any]) -> int:
+    """A scheduler's KV slots held by requests: neither free nor evictable."""
+    return info["max_total_tokens"] - info["kv_free"] - info["kv_evictable"]
+
+
+def _token_usage(info: dict[str, Any]) -> float:
+    total = info["max_total_tokens"]
+    return _kv_used(info) / total if total else 0.0
 
 
 def _replica_families(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
@@ -141,9 +149,7 @@ def _replica_families(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
             CounterMetricFamily("sgl_dp_routed_requests", "Requests routed to a replica.", labels=["dp_rank"]),
             CounterMetricFamily("sgl_dp_routed_by_prefix", "Of them, routed by prefix affinity.", labels=["dp_rank"])]
     for k, r in enumerate(replicas):
-        total = r["max_total_tokens"]
-        used = (total - r["kv_free"] - r["kv_evictable"]) / total if total else 0.0
-        for fam, value in zip(fams, (r["running"], r["waiting"], used, r.get("routed", 0),
+        for fam, value in zip(fams, (r["running"], r["waiting"], _token_usage(r), r.get("routed", 0),
                                      r.get("routed_by_prefix", 0))):
             fam.add_metric([str(k)], value)
     yield from fams

@@ -47,13 +47,14 @@ def child_configs(args: ServerArgs, model_path: str, replicas: list[Addresses], 
     """One scheduler per tensor-parallel rank of each data-parallel replica (replica 0's
     rank 0 first; each replica's ranks meet at an address of their own), then the detokenizer."""
     tokenizer_path = args.tokenizer_path or model_path
+    inits: list[str | None] = [None] * len(replicas)
+    if args.tp_size > 1 and args.dist_init_addr:  # host:port, checked by ServerArgs
+        host, _, port = args.dist_init_addr.rpartition(":")
+        inits = [f"tcp://{host}:{int(port) + k}" for k in range(len(replicas))]
+    elif args.tp_size > 1:  # ports picked together, so no two replicas get the same one
+        inits = [f"tcp://127.0.0.1:{p}" for p in free_tcp_ports("127.0.0.1", len(replicas))]
     cfgs = []
-    for dp, addrs in enumerate(replicas):
-        dist_init = None
-        if args.tp_size > 1:
-            host, _, port = (args.dist_init_addr or "").rpartition(":")
-            at = f"{host}:{int(port) + dp}" if host else f"127.0.0.1:{free_tcp_ports('127.0.0.1', 1)[0]}"
-            dist_init = f"tcp://{at}"
+    for dp, (addrs, dist_init) in enumerate(zip(replicas, inits)):
         cfgs += [ChildConfig("scheduler", args, model_path, tokenizer_path, addrs, security, tp_rank=rank,
                              dist_init=dist_init, dp_rank=dp) for rank in range(args.tp_size)]
     return [*cfgs, ChildConfig("detokenizer", args, model_path, tokenizer_path, addresses, security)]
