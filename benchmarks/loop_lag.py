@@ -23,8 +23,11 @@ from sgl.sched.models.default_model import default_model_dir
 TICK_S = 0.005
 
 
+Row = tuple[str, float, float, int, float]  # phase, worst ms, p99 ms, ticks, wall s
+
+
 @asynccontextmanager
-async def ticking(name: str, rows: list[tuple[str, float, float, int]]) -> AsyncIterator[None]:
+async def ticking(name: str, rows: list[Row]) -> AsyncIterator[None]:
     lags: list[float] = []
     stop = asyncio.Event()
 
@@ -46,7 +49,7 @@ async def ticking(name: str, rows: list[tuple[str, float, float, int]]) -> Async
         lags.sort()
         p99 = lags[min(len(lags) - 1, int(len(lags) * 0.99))] if lags else wall
         worst = max(lags) if lags else wall
-        rows.append((name, worst * 1000, p99 * 1000, len(lags)))
+        rows.append((name, worst * 1000, p99 * 1000, len(lags), wall))
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -56,7 +59,7 @@ async def main(args: argparse.Namespace) -> None:
     kw = {"transport": args.transport, "context_length": 8192}
     if args.null:
         kw["load_format"] = "null"
-    rows: list[tuple[str, float, float, int]] = []
+    rows: list[Row] = []
     async with ticking("start: AsyncEngine(...) constructor", rows):
         e = sgl.AsyncEngine(model, **kw)
     async with ticking("stop (constructor's engine)", rows):
@@ -65,11 +68,14 @@ async def main(args: argparse.Namespace) -> None:
         e = await sgl.AsyncEngine.start(model, **kw)
     async with ticking(f"serve: {args.prompts} x {args.words}-word prompts, 4 new tokens", rows):
         await asyncio.gather(*(e.generate(p, {"max_new_tokens": 4, "temperature": 0}) for p in prompts))
+    async with ticking("serve again, with logprob texts (first: the vocabulary's)", rows):
+        await asyncio.gather(*(e.generate(p, {"max_new_tokens": 4, "temperature": 0}, return_logprob=True,
+                                          return_text_in_logprobs=True) for p in prompts))
     async with ticking("stop: await aclose()", rows):
         await e.aclose()
-    print(f"{'phase':<52} {'worst ms':>9} {'p99 ms':>8} {'ticks':>6}")
-    for name, worst, p99, n in rows:
-        print(f"{name:<52} {worst:9.1f} {p99:8.1f} {n:6d}")
+    print(f"{'phase':<58} {'worst ms':>9} {'p99 ms':>8} {'ticks':>6} {'wall s':>7}")
+    for name, worst, p99, n, wall in rows:
+        print(f"{name:<58} {worst:9.1f} {p99:8.1f} {n:6d} {wall:7.2f}")
 
 
 if __name__ == "__main__":

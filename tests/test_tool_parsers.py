@@ -162,6 +162,9 @@ def test_messages() -> None:
 
 
 def test_template_gets_tools_and_earlier_calls() -> None:
+    import asyncio
+
+    from sgl.runtime.tokenizer_client import LocalTokenizer
     from sgl.server.chat_render import chat_prompt_ids, conversation
     from sgl.server.openai_protocol import ChatMessage
 
@@ -173,14 +176,15 @@ def test_template_gets_tools_and_earlier_calls() -> None:
             self.seen.update(kw, conv=conv)
             return "rendered"
 
-        def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-            return [1, 2]
+        def __call__(self, texts: list[str], add_special_tokens: bool) -> dict[str, list[list[int]]]:
+            assert texts == ["rendered"] and not add_special_tokens
+            return {"input_ids": [[1, 2]]}
 
     msgs = [ChatMessage("user", "hi"), ChatMessage("assistant", None, tool_calls=[
         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}]),
             ChatMessage("tool", "12:00", tool_call_id="call_1")]
     tok = Tok()
-    assert chat_prompt_ids(tok, msgs, tools=TOOLS) == [1, 2]
+    assert asyncio.run(chat_prompt_ids(LocalTokenizer(tok), msgs, tools=TOOLS)) == [1, 2]
     assert tok.seen["tools"] == TOOLS
     assert tok.seen["conv"][1]["tool_calls"][0]["function"]["arguments"] == {"tz": "CET"}
     assert conversation(msgs)[2] == {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}

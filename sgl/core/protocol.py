@@ -6,7 +6,7 @@ Request ids (rids) are strings chosen by the tokenizer manager."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -160,6 +160,45 @@ class ShutdownReq(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
     pass
 
 
+TokenizerOp = Literal["encode", "chat", "decode", "token_strs", "vocab_texts"]
+
+
+class TokenizerCall(msgspec.Struct, tag="tokenizer_call", forbid_unknown_fields=True, kw_only=True):
+    """Tokenizer manager -> the tokenizer's process (the detokenizer's): one piece of
+    tokenizer work, so the caller's process never loads a tokenizer.
+
+    - encode: `texts` -> `ids`, one list per text (`add_special_tokens`).
+    - chat: `conversation` through the chat template (`add_generation_prompt`,
+      `continue_final_message`, `tools`, `template_kwargs`), then encoded -> `ids[0]`.
+    - decode: `ids` -> `texts` (`skip_special_tokens`).
+    - token_strs: `ids` -> `strs`, each id's vocabulary string.
+    - vocab_texts: each of the first `size` ids decoded alone -> `texts` (logprob texts)."""
+
+    op: TokenizerOp
+    texts: list[str] = []
+    ids: list[list[int]] = []
+    conversation: list[dict[str, Any]] = []
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] = {}
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = False
+    size: int = 0
+    req_id: int = 0  # echoed in the reply, which the tokenizer manager matches by it
+
+
+class TokenizerCallOutput(msgspec.Struct, tag="tokenizer_call_out", forbid_unknown_fields=True, kw_only=True):
+    """The answer to a TokenizerCall; `error` set (the rest empty) when the tokenizer or
+    the chat template refused the input."""
+
+    ids: list[list[int]] = []
+    texts: list[str] = []
+    strs: list[list[str]] = []
+    error: str | None = None
+    req_id: int = 0
+
+
 Message = (
     GenerateReqInput
     | AbortReq
@@ -175,6 +214,8 @@ Message = (
     | AttachReqOutput
     | DetachReq
     | ShutdownReq
+    | TokenizerCall
+    | TokenizerCallOutput
 )
 
 # Control replies travel scheduler -> detokenizer -> tokenizer manager unchanged.

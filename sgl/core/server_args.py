@@ -59,6 +59,9 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     disable_overlap_schedule: bool | None = None
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     skip_tokenizer_init: bool = False
+    # Threads of the tokenizer's process (the detokenizer's) that encode prompts and render
+    # chat templates for the caller's side, whose process loads no tokenizer.
+    tokenizer_threads: int = 4
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
     # Decode batches sharing a long prefix read it once per step, under CUDA graphs too.
@@ -94,6 +97,8 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         _positive(self, "max_total_tokens", "context_length", "max_running_requests", "cuda_graph_max_bs",
                   "max_top_logprobs_num", "max_queued_requests")
+        if not 1 <= self.tokenizer_threads <= 64:
+            raise ValueError(f"tokenizer_threads={self.tokenizer_threads} is invalid: must be in [1, 64]")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1 and self.chunked_prefill_size != -1:
             raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} is invalid: must be >= 1, -1 for no "
                              "chunking, or None for the default")

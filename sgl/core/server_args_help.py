@@ -43,6 +43,8 @@ FIELD_HELP: dict[str, str] = {
     "disable_overlap_schedule": "run the scheduler and the forward in turn (default: overlapped on CUDA only)",
     "attention_backend": "attention kernels: torch (reference) or flashinfer; auto: flashinfer on CUDA",
     "skip_tokenizer_init": "load no tokenizer: requests send and receive token ids only",
+    "tokenizer_threads": "threads of the tokenizer's process (the detokenizer's) that encode prompts and render "
+                         "chat templates",
     "cuda_graph_max_bs": "the largest decode batch captured in a CUDA graph",
     "disable_cuda_graph": "run decode without CUDA graphs",
     "enable_cascade_attention": "read a decode batch's shared prefix once per step (default: on with flashinfer)",

@@ -1,6 +1,9 @@
 """`AsyncEngine`: the engine for code already inside an event loop. Its tokenizer
 manager runs on the caller's loop. It starts the scheduler and detokenizer roles
-(processes, or threads under inproc) and shuts them down at exit.
+(processes, or threads under inproc) and shuts them down at exit. The caller's
+process loads no tokenizer: the detokenizer's process holds it and does the
+manager's tokenizer work (sgl/runtime/tokenizer_client.py); `tokenizer` loads a
+copy here only when the caller asks for it.
 
 `AsyncEngine.connect(scheduler_address, ...)` attaches to the scheduler of an
 engine running in another process (tcp transport): it binds its own receive
@@ -39,6 +42,7 @@ from sgl.runtime.metrics import Metrics
 from sgl.runtime.req_options import ReqOptions
 from sgl.runtime.roles import ChildConfig, child_configs
 from sgl.runtime.streams import gather_calls, merge_streams
+from sgl.runtime.tokenizer_client import LocalTokenizer, RemoteTokenizer, Tokenizing
 from sgl.runtime.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl.transports.channel import Receiver, Sender
 from sgl.transports.factory import make_addresses, replica_addresses
@@ -64,9 +68,9 @@ class AsyncEngine:
     Two ways to start one, the same engine either way:
 
     - `await AsyncEngine.start(model_path, **server_args)` never blocks the loop: the
-      model path and tokenizer are resolved on a thread while the roles start, and
-      their readiness reports are polled, so the loop's other tasks (a signal
-      handler, a server) run meanwhile. Cancelling it kills the started child
+      model path is resolved on a thread, the roles start (the tokenizer loads in the
+      detokenizer's process), and their readiness reports are polled, so the loop's
+      other tasks (a signal handler, a server) run meanwhile. Cancelling it kills the started child
       processes and removes the socket folder. `sgl serve` starts this way.
     - `AsyncEngine(model_path, **server_args)` blocks until the roles are ready
       (seconds: the model loads), and with it any loop it is called on: for scripts,
@@ -75,11 +79,11 @@ class AsyncEngine:
     `aclose()` (or leaving `async with`) shuts it down."""
 
     _heartbeat: asyncio.Future[None] | None = None  # an attached engine's health checks
+    _tokenizer: Any = None  # the caller's own copy, loaded by `tokenizer`
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self._configure(model_path, kwargs)
         self.model_path = resolve_model_path(self.args)
-        tokenizer = self._load_tokenizer()
         self.addresses = make_addresses(self.args.transport, self.args.host)
         self.replicas = replica_addresses(self.addresses, self.args.dp_size, self.args.host)
         recv = self.security.receiver(self.addresses.to_tokenizer, "tokenizer")
@@ -89,7 +93,7 @@ class AsyncEngine:
             recv.close()
             self._remove_ipc_dir()
             raise
-        self._finish(roles, infos, tokenizer, recv)
+        self._finish(roles, infos, recv)
 
     @classmethod
     async def start(cls, model_path: str | None = None, **kwargs: Any) -> AsyncEngine:
@@ -103,14 +107,13 @@ class AsyncEngine:
         roles: list[RoleHandle] = []
         try:
             roles = spawn_roles(self._configs(), in_threads=self.args.transport == "inproc")
-            tokenizer = await off_loop(self._load_tokenizer)  # while the roles load
             infos = await await_ready(roles)
         except BaseException:  # a startup error, or cancelled (Ctrl-C): leave nothing behind
             abandon(roles)
             recv.close()
             self._remove_ipc_dir()
             raise
-        self._finish(roles, infos, tokenizer, recv)
+        self._finish(roles, infos, recv)
         return self
 
     def _configure(self, model_path: str | None, kwargs: dict[str, Any]) -> None:
@@ -123,14 +126,19 @@ class AsyncEngine:
         self._roles: list[RoleHandle] = []
         self.metrics = Metrics()
 
-    def _load_tokenizer(self) -> Any:
-        if self.args.skip_tokenizer_init:
-            return None
-        from sgl.sched.models.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(self.args.tokenizer_path or self.model_path, self.args.trust_remote_code)
-        apply_chat_template_arg(tokenizer, self.args.chat_template)
-        return tokenizer
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer, for the caller's own use (None under
+        skip_tokenizer_init). Loaded in this process on first access, which blocks
+        (and holds the GIL while tokenizers parses its file); the engine itself never
+        uses it."""
+        if self._tokenizer is None and self.tm.tok is not None:
+            if isinstance(self.tm.tok, LocalTokenizer):
+                self._tokenizer = self.tm.tok.tokenizer
+            else:
+                self._tokenizer = _load_tokenizer(self.args.tokenizer_path or self.model_path,
+                                                  self.args.trust_remote_code, self.args.chat_template)
+        return self._tokenizer
 
     def _configs(self) -> list[ChildConfig]:
         return child_configs(self.args, self.model_path, self.replicas, self.addresses, self.security)
@@ -140,13 +148,15 @@ class AsyncEngine:
         senders = [self.security.sender(a.to_scheduler) for a in self.replicas]
         return senders[0] if len(senders) == 1 else DataParallelSender(senders)
 
-    def _finish(self, roles: list[RoleHandle], infos: dict[str, dict[str, Any]], tokenizer: Any,
-                recv: Receiver) -> None:
+    def _finish(self, roles: list[RoleHandle], infos: dict[str, dict[str, Any]], recv: Receiver) -> None:
         self._roles = roles
         self.info = infos["scheduler"]
-        self.tokenizer = tokenizer
-        self.tm = TokenizerManager(tokenizer, self._scheduler_sender(), recv,
-                                   limits_of(self.info, tokenizer is not None, self.args.custom_logit_processors),
+        tok: Tokenizing | None = None
+        if not self.args.skip_tokenizer_init:
+            tok = RemoteTokenizer(self.security.sender(self.addresses.to_detokenizer),
+                                  infos["detokenizer"]["chat_template"])
+        self.tm = TokenizerManager(tok, self._scheduler_sender(), recv,
+                                   limits_of(self.info, tok is not None, self.args.custom_logit_processors),
                                    self.model_path, metrics=self.metrics, control_timeout=self.args.control_timeout,
                                    health_timeout=self.args.health_timeout)
         self._watchdog = Watchdog(self._roles, self.args.watchdog_interval, self._on_role_death)
@@ -208,13 +218,11 @@ class AsyncEngine:
                                   "(is it running with the tcp transport, and are the transport_key or keys right, "
                                   "this client's public key in its allowed/ folder?)") from None
         self.model_path = self.info["model_path"] or resolve_model_path(self.args)
-        if not skip_tokenizer_init:
-            from sgl.sched.models.tokenizer import load_tokenizer
-
-            self.tm.tokenizer = load_tokenizer(tokenizer_path or self.model_path, False)
+        if not skip_tokenizer_init:  # no roles of its own: a tokenizer in this process, loaded off the loop
+            self.tm.use_tokenizer(LocalTokenizer(await off_loop(_load_tokenizer, tokenizer_path or self.model_path,
+                                                                False, None)))
         # The scheduler's allow-list is not reported: an attached client sends no custom processors.
-        self.tm.limits = limits_of(self.info, self.tm.tokenizer is not None, None)
-        self.tokenizer = self.tm.tokenizer
+        self.tm.limits = limits_of(self.info, self.tm.tok is not None, None)
         self._heartbeat = asyncio.ensure_future(self._beat(scheduler_address, heartbeat_interval, timeout))
         atexit.register(self.shutdown)
         return self
@@ -376,6 +384,8 @@ class AsyncEngine:
             self.tm.fail_all(EngineDeadError("the engine was shut down"))
             self.tm.send.close()
             self.tm.recv.close()
+            if self.tm.tok is not None:
+                self.tm.tok.close()
             self._remove_ipc_dir()
             atexit.unregister(self.shutdown)
 
@@ -393,3 +403,11 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _load_tokenizer(path: str, trust_remote_code: bool, chat_template: str | None) -> Any:
+    from sgl.sched.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path, trust_remote_code)
+    apply_chat_template_arg(tokenizer, chat_template)
+    return tokenizer

@@ -14,10 +14,20 @@ With a fast tokenizer (a `tokenizers.Tokenizer` behind it) each request steps a
 Python offset path stays for slow tokenizers, for options whose decode the
 tokenizer does not leave to its backend (found by a probe, e.g. clean-up of
 spaces, or spaces_between_special_tokens in a tokenizer that honours it), and for
-a stream that fails mid-request. Both paths release the same text."""
+a stream that fails mid-request. Both paths release the same text.
+
+It is also where the engine's tokenizer lives for the caller's side: a TokenizerCall
+(encode a prompt, render a chat template, decode for /detokenize, the vocabulary's
+texts) is worked on one of `threads` worker threads (a fast tokenizer releases the
+GIL while it encodes, so decoding goes on meanwhile), each answering through its own
+sender to the tokenizer manager (a socket belongs to one thread). Those threads end
+with the loop."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +44,10 @@ from sgl.core.protocol import (
     DetachReq,
     FinishReason,
     ShutdownReq,
+    TokenizerCall,
 )
 from sgl.core.stop_rule import stop_cut
+from sgl.runtime.tokenizer_ops import run_call
 from sgl.transports.channel import Receiver, Sender
 
 try:
@@ -61,10 +73,17 @@ class _DecodeState:
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any | None, recv: Receiver, send: Sender) -> None:
+    def __init__(self, tokenizer: Any | None, recv: Receiver, send: Sender,
+                 replies: Callable[[], Sender] | None = None, threads: int = 4) -> None:
         self.tokenizer = tokenizer
         self.recv = recv
         self.send = send
+        self.replies = replies  # opens a sender to the engine's tokenizer manager (one per worker thread)
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
+        self._reply_senders: list[Sender] = []
+        self._senders_lock = threading.Lock()
         self.states: dict[str, _DecodeState] = {}
         self.log = get_logger("detokenizer")
         backend = getattr(tokenizer, "_tokenizer", None)
@@ -72,17 +91,57 @@ class Detokenizer:
         self._streamable: dict[tuple[bool, bool], bool] = {}  # (skip, spaces) -> the probe agreed
         self._list_steps = True  # DecodeStream.step takes a list of ids (recent tokenizers do)
 
+    def info(self) -> dict[str, Any]:
+        return {"chat_template": bool(getattr(self.tokenizer, "chat_template", None))}
+
     def run(self) -> None:
-        while True:
-            msg = self.recv.recv()
-            if isinstance(msg, ShutdownReq):
-                return
-            if isinstance(msg, BatchTokenIDOutput):
-                self.send.send(self.process(msg))
-            elif isinstance(msg, (*CONTROL_REPLIES, AttachReq, DetachReq)):
-                self.send.send(msg)  # the sender (an OutputRouter) routes these
-            else:
-                self.log.warning("ignored unexpected message", type=type(msg).__name__)
+        try:
+            while True:
+                msg = self.recv.recv()
+                if isinstance(msg, ShutdownReq):
+                    return
+                if isinstance(msg, BatchTokenIDOutput):
+                    self.send.send(self.process(msg))
+                elif isinstance(msg, TokenizerCall):
+                    self._submit(msg)
+                elif isinstance(msg, (*CONTROL_REPLIES, AttachReq, DetachReq)):
+                    self.send.send(msg)  # the sender (an OutputRouter) routes these
+                else:
+                    self.log.warning("ignored unexpected message", type=type(msg).__name__)
+        finally:
+            self._stop_workers()
+
+    # ---- the tokenizer manager's tokenizer work --------------------------------
+
+    def _submit(self, call: TokenizerCall) -> None:
+        if self.tokenizer is None or self.replies is None:
+            self.log.warning("ignored a tokenizer call: this engine has no tokenizer", op=call.op)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="sgl-tokenizer")
+        self._pool.submit(self._work, call)
+
+    def _work(self, call: TokenizerCall) -> None:
+        out = run_call(self.tokenizer, call)
+        send = getattr(self._local, "send", None)
+        if send is None:
+            assert self.replies is not None
+            send = self._local.send = self.replies()
+            with self._senders_lock:
+                self._reply_senders.append(send)
+        try:
+            send.send(out)
+        except Exception:  # the manager is gone; its call fails on its own timeout
+            self.log.exception("could not answer a tokenizer call", op=call.op)
+
+    def _stop_workers(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        for s in self._reply_senders:  # their threads are done: closing from here is safe
+            s.close()
+        self._reply_senders.clear()
+
+    # ---- detokenizing ----------------------------------------------------------
 
     def process(self, b: BatchTokenIDOutput) -> BatchStrOutput:
         """Each request's new text. A finished beam-search request's beams are decoded

@@ -1,8 +1,9 @@
 """The logprobs of one output chunk in SGLang's meta_info shape: lists of
 (logprob, token_id, text) triples, text None unless return_text_in_logprobs.
 
-Pure formatting of what the scheduler computed: it decodes token names when asked
-and nothing else; it never computes, reorders or drops a logprob."""
+Pure formatting of what the scheduler computed: token texts are looked up in the
+vocabulary's texts (each id decoded alone, by the tokenizer's process); it never
+computes, reorders or drops a logprob."""
 
 from __future__ import annotations
 
@@ -12,17 +13,18 @@ from sgl.core.protocol import Logprobs
 from sgl.runtime.req_options import ReqOptions
 
 
-def format_logprobs(lp: Logprobs, new_ids: list[int], opts: ReqOptions, tokenizer: Any | None) -> dict[str, list[Any]]:
+def format_logprobs(lp: Logprobs, new_ids: list[int], opts: ReqOptions,
+                    vocab: list[str] | None) -> dict[str, list[Any]]:
     """SGLang's meta_info lists of (logprob, token_id, text) triples; text is None unless
-    return_text_in_logprobs (and a tokenizer)."""
-    every = [*new_ids, *lp.input_ids, *(i for row in lp.output_top_ids for i in row),
-             *(i for row in lp.input_top_ids if row for i in row), *(opts.token_ids_logprob or [])]
-    names: dict[int, str] = {}
-    if opts.return_text_in_logprobs and tokenizer is not None and every:
-        names = dict(zip(every, tokenizer.batch_decode([[i] for i in every])))
+    return_text_in_logprobs (and a tokenizer: `vocab`, each id's text)."""
+    named = opts.return_text_in_logprobs and vocab is not None
+    size = len(vocab) if vocab is not None else 0
+
+    def name(t: int) -> str | None:
+        return vocab[t] if named and 0 <= t < size else None  # type: ignore[index]
 
     def triples(vals: list[Any], ids: list[int]) -> list[tuple[Any, int, str | None]]:
-        return [(v, t, names.get(t)) for v, t in zip(vals, ids)]
+        return [(v, t, name(t)) for v, t in zip(vals, ids)]
 
     def rows(vals: list[Any], ids: list[Any]) -> list[Any]:
         return [None if v is None else triples(v, t) for v, t in zip(vals, ids)]

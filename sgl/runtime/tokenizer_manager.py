@@ -1,12 +1,13 @@
-"""The tokenizer manager: lives in the caller's event loop. It tokenizes, assigns
-request ids, sends requests to the scheduler and routes the detokenizer's
-output back to each request's awaiting coroutine.
+"""The tokenizer manager: lives in the caller's event loop. It has prompts
+tokenized, assigns request ids, sends requests to the scheduler and routes the
+detokenizer's output back to each request's awaiting coroutine.
 
-Its receive task runs on the loop of the first request. Long prompts, chat
-templates and large logprob batches are worked in anyio worker threads under the
-manager's own CapacityLimiter (`run_sync`); short prompts stay inline. `fail_all`
-may be called from any thread (the watchdog) and hops onto that loop. Control
-calls (sgl/runtime/control.py) are matched by req_id and time out.
+Its receive task runs on the loop of the first request. Tokenizer work goes to its
+`Tokenizing` client (sgl/runtime/tokenizer_client.py: for an engine's own manager,
+the tokenizer's process), so none runs on the loop; large logprob batches are
+formatted in anyio worker threads under the manager's own CapacityLimiter
+(`run_sync`). `fail_all` may be called from any thread (the watchdog) and hops onto
+that loop. Control calls (sgl/runtime/control.py) are matched by req_id and time out.
 
 A tokenizer manager attached from another process (`AsyncEngine.connect`) has a
 client id: its rids go on the wire as "<client_id>:<rid>" and its control
@@ -43,6 +44,7 @@ from sgl.core.protocol import (
     HealthCheckOutput,
     HealthCheckReq,
     Message,
+    TokenizerCallOutput,
 )
 from sgl.core.request_checks import RequestLimits, request_error
 from sgl.core.sampling_params import SamplingParams
@@ -54,6 +56,7 @@ from sgl.runtime.logprob_format import format_logprobs
 from sgl.runtime.metrics import Metrics
 from sgl.runtime.req_options import ReqOptions, generation_defaults, is_int, is_int_list, replace_params
 from sgl.runtime.streams import close_all, gather_first, merge_streams
+from sgl.runtime.tokenizer_client import Tokenizing, encode, load_vocab
 from sgl.transports.channel import ChannelClosed, Receiver, Sender
 
 
@@ -82,17 +85,18 @@ class _ReqState:
 
 CONTROL_TIMEOUT_S = 30.0  # flush_cache, server_info: the scheduler answers between batches
 HEALTH_TIMEOUT_S = 10.0
-INLINE_CHARS = 2000  # a shorter prompt is tokenized on the loop: the thread hop costs more
 INLINE_LOGPROBS = 256  # logprob entries of one output batch formatted on the loop
-TOKENIZER_THREADS = 4
+FORMAT_THREADS = 2  # for larger batches' formatting
 T = TypeVar("T")
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any | None, send: Sender, recv: Receiver, limits: RequestLimits,
+    def __init__(self, tok: Tokenizing | None, send: Sender, recv: Receiver, limits: RequestLimits,
                  model_path: str | None = None, client_id: str = "", metrics: Metrics | None = None,
                  control_timeout: float = CONTROL_TIMEOUT_S, health_timeout: float = HEALTH_TIMEOUT_S) -> None:
-        self.tokenizer = tokenizer
+        self.tok: Tokenizing | None = None  # None: skip_tokenizer_init (ids in, ids out)
+        if tok is not None:
+            self.use_tokenizer(tok)
         self.defaults = generation_defaults(model_path)
         self.limits = limits
         self.send = send
@@ -106,39 +110,40 @@ class TokenizerManager:
         dp = send if isinstance(send, DataParallelSender) else None  # replicas: calls fan out, loads are counted
         self.control = ControlCalls(send, control_timeout, len(dp.replicas) if dp else 1, dp.merge if dp else None)
         self.ended: Callable[[str], None] = dp.finished if dp else lambda rid: None
-        self.limiter = anyio.CapacityLimiter(TOKENIZER_THREADS)  # this manager's tokenizer threads
+        self.limiter = anyio.CapacityLimiter(FORMAT_THREADS)  # this manager's formatting threads
         self.dead: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self.log = get_logger("tokenizer_manager")
 
+    def use_tokenizer(self, tok: Tokenizing) -> None:
+        self.tok = tok
+        tok.guard = self._guard
+
     # ---- requests --------------------------------------------------------------
 
-    def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
+    def has_tokenizer(self, field: str) -> Tokenizing:
+        """The tokenizer client; ValueError naming `field` under skip_tokenizer_init."""
+        if self.tok is None:
+            raise ValueError(f"{field}: this engine was started with skip_tokenizer_init; pass input_ids")
+        return self.tok
+
+    async def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
+        """The request's prompt ids: `input_ids` checked, or `prompt` encoded by the tokenizer's worker."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if input_ids is not None:
             if not is_int_list(input_ids):
                 raise ValueError("input_ids must be a list of ints")
-            ids = input_ids
-        else:
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
-            if self.tokenizer is None:
-                raise ValueError("prompt: this engine was started with skip_tokenizer_init; pass input_ids")
-            ids = self.tokenizer.encode(prompt)
-        return ids
+            return input_ids
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+        return (await encode(self.has_tokenizer("prompt"), [prompt]))[0]
 
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run tokenizer work (encode, apply_chat_template, batch_decode) in one of this
+        """Run blocking work (a large logprob batch's formatting) in one of this
         manager's worker threads, keeping the event loop free."""
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
-
-    async def tokenize_async(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
-        """`tokenize`, with a long prompt encoded off the loop."""
-        if isinstance(prompt, str) and input_ids is None and self.tokenizer is not None and len(prompt) >= INLINE_CHARS:
-            return list(await self.run_sync(self.tokenizer.encode, prompt))
-        return self.tokenize(prompt, input_ids)
 
     def check(self, ids: list[int], params: SamplingParams, opts: ReqOptions) -> None:
         """Raise a ValueError naming the field for a request that cannot run: the types
@@ -169,8 +174,10 @@ class TokenizerManager:
         beam_width >= 1: one list of the beams' final dicts, best first; never streamed."""
         opts = opts or ReqOptions()
         params = SamplingParams.coerce(sampling_params, self.defaults)
-        ids = await self.tokenize_async(prompt, input_ids)
+        ids = await self.tokenize(prompt, input_ids)
         self.check(ids, params, opts)
+        if opts.return_text_in_logprobs and self.tok is not None:
+            await load_vocab(self.tok, self.limits.vocab_size)  # once: the receive loop reads it
         if rid is not None and not isinstance(rid, str):
             raise ValueError(f"rid must be a str, got {type(rid).__name__}")
         if not isinstance(stream, bool):
@@ -271,9 +278,7 @@ class TokenizerManager:
     async def control_call(self, req: Message, reply_type: type, timeout: float | None = None) -> Any:
         """Send a control request and await its reply (sgl/runtime/control.py); raise
         TimeoutError naming the call after `timeout` seconds (control_timeout by default)."""
-        self._ensure_started()
-        if self.dead is not None:
-            raise EngineDeadError(str(self.dead))
+        self._guard()
         return await self.control.call(req, reply_type, timeout)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
@@ -287,6 +292,12 @@ class TokenizerManager:
                                         self.health_timeout)).ok
 
     # ---- receive loop ----------------------------------------------------------
+
+    def _guard(self) -> None:
+        """Before a call whose reply the receive loop brings: start it; refuse once dead."""
+        self._ensure_started()
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
 
     def _ensure_started(self) -> None:
         loop = asyncio.get_running_loop()
@@ -306,6 +317,9 @@ class TokenizerManager:
                         self._dispatch(msg, await self.run_sync(self._format_all, msg))
                     else:
                         self._dispatch(msg, self._format_all(msg))
+                elif isinstance(msg, TokenizerCallOutput):
+                    if self.tok is not None:
+                        self.tok.reply(msg)
                 else:
                     self.control.reply(msg)
         except (ChannelClosed, asyncio.CancelledError):
@@ -317,9 +331,10 @@ class TokenizerManager:
     def _format_all(self, b: BatchStrOutput) -> list[dict[str, list[Any]] | None]:
         """Each output's logprob lists (None: none asked, or its caller went away)."""
         out: list[dict[str, list[Any]] | None] = []
+        vocab = self.tok.vocab if self.tok is not None else None
         for i, rid in enumerate(b.rids):
             st, lp = self.states.get(rid), b.logprobs[i]
-            out.append(None if st is None or lp is None else format_logprobs(lp, b.new_ids[i], st.opts, self.tokenizer))
+            out.append(None if st is None or lp is None else format_logprobs(lp, b.new_ids[i], st.opts, vocab))
         return out
 
     def _dispatch(self, b: BatchStrOutput, deltas: list[dict[str, list[Any]] | None]) -> None:
@@ -389,6 +404,8 @@ class TokenizerManager:
         self.dead = error
         self.fail_requests(str(error), EngineDeadError)
         self.control.fail(error)
+        if self.tok is not None:
+            self.tok.fail(error)
 
     async def close(self) -> None:
         if self._task is not None:

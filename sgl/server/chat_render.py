@@ -1,6 +1,7 @@
 """Chat messages to prompt ids through the tokenizer's chat template, for
-/v1/chat/completions and the chat form of /tokenize. It renders and encodes
-(blocking work: callers run it off the event loop) and calls no engine.
+/v1/chat/completions and the chat form of /tokenize. It checks the request and
+builds the conversation; the tokenizer's process renders and encodes it
+(sgl.runtime.tokenizer_client.chat_ids).
 
 The template gets `tools` (OpenAI's `{"type": "function", "function": {...}}`
 dicts, as Hugging Face templates read them) and an assistant's earlier
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from sgl.runtime.tokenizer_client import Tokenizing, chat_ids
 from sgl.server.common import ApiError
 from sgl.server.openai_protocol import ChatMessage
 
@@ -59,14 +61,14 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return conv
 
 
-def chat_prompt_ids(tok: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+async def chat_prompt_ids(tok: Tokenizing | None, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The prompt's ids. `kwargs` (chat_template_kwargs) reach the template as variables, `tools`
     as its `tools`."""
     if tok is None:
         raise ApiError(400, "chat needs a tokenizer, and this server runs with skip_tokenizer_init", "messages")
-    if not getattr(tok, "chat_template", None):
+    if not tok.has_chat_template:
         raise ApiError(400, "this model has no chat template: use /v1/completions, or start the server with "
                             "--chat-template", "messages")
     if not messages:
@@ -76,10 +78,7 @@ def chat_prompt_ids(tok: Any, messages: list[ChatMessage], add_generation_prompt
         raise ApiError(400, f"chat_template_kwargs: {', '.join(bad)} cannot be set there (a request field or "
                             "the server decides it)", "chat_template_kwargs")
     try:
-        text = tok.apply_chat_template(conversation(messages), tokenize=False,
-                                       add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                       continue_final_message=continue_final_message, tools=tools,
-                                       **(kwargs or {}))
-    except Exception as e:  # noqa: BLE001 - a template that rejects this conversation
-        raise ApiError(400, f"messages: the chat template rejected them: {e}", "messages") from None
-    return list(tok.encode(text, add_special_tokens=False))
+        return await chat_ids(tok, conversation(messages), add_generation_prompt and not continue_final_message,
+                              continue_final_message, tools, kwargs)
+    except ValueError as e:  # a template that rejects this conversation
+        raise ApiError(400, str(e), "messages") from None

@@ -27,6 +27,7 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
+from sgl.runtime.tokenizer_client import decode
 from sgl.server.chat_render import chat_prompt_ids
 from sgl.server.common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
 from sgl.server.native import ServerState, primed
@@ -98,7 +99,7 @@ def _check_completion(state: ServerState, req: CompletionRequest) -> None:
         raise ApiError(400, f"best_of={req.best_of} is not supported: only best_of=1 (use n for several samples)",
                        "best_of")
     check_top(req.logprobs, "logprobs")
-    if (req.echo or req.logprobs is not None) and state.engine.tokenizer is None:
+    if (req.echo or req.logprobs is not None) and state.engine.tm.tok is None:
         name = "echo" if req.echo else "logprobs"
         raise ApiError(400, f"{name} needs a tokenizer, and this server runs with skip_tokenizer_init", name)
 
@@ -129,7 +130,7 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Response:
         per_prompt = await asyncio.gather(*(state.engine.generate(t, sp, i, **opts) for t, i in prompts))
     # With n > 1 each prompt gives a list of n samples: choice index = prompt index * n + sample.
     groups = [o if isinstance(o, list) else [o] for o in per_prompt]
-    echoes = [_echo_text(state, t, i) if req.echo else "" for t, i in prompts]
+    echoes = await _echoes(state, prompts) if req.echo else [""] * len(prompts)
     outs = [(echo, o) for echo, g in zip(echoes, groups) for o in g]
     choices = [{"index": k, "text": echo + o["text"],
                 "logprobs": None if req.logprobs is None else completion_logprobs(o["meta_info"], req.echo, 0),
@@ -149,7 +150,7 @@ async def _stream_completion(state: ServerState, req: CompletionRequest,
         texts, ids = [t for t, _ in prompts], [i for _, i in prompts]
         chunks = await primed(state.engine.stream(None if texts[0] is None else texts, sp,
                                                   None if ids[0] is None else ids, **opts))
-    echoes = [_echo_text(state, t, i) if req.echo else "" for t, i in prompts]
+    echoes = await _echoes(state, prompts) if req.echo else [""] * len(prompts)
     offsets: dict[int, int] = {}  # each choice's text offset so far; absent before its first chunk
 
     def chunk(c: dict[str, Any]) -> dict[str, Any]:
@@ -166,8 +167,11 @@ async def _stream_completion(state: ServerState, req: CompletionRequest,
     return _sse(_openai_stream(chunks, chunk, req, cid, "text_completion", created, state.model_name))
 
 
-def _echo_text(state: ServerState, text: str | None, ids: list[int] | None) -> str:
-    return text if text is not None else state.engine.tokenizer.decode(ids)
+async def _echoes(state: ServerState, prompts: list[tuple[str | None, list[int] | None]]) -> list[str]:
+    """Each prompt's text: as given, or its ids decoded by the tokenizer's process."""
+    ids = [i for t, i in prompts if t is None and i is not None]
+    decoded = iter(await decode(state.engine.tm.has_tokenizer("echo"), ids) if ids else [])
+    return [t if t is not None else next(decoded) for t, _ in prompts]
 
 
 async def chat_completions(state: ServerState, body: bytes) -> Response:
@@ -199,9 +203,8 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
     tp = _tool_plan(state, req, sp)
     ids = req.input_ids
     if ids is None:  # the template, off the loop
-        ids = await state.engine.tm.run_sync(chat_prompt_ids, state.engine.tokenizer, req.messages,
-                                             req.add_generation_prompt, req.continue_final_message,
-                                             req.chat_template_kwargs, tp.tools)
+        ids = await chat_prompt_ids(state.engine.tm.tok, req.messages, req.add_generation_prompt,
+                                    req.continue_final_message, req.chat_template_kwargs, tp.tools)
     opts = logprob_options(req.top_logprobs or 0, prompt=False) if req.logprobs else {}
     if req.custom_logit_processor is not None:
         opts["custom_logit_processor"] = req.custom_logit_processor

@@ -6,8 +6,8 @@
 (rendered as /v1/chat/completions renders them); it answers `{"tokens", "count",
 "max_model_len"}`, plus `token_strs` when `return_token_strs` is true.
 /detokenize takes `tokens` (ids, or a list of id lists) and answers `{"text"}`,
-with vLLM's `prompt` beside it for a single list. The tokenizer work runs off the
-event loop; nothing reaches the scheduler."""
+with vLLM's `prompt` beside it for a single list. The tokenizer work runs in the
+tokenizer's process; nothing reaches the scheduler."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
+from sgl.runtime.tokenizer_client import Tokenizing, decode, encode, token_strs
 from sgl.server.chat_render import chat_prompt_ids
 from sgl.server.common import ApiError, decode_body, json_response
 from sgl.server.native import ServerState
@@ -44,22 +45,21 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     skip_special_tokens: bool = False
 
 
-def _tokenizer(state: ServerState) -> Any:
-    tok = state.engine.tokenizer
+def _tokenizer(state: ServerState) -> Tokenizing:
+    tok = state.engine.tm.tok
     if tok is None:
         raise ApiError(400, "this server runs with skip_tokenizer_init: it has no tokenizer")
     return tok
 
 
-def _encode(tok: Any, req: TokenizeRequest) -> list[int] | list[list[int]]:
+async def _encode(tok: Tokenizing, req: TokenizeRequest) -> list[list[int]]:
+    """One id list per prompt (one for a single prompt or a conversation)."""
     if req.messages is not None:
-        return chat_prompt_ids(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
-                               req.chat_template_kwargs, check_tools(req.tools))
-    special = req.add_special_tokens is not False
-    if isinstance(req.prompt, str):
-        return list(tok.encode(req.prompt, add_special_tokens=special))
+        return [await chat_prompt_ids(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                      req.chat_template_kwargs, check_tools(req.tools))]
     assert req.prompt is not None
-    return [list(tok.encode(p, add_special_tokens=special)) for p in req.prompt]
+    return await encode(tok, [req.prompt] if isinstance(req.prompt, str) else req.prompt,
+                        req.add_special_tokens is not False)
 
 
 async def tokenize(state: ServerState, body: bytes) -> Response:
@@ -76,13 +76,14 @@ async def tokenize(state: ServerState, body: bytes) -> Response:
     if isinstance(req.prompt, list) and not 0 < len(req.prompt) <= MAX_BATCH:
         raise ApiError(400, f"prompt: a list of 1 to {MAX_BATCH} strings", "prompt")
     tok = _tokenizer(state)
-    ids = await state.engine.tm.run_sync(_encode, tok, req)
-    one = not ids or isinstance(ids[0], int)
-    out: dict[str, Any] = {"tokens": ids, "count": len(ids) if one else [len(i) for i in ids],
+    batch = await _encode(tok, req)
+    one = not isinstance(req.prompt, list)
+    out: dict[str, Any] = {"tokens": batch[0] if one else batch,
+                           "count": len(batch[0]) if one else [len(i) for i in batch],
                            "max_model_len": state.engine.info["context_length"]}
     if req.return_token_strs:
-        out["token_strs"] = (tok.convert_ids_to_tokens(ids) if one
-                             else [tok.convert_ids_to_tokens(i) for i in ids])
+        strs = await token_strs(tok, batch)
+        out["token_strs"] = strs[0] if one else strs
     return json_response(out)
 
 
@@ -105,6 +106,5 @@ async def detokenize(state: ServerState, body: bytes) -> Response:
         raise ApiError(400, f"tokens: at most {MAX_BATCH} lists", "tokens")
     for ids in batch:
         _check_ids(state, ids)
-    texts = await state.engine.tm.run_sync(
-        lambda: [tok.decode(ids, skip_special_tokens=req.skip_special_tokens) for ids in batch])
+    texts = await decode(tok, batch, req.skip_special_tokens)
     return json_response({"text": texts[0], "prompt": texts[0]} if one else {"text": texts})
