@@ -25,7 +25,7 @@ from sgl.core.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
 from sgl.core.request_checks import RequestLimits, limits_of
 from sgl.core.server_args import ServerArgs
 from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
-from sgl.runtime.chat_template import apply_chat_template_arg
+from sgl.engine.model_files import load_tokenizer, resolve_model_path
 from sgl.runtime.dp_router import DataParallelSender
 from sgl.runtime.identity import Security, attach_channels
 from sgl.runtime.launch import (
@@ -48,18 +48,6 @@ from sgl.transports.channel import Receiver, Sender
 from sgl.transports.factory import make_addresses, replica_addresses
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
-
-
-def resolve_model_path(args: ServerArgs) -> str:
-    if args.model_path is not None:
-        if not os.path.exists(args.model_path):
-            raise FileNotFoundError(
-                f"model_path={args.model_path!r} does not exist: pass a Hugging Face model directory or a .gguf file"
-            )
-        return args.model_path
-    from sgl.sched.models.default_model import default_model_dir
-
-    return default_model_dir()
 
 
 class AsyncEngine:
@@ -136,7 +124,7 @@ class AsyncEngine:
             if isinstance(self.tm.tok, LocalTokenizer):
                 self._tokenizer = self.tm.tok.tokenizer
             else:
-                self._tokenizer = _load_tokenizer(self.args.tokenizer_path or self.model_path,
+                self._tokenizer = load_tokenizer(self.args.tokenizer_path or self.model_path,
                                                   self.args.trust_remote_code, self.args.chat_template)
         return self._tokenizer
 
@@ -219,7 +207,7 @@ class AsyncEngine:
                                   "this client's public key in its allowed/ folder?)") from None
         self.model_path = self.info["model_path"] or resolve_model_path(self.args)
         if not skip_tokenizer_init:  # no roles of its own: a tokenizer in this process, loaded off the loop
-            self.tm.use_tokenizer(LocalTokenizer(await off_loop(_load_tokenizer, tokenizer_path or self.model_path,
+            self.tm.use_tokenizer(LocalTokenizer(await off_loop(load_tokenizer, tokenizer_path or self.model_path,
                                                                 False, None)))
         # The scheduler's allow-list is not reported: an attached client sends no custom processors.
         self.tm.limits = limits_of(self.info, self.tm.tok is not None, None)
@@ -404,10 +392,3 @@ class AsyncEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-
-def _load_tokenizer(path: str, trust_remote_code: bool, chat_template: str | None) -> Any:
-    from sgl.sched.models.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(path, trust_remote_code)
-    apply_chat_template_arg(tokenizer, chat_template)
-    return tokenizer

@@ -3,9 +3,9 @@
 `ReqOptions` holds the request-level arguments of generate() beyond the sampling
 parameters; `generation_defaults` reads the model's generation_config.json;
 `replace_params` copies sampling parameters with changes; `is_int`/`is_int_list`
-check types only. Pure functions and data: this module holds no request state,
-does no I/O but the one config read, and never checks values (those are in
-sgl/core/request_checks.py, which the scheduler applies too)."""
+check types; `check_request` checks a request's types, then its values through
+sgl/core/request_checks.py (which the scheduler applies too). Pure functions and
+data: this module holds no request state and does no I/O but the one config read."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from sgl.core.request_checks import RequestLimits, request_error
 from sgl.core.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
 
 
@@ -62,3 +63,24 @@ def is_int_list(x: object) -> bool:
     except msgspec.ValidationError:
         return False
     return True
+
+
+def check_request(ids: list[int], params: SamplingParams, opts: ReqOptions, limits: RequestLimits) -> None:
+    """Raise a ValueError naming the field for a request that cannot run: the types
+    here, the values in sgl/core/request_checks.py (which the scheduler applies too)."""
+    for name, toks in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias)),
+                       ("token_ids_logprob", opts.token_ids_logprob or [])):
+        if not is_int_list(toks):
+            raise ValueError(f"{name}: must be a list of ints")
+    # Every field must have its declared type here: the scheduler drops a frame it cannot
+    # decode, and a request dropped there would never be answered.
+    for name in ("return_logprob", "return_text_in_logprobs", "detokenize"):
+        if not isinstance(getattr(opts, name), bool):
+            raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be a bool")
+    for name in ("logprob_start_len", "top_logprobs_num"):
+        if not is_int(getattr(opts, name)):
+            raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be an int")
+    error = request_error(ids, params, opts.logprob_start_len, opts.top_logprobs_num, opts.token_ids_logprob,
+                          opts.custom_logit_processor, limits, opts.return_logprob)
+    if error is not None:
+        raise ValueError(error)

@@ -46,7 +46,7 @@ from sgl.core.protocol import (
     Message,
     TokenizerCallOutput,
 )
-from sgl.core.request_checks import RequestLimits, request_error
+from sgl.core.request_checks import RequestLimits
 from sgl.core.sampling_params import SamplingParams
 from sgl.runtime.beam_results import STREAM_ERROR as BEAM_STREAM_ERROR
 from sgl.runtime.beam_results import beam_results
@@ -54,7 +54,7 @@ from sgl.runtime.control import ControlCalls
 from sgl.runtime.dp_router import DataParallelSender
 from sgl.runtime.logprob_format import format_logprobs
 from sgl.runtime.metrics import Metrics
-from sgl.runtime.req_options import ReqOptions, generation_defaults, is_int, is_int_list, replace_params
+from sgl.runtime.req_options import ReqOptions, check_request, generation_defaults, is_int_list, replace_params
 from sgl.runtime.streams import close_all, gather_first, merge_streams
 from sgl.runtime.tokenizer_client import Tokenizing, encode, load_vocab
 from sgl.transports.channel import ChannelClosed, Receiver, Sender
@@ -145,26 +145,6 @@ class TokenizerManager:
         manager's worker threads, keeping the event loop free."""
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
-    def check(self, ids: list[int], params: SamplingParams, opts: ReqOptions) -> None:
-        """Raise a ValueError naming the field for a request that cannot run: the types
-        here, the values in sgl/request_checks.py (which the scheduler applies too)."""
-        for name, toks in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias)),
-                           ("token_ids_logprob", opts.token_ids_logprob or [])):
-            if not is_int_list(toks):
-                raise ValueError(f"{name}: must be a list of ints")
-        # Every field must have its declared type here: the scheduler drops a frame it cannot
-        # decode, and a request dropped there would never be answered.
-        for name in ("return_logprob", "return_text_in_logprobs", "detokenize"):
-            if not isinstance(getattr(opts, name), bool):
-                raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be a bool")
-        for name in ("logprob_start_len", "top_logprobs_num"):
-            if not is_int(getattr(opts, name)):
-                raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be an int")
-        error = request_error(ids, params, opts.logprob_start_len, opts.top_logprobs_num, opts.token_ids_logprob,
-                              opts.custom_logit_processor, self.limits, opts.return_logprob)
-        if error is not None:
-            raise ValueError(error)
-
     async def generate(
         self, prompt: str | None, input_ids: list[int] | None, sampling_params: Any, rid: str | None, stream: bool,
         opts: ReqOptions | None = None,
@@ -175,7 +155,7 @@ class TokenizerManager:
         opts = opts or ReqOptions()
         params = SamplingParams.coerce(sampling_params, self.defaults)
         ids = await self.tokenize(prompt, input_ids)
-        self.check(ids, params, opts)
+        check_request(ids, params, opts, self.limits)
         if opts.return_text_in_logprobs and self.tok is not None:
             await load_vocab(self.tok, self.limits.vocab_size)  # once: the receive loop reads it
         if rid is not None and not isinstance(rid, str):
