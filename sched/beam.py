@@ -48,6 +48,8 @@ def apply_picks(s: Scheduler, batch: ScheduleBatch, i: int, req: Req, picks: Bea
     hits = [by_length or tok in stops for tok in token]
     fresh = not batch.is_decode
     _move_rows(s, batch, i, req, [source[k] for k in run], fresh)
+    if req.grammar is not None:
+        _fork_matchers(req, [source[k] for k in run], [token[k] for k in run])
     lp = p.length_penalty
     if b.open and not (len(b.finished) >= w and p.early_stopping is True):
         new = [(scores[k] / (t + 1) ** lp, scores[k], b.outputs[source[k]] + [token[k]],
@@ -63,6 +65,22 @@ def apply_picks(s: Scheduler, batch: ScheduleBatch, i: int, req: Req, picks: Bea
     b.open = b.open and b.scores[0] / best_len ** lp > worst
     if not b.open or (len(b.finished) >= w and p.early_stopping is True) or all(hits) or b.scores[0] < DEAD:
         finish_beams(s, req)
+
+
+def _fork_matchers(req: Req, parents: list[int], tokens: list[int]) -> None:
+    """Each running beam's matcher: its parent's, forked, having taken its token. A
+    token the mask did not allow (a dead beam's, scored below DEAD) leaves the fork
+    as it was: that beam never finishes or leads."""
+    b = req.beam
+    assert b is not None
+    before = b.matchers or [req.grammar]
+    out = []
+    for parent, tok in zip(parents, tokens):
+        m = before[parent].fork()
+        if not m.is_terminated():
+            m.accept_token(tok)
+        out.append(m)
+    b.matchers = out
 
 
 def _move_rows(s: Scheduler, batch: ScheduleBatch, i: int, req: Req, parents: list[int], fresh: bool) -> None:

@@ -26,7 +26,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 class BeamState:
     """The host's view of a beam request's beams, as of its last processed step."""
 
-    __slots__ = ("width", "rows", "outputs", "scores", "finished", "open", "result")
+    __slots__ = ("width", "rows", "outputs", "scores", "finished", "open", "result", "matchers")
 
     def __init__(self, width: int) -> None:
         self.width = width
@@ -42,6 +42,9 @@ class BeamState:
         self.finished: list[tuple[float, float, list[int], dict[str, Any]]] = []
         self.open = True  # HF's "the running beams may still beat the finished ones"
         self.result: list[Beam] | None = None  # the beams sent, once finished
+        # Under a grammar: each running beam's own matcher (forked from its parent's at each
+        # selection); None before the first selection, when the request's untouched one serves.
+        self.matchers: list[Any] | None = None
 
 
 class Req:

@@ -4,7 +4,9 @@ with patterns and bounds, numbers with bounds, booleans, nesting) every output,
 greedy and sampled, parses and validates with `jsonschema`; for random regular
 expressions every output is a `re.fullmatch`; EBNF too. A grammar that does not
 compile is a ValueError naming the field; grammars work with n > 1, streaming, stop
-strings, logprobs and through retraction (a small pool, on null weights with the
+strings, logprobs, beam search (each beam its own matcher: the beams equal a
+reference beam search over the grammar's space, scored by HF on the same weights)
+and through retraction (a small pool, on null weights with the
 default model's tokenizer, where only the mask makes the output valid); aborting a
 request while its grammar compiles leaves nothing behind. KV balances after each.
 The OpenAI routes' structured output (response_format, regex, ebnf, bad grammars) is
@@ -114,7 +116,7 @@ def test_bad_grammar_is_a_value_error_naming_the_field(engine: sgl.Engine, field
 
 
 def test_grammar_refusals_name_the_field(engine: sgl.Engine) -> None:
-    for sp, field in [({"json_schema": "{}", "regex": "a"}, "regex"), ({"regex": "a", "beam_width": 2}, "beam_width"),
+    for sp, field in [({"json_schema": "{}", "regex": "a"}, "regex"),
                       ({"regex": "a", "constraint": {"type": "trie", "sequences": [[1]]}}, "constraint")]:
         with pytest.raises(ValueError, match=field):
             engine.generate("x", sp)
@@ -156,3 +158,62 @@ def test_grammars_hold_through_retraction_on_null_weights(tmp_path: Any) -> None
     assert info["retractions"] > 0
     assert_kv_balanced(info)
 
+
+
+def _grammar_allowed(pattern: str, eos: list[int]) -> Any:
+    """A generated prefix -> the ids the regex allows next (EOS once it may end), by xgrammar."""
+    import torch
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    from sgl.sched.models.default_model import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    vocab = len(tok)
+    info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=eos)
+    compiled = xgrammar.GrammarCompiler(info).compile_regex(pattern)
+
+    def allowed(prefix: tuple[int, ...]) -> list[int]:
+        m = xgrammar.GrammarMatcher(compiled)
+        for t in prefix:
+            assert m.accept_token(t)
+        mask = xgrammar.allocate_token_bitmask(1, vocab)
+        m.fill_next_token_bitmask(mask, 0)
+        bits = torch.zeros(1, vocab)
+        xgrammar.apply_token_bitmask_inplace(bits, mask, vocab_size=vocab)
+        return torch.nonzero(bits[0] == 0).flatten().tolist()
+
+    return allowed
+
+
+@pytest.mark.parametrize(("pattern", "width"), [(r"(cat|dog|bird)s? [0-9]{2}", 4), (r"[A-Z][a-z]{1,6}\.", 3)])
+def test_beams_under_a_grammar_equal_the_reference(engine: sgl.Engine, pattern: str, width: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sgl.sched.models.default_model import default_model_dir
+    from tests.test_beam_trie_props import reference_beam_search
+
+    eos = engine.get_server_info()["eos_token_ids"]
+    prompt = engine.tokenizer.encode("Name an animal and a number:")
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def next_logprobs(prefixes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        for p in prefixes:
+            if p not in cache:
+                with torch.inference_mode():
+                    cache[p] = torch.log_softmax(hf(torch.tensor([prompt + list(p)])).logits[0, -1].float(), -1)
+        return [cache[p] for p in prefixes]
+
+    max_new = 8
+    ref = reference_beam_search(next_logprobs, _grammar_allowed(pattern, eos), frozenset(eos), width, max_new, 1.0,
+                                False)
+    assert ref.margin > 1e-3, "the reference's search hinges on a near tie: pick another prompt"
+    got = engine.generate(input_ids=prompt, sampling_params={"beam_width": width, "num_return_beams": width,
+                                                             "max_new_tokens": max_new, "regex": pattern})
+    assert [tuple(b["output_ids"]) for b in got] == [h.ids for h in ref.beams]
+    for b, h in zip(got, ref.beams):
+        assert abs(b["meta_info"]["score"] - h.score) < 1e-4
+        if b["meta_info"]["finish_reason"]["type"] == "stop":
+            assert re.fullmatch(pattern, b["text"]), b["text"]

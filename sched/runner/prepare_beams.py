@@ -5,7 +5,7 @@ beam_select); and, per trie, the rows it masks, the widest node they can be at
 (from their depths, so the device gathers a fixed width), the nodes of rows whose
 first token this batch samples, and the rows the sampled token advances; and each
 grammar row's token bitmask, filled from its matcher (grammar requests run serially,
-so the matcher has taken every token before this one).
+so the matcher has taken every token before this one; a beam row's is its beam's own).
 
 It reads request state and writes the beam groups' order into the batch
 (`beam_index`, for the results); it runs nothing on the device."""
@@ -13,7 +13,7 @@ It reads request state and writes the beam groups' order into the batch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,15 +40,24 @@ class TrieGroup:
 
 def grammar_masks(batch: ScheduleBatch, runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the grammar rows among the sampled logits rows, their token bitmasks) on the
-    device, or None when no row of the batch has a grammar."""
-    entries = [i for i, r in enumerate(batch.reqs) if r.grammar is not None and sampled(batch, i)]
+    device, or None when no row of the batch has a grammar. A beam row's matcher is its
+    beam's own (a beam request's rows are consecutive entries, in its beams' order)."""
+    reqs = batch.reqs
+    entries: list[int] = []
+    matchers: list[Any] = []
+    beam = 0
+    for i, r in enumerate(reqs):
+        beam = beam + 1 if i and reqs[i - 1] is r else 0
+        if r.grammar is not None and sampled(batch, i):
+            entries.append(i)
+            own = r.beam.matchers if r.beam is not None else None
+            matchers.append(r.grammar if own is None else own[beam])
     if not entries:
         return None
     import xgrammar
 
     mask = xgrammar.allocate_token_bitmask(len(entries), runner.vocab_size)
-    for j, i in enumerate(entries):
-        m = batch.reqs[i].grammar
+    for j, m in enumerate(matchers):
         if not m.is_terminated():
             m.fill_next_token_bitmask(mask, j)
     dev = runner.device
@@ -56,8 +65,10 @@ def grammar_masks(batch: ScheduleBatch, runner: ModelRunner) -> tuple[torch.Tens
 
 
 def stop_ids_of(r: Req, eos_ids: frozenset[int]) -> list[int]:
+    """The ids that end a beam: a grammar's beam ends on EOS even with ignore_eos (its
+    matcher takes EOS only once the grammar is complete, and nothing after it)."""
     p = r.sampling_params
-    return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids))
+    return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos and r.grammar is None else eos_ids))
 
 
 def sampled(batch: ScheduleBatch, i: int) -> bool:

@@ -142,8 +142,6 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                    f"a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
         _check(not (grammars and self.constraint is not None), "constraint", "<trie>",
                f"unset with {grammars[0] if grammars else ''} (one constraint per request)")
-        _check(not (grammars and self.beam_width), "beam_width", self.beam_width,
-               "0 with a grammar (structured output does not run on beams yet)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         stops = self.stop or []
