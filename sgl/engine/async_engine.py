@@ -364,7 +364,10 @@ class AsyncEngine:
         self._closed = True
         self._watchdog.stop()
         try:
-            if self.tm.dead is None:
+            if any(not h.alive() for h in self._roles):  # died before the watchdog looked: no clean stop
+                for h in self._roles:  # (the ShutdownReq goes through the scheduler; it would wait out the timeout)
+                    h.kill()
+            elif self.tm.dead is None:
                 # An attached engine leaves the scheduler running: it only stops its route.
                 self.tm.send.send(DetachReq(self.tm.client_id) if self._attached else ShutdownReq())
         finally:
