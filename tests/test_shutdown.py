@@ -34,7 +34,7 @@ from tests.serve_util import ServerProc, alive, child_pids, exists
 
 SIGNALS = [pytest.param(signal.SIGINT, id="SIGINT"), pytest.param(signal.SIGTERM, id="SIGTERM")]
 LONG = {"max_new_tokens": 7000, "ignore_eos": True}
-PREFILL_TOKENS = 2000
+PREFILL_TOKENS = 1000
 
 
 NAME = "m"  # the served model name

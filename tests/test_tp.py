@@ -2,8 +2,9 @@
 
 The engine at tp_size > 1 gives Hugging Face's greedy tokens, with the chosen tokens'
 logprobs within 1e-4 (float32), on a tiny Qwen2 whose single KV head every rank holds
-(replication) and whose q/k/v carry biases, and on SmolLM2 split over 3 ranks (its 9
-query and 3 KV heads split no other way). Killing one rank fails the requests in flight
+(replication) and whose q/k/v carry biases, and on a tiny Llama of SmolLM2's head shape
+split over 3 ranks (9 query and 3 KV heads split no other way; 3 layers, tied
+embeddings, an odd vocabulary), where 2 ranks are refused. Killing one rank fails the requests in flight
 and any later one within 5 s, and the KV accounting balances after the TP runs.
 The model's shards alone are checked tensor by tensor in tests/test_tp_model.py."""
 
@@ -22,7 +23,6 @@ import torch
 import sgl
 from sgl.runtime.tokenizer_manager import EngineDeadError
 from tests.conftest import assert_kv_balanced, tiny_model_dir
-from tests.paged_driver import converted_default_model
 
 PROMPTS = [[5, 17, 42, 9, 300], [7, 7, 7], [100, 3, 250, 11, 60, 2, 480]]
 NEW = 8
@@ -55,11 +55,6 @@ def engine_greedy(model_dir: str, tp: int, prompts: list[list[int]], new: int,
     return got, info
 
 
-@pytest.fixture(scope="module")
-def smollm2_dir(request: pytest.FixtureRequest) -> str:
-    return converted_default_model(str(request.config.cache.mkdir("sgl-default-model")))
-
-
 def assert_same(got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], list[float]]]) -> None:
     for (ids, lps), (hf_ids, hf_lps) in zip(got, want, strict=True):
         assert ids == hf_ids
@@ -73,16 +68,22 @@ def test_tp2_equals_hf_with_replicated_kv_head(tmp_path: Path) -> None:
     assert_kv_balanced(info)
 
 
-def test_tp3_smollm2_equals_hf(smollm2_dir: str) -> None:
-    prompts = [[1, 504, 3458, 314, 253], [2, 33, 4016]]
-    got, info = engine_greedy(smollm2_dir, 3, prompts, 4)
-    assert_same(got, hf_greedy(smollm2_dir, prompts, 4))
+@pytest.fixture(scope="module")
+def nine_heads_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_model_dir(tmp_path_factory.mktemp("tp3"), "llama", vocab=515, num_attention_heads=9,
+                          num_key_value_heads=3, hidden_size=9 * 16, intermediate_size=3 * 64, num_hidden_layers=3,
+                          tie_word_embeddings=True)
+
+
+def test_tp3_nine_heads_equals_hf(nine_heads_dir: str) -> None:
+    got, info = engine_greedy(nine_heads_dir, 3, PROMPTS, NEW)
+    assert_same(got, hf_greedy(nine_heads_dir, PROMPTS, NEW))
     assert_kv_balanced(info)
 
 
-def test_tp_size_that_does_not_split_the_heads_is_refused(smollm2_dir: str) -> None:
+def test_tp_size_that_does_not_split_the_heads_is_refused(nine_heads_dir: str) -> None:
     with pytest.raises(ValueError, match="tp_size"):
-        sgl.Engine(smollm2_dir, tp_size=2, transport="ipc", skip_tokenizer_init=True, device="cpu")
+        sgl.Engine(nine_heads_dir, tp_size=2, transport="ipc", skip_tokenizer_init=True, device="cpu")
 
 
 def test_tp_with_inproc_is_refused() -> None:

@@ -162,7 +162,7 @@ class ThreadRole(RoleHandle):
 
     def _run(self, cfg: ChildConfig) -> None:
         try:
-            run_role(cfg, self._reports.put)
+            run_role(cfg, self._reports.put, in_thread=True)
         except BaseException as e:  # noqa: BLE001 - the thread hands its crash to the parent via self.error
             self.error = e
 

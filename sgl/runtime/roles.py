@@ -61,18 +61,26 @@ def child_configs(args: ServerArgs, model_path: str, replicas: list[Addresses], 
     return [*cfgs, ChildConfig("detokenizer", args, model_path, tokenizer_path, addresses, security)]
 
 
-# Roles of one process (the inproc transport's threads) are built one at a time: two
-# threads importing transformers' lazily loaded modules at once can each see the
-# other's half-initialized module ("cannot import name 'AutoTokenizer'").
-_BUILD_LOCK = threading.Lock()
+# Roles of one process (the inproc transport's threads) import transformers' lazily
+# loaded entry points one at a time: two threads resolving them at once can each see
+# the other's half-initialized module ("cannot import name 'AutoTokenizer'").
+_IMPORT_LOCK = threading.Lock()
 
 
-def run_role(cfg: ChildConfig, report: Callable[[dict[str, Any]], None]) -> None:
+def _import_shared() -> None:
+    with _IMPORT_LOCK:
+        import transformers
+
+        _ = transformers.AutoConfig, transformers.AutoTokenizer
+
+
+def run_role(cfg: ChildConfig, report: Callable[[dict[str, Any]], None], in_thread: bool = False) -> None:
     """Build the role, report {"status": "ready", "info": ...} or {"status": "error", ...}, then run."""
     log = get_logger(cfg.role)
     try:
-        with _BUILD_LOCK:
-            role = _build(cfg)
+        if in_thread:
+            _import_shared()
+        role = _build(cfg)
     except BaseException as e:  # noqa: BLE001 - any start-up error is reported to the parent, which raises it
         report({"status": "error", "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()})
         return
