@@ -94,3 +94,48 @@ def test_server_args_set_the_control_timeouts(null_model_dir: str) -> None:
         tm = e._engine.tm
         assert (tm.control.timeout, tm.health_timeout) == (1.5, 0.5)
         assert e.get_server_info()["running"] == 0
+
+
+@pytest.mark.anyio
+async def test_tokenizer_calls_match_replies_name_errors_and_fail_on_death() -> None:
+    """The remote tokenizer's calls: answered by req_id in any order, a refusal raised as a
+    ValueError naming the caller's field, concurrent vocabulary fetches sharing one call,
+    and every pending call (and every later one) failed once the engine is dead."""
+    from sgl.core.protocol import TokenizerCall, TokenizerCallOutput
+    from sgl.runtime.tokenizer_client import RemoteTokenizer, load_vocab
+    from sgl.runtime.tokenizer_manager import EngineDeadError
+
+    send, recv, tok_send = ListSender(), AsyncQueueReceiver(), ListSender()
+    tok = RemoteTokenizer(tok_send, has_chat_template=False)
+    tm = TokenizerManager(tok, send, recv, LIMITS)
+    try:
+        a = asyncio.ensure_future(tm.tokenize("first", None))
+        b = asyncio.ensure_future(tm.tokenize("second", None))
+        await wait_sent(tok_send, 2)
+        ca, cb = tok_send.msgs
+        assert isinstance(ca, TokenizerCall) and ca.texts == ["first"] and ca.req_id != cb.req_id  # type: ignore[attr-defined]
+        recv.q.put_nowait(TokenizerCallOutput(ids=[[2, 2]], req_id=cb.req_id))  # type: ignore[attr-defined]
+        recv.q.put_nowait(TokenizerCallOutput(ids=[[1]], req_id=ca.req_id))
+        assert await a == [1] and await b == [2, 2]
+        bad = asyncio.ensure_future(tm.tokenize("x", None))
+        await wait_sent(tok_send, 3)
+        recv.q.put_nowait(TokenizerCallOutput(error="TypeError: no", req_id=tok_send.msgs[2].req_id))  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match="^prompt: the tokenizer rejected it"):
+            await bad
+        vocabs = [asyncio.ensure_future(load_vocab(tok, 3)) for _ in range(5)]
+        await wait_sent(tok_send, 4)
+        await asyncio.sleep(0.01)
+        assert len(tok_send.msgs) == 4  # one fetch for all five
+        recv.q.put_nowait(TokenizerCallOutput(texts=["a", "b", "c"], req_id=tok_send.msgs[3].req_id))  # type: ignore[attr-defined]
+        assert [await v for v in vocabs] == [["a", "b", "c"]] * 5
+        pending = asyncio.ensure_future(tm.tokenize("y", None))
+        await wait_sent(tok_send, 5)
+        tm._fail(EngineDeadError("gone"))
+        with pytest.raises(EngineDeadError, match="gone"):
+            await pending
+        with pytest.raises(EngineDeadError):
+            await tm.tokenize("z", None)
+        assert len(tok_send.msgs) == 5 and not tok.calls.pending
+    finally:
+        recv.close()
+        await tm.close()
