@@ -25,8 +25,9 @@ from sgl.transports.channel import Sender
 
 class ControlCalls:
     def __init__(self, send: Sender, timeout: float, fanout: int = 1,
-                 merge: Callable[[list[Message]], Message] | None = None) -> None:
+                 merge: Callable[[list[Message]], Message] | None = None, quiet_late: bool = False) -> None:
         self.send = send
+        self.quiet_late = quiet_late  # a late reply is routine (a cancelled tokenizer call): debug, not warning
         self.timeout = timeout
         self.fanout = fanout
         self.merge = merge
@@ -72,7 +73,8 @@ class ControlCalls:
                 msg = self.merge(got)
             fut = self.pending.pop(key, None)
             if fut is None:  # its call timed out or was cancelled
-                self.log.warning("dropped a late control reply", type=type(msg).__name__, req_id=key)
+                (self.log.debug if self.quiet_late else self.log.warning)(
+                    "dropped a late control reply", type=type(msg).__name__, req_id=key)
                 return
         elif futs := self.by_type.get(type(msg)):
             fut = futs.pop(0)

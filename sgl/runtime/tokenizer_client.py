@@ -58,7 +58,7 @@ class Tokenizing(Protocol):
 
 class RemoteTokenizer:
     def __init__(self, send: Sender, has_chat_template: bool, timeout: float = CALL_TIMEOUT_S) -> None:
-        self.calls = ControlCalls(send, timeout)
+        self.calls = ControlCalls(send, timeout, quiet_late=True)
         self.has_chat_template = has_chat_template
         self.vocab: list[str] | None = None
         self.vocab_loading: asyncio.Future[TokenizerCallOutput] | None = None
