@@ -25,7 +25,7 @@ from sgl.core.protocol import AttachReq, AttachReqOutput, DetachReq, ShutdownReq
 from sgl.core.request_checks import RequestLimits, limits_of
 from sgl.core.server_args import ServerArgs
 from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
-from sgl.engine.model_files import load_tokenizer, resolve_model_path
+from sgl.engine.model_files import resolve_model_path
 from sgl.runtime.dp_router import DataParallelSender
 from sgl.runtime.identity import Security, attach_channels
 from sgl.runtime.launch import (
@@ -44,6 +44,7 @@ from sgl.runtime.roles import ChildConfig, child_configs
 from sgl.runtime.streams import gather_calls, merge_streams
 from sgl.runtime.tokenizer_client import LocalTokenizer, RemoteTokenizer, Tokenizing
 from sgl.runtime.tokenizer_manager import EngineDeadError, TokenizerManager
+from sgl.runtime.tokenizer_ops import load_tokenizer
 from sgl.transports.channel import Receiver, Sender
 from sgl.transports.factory import make_addresses, replica_addresses
 
@@ -394,4 +395,3 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-

@@ -110,16 +110,13 @@ def _build(cfg: ChildConfig) -> Any:
             recv = sched.recv
         recv.count_into(sched.stats)  # refused frames show in get_server_info as transport_refused*
         return sched
-    from sgl.runtime.chat_template import apply_chat_template_arg
     from sgl.runtime.detokenizer import Detokenizer
     from sgl.runtime.output_router import OutputRouter
-    from sgl.sched.models.tokenizer import load_tokenizer
+    from sgl.runtime.tokenizer_ops import load_tokenizer
 
     args = cfg.server_args
-    tok = None
-    if not args.skip_tokenizer_init:
-        tok = load_tokenizer(cfg.tokenizer_path or cfg.model_path, args.trust_remote_code)
-        apply_chat_template_arg(tok, args.chat_template)
+    tok = None if args.skip_tokenizer_init else load_tokenizer(cfg.tokenizer_path or cfg.model_path,
+                                                               args.trust_remote_code, args.chat_template)
     recv = sec.receiver(a.to_detokenizer, "detokenizer")
     return Detokenizer(tok, recv, OutputRouter(sec.sender(a.to_tokenizer), sec.route, sec.identity_bound),
                        replies=lambda: sec.sender(a.to_tokenizer), threads=args.tokenizer_threads)
