@@ -47,9 +47,10 @@ def apply_picks(s: Scheduler, batch: ScheduleBatch, i: int, req: Req, picks: Bea
     by_length = t + 1 >= p.max_new_tokens or len(req.origin_input_ids) + t + 1 >= s.runner.context_length
     hits = [by_length or tok in stops for tok in token]
     fresh = not batch.is_decode
-    _move_rows(s, batch, i, req, [source[k] for k in run], fresh)
+    parents = [source[k] for k in run]
+    _move_rows(s, batch, i, req, parents, fresh)
     if req.grammar is not None:
-        _fork_matchers(req, [source[k] for k in run], [token[k] for k in run])
+        _fork_matchers(req, parents, [token[k] for k in run])
     lp = p.length_penalty
     if b.open and not (len(b.finished) >= w and p.early_stopping is True):
         new = [(scores[k] / (t + 1) ** lp, scores[k], b.outputs[source[k]] + [token[k]],

@@ -133,3 +133,12 @@ class Req:
 
     def __repr__(self) -> str:
         return f"Req({self.rid!r}, in={len(self.origin_input_ids)}, out={len(self.output_ids)}, kv={self.kv_len})"
+
+
+def beam_offsets(reqs: list[Req]) -> list[int]:
+    """Each batch entry's beam: a beam request's rows are consecutive entries, in its
+    beams' order, so a row's beam is its offset from the request's first (0 elsewhere)."""
+    out = [0] * len(reqs)
+    for i in range(1, len(reqs)):
+        out[i] = out[i - 1] + 1 if reqs[i] is reqs[i - 1] else 0
+    return out

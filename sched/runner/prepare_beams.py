@@ -20,7 +20,7 @@ import torch
 from sgl.cache.host_copy import to_device
 from sgl.core.trie import Trie
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.req import Req
+from sgl.sched.req import Req, beam_offsets
 from sgl.sched.runner.beam_select import BeamGroup
 
 if TYPE_CHECKING:
@@ -41,13 +41,11 @@ class TrieGroup:
 def grammar_masks(batch: ScheduleBatch, runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the grammar rows among the sampled logits rows, their token bitmasks) on the
     device, or None when no row of the batch has a grammar. A beam row's matcher is its
-    beam's own (a beam request's rows are consecutive entries, in its beams' order)."""
+    beam's own."""
     reqs = batch.reqs
     entries: list[int] = []
     matchers: list[Any] = []
-    beam = 0
-    for i, r in enumerate(reqs):
-        beam = beam + 1 if i and reqs[i - 1] is r else 0
+    for i, (r, beam) in enumerate(zip(reqs, beam_offsets(reqs))):
         if r.grammar is not None and sampled(batch, i):
             entries.append(i)
             own = r.beam.matchers if r.beam is not None else None

@@ -23,7 +23,7 @@ from sgl.cache.host_copy import to_device
 from sgl.core.logit_processor import BEAM_KEY, OUTPUT_IDS_KEY, OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
 from sgl.core.sampling_params import SamplingParams
 from sgl.kernels.sampling import top_k_top_p
-from sgl.sched.req import Req
+from sgl.sched.req import Req, beam_offsets
 
 
 @dataclass(slots=True)
@@ -76,9 +76,7 @@ class SamplingBatch:
             sb.ban = (rows, ids)
         if processors and any(r.processor for r in reqs):
             groups: dict[str, list[int]] = {}
-            beams = [0] * len(reqs)  # a beam request's rows are consecutive: a row's beam is its offset
-            for i in range(1, len(reqs)):
-                beams[i] = beams[i - 1] + 1 if reqs[i] is reqs[i - 1] else 0
+            beams = beam_offsets(reqs)
             for i, r in enumerate(reqs):
                 if r.processor:
                     groups.setdefault(r.processor, []).append(i)
