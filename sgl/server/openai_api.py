@@ -202,7 +202,7 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
     sp = sampling_dict(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
     tp = _tool_plan(state, req, sp)
     ids = req.input_ids
-    if ids is None:  # the template, off the loop
+    if ids is None:  # the template, rendered in the tokenizer's process
         ids = await chat_prompt_ids(state.engine.tm.tok, req.messages, req.add_generation_prompt,
                                     req.continue_final_message, req.chat_template_kwargs, tp.tools)
     opts = logprob_options(req.top_logprobs or 0, prompt=False) if req.logprobs else {}
