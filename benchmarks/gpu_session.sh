@@ -5,7 +5,7 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w6 beamtests tp looplag profile profile2 cascadeprof parts model old
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
 # (old: W1, W2 and W3 on an older checkout carried in .old/ (`git archive COMMIT | tar x
 # -C .old`), installed apart in /tmp/oldsite, so a change is measured against what it
 # changed in the same lease)
@@ -81,6 +81,9 @@ for step in "$@"; do
     # The front end's loop stalls at the issue's size (carry .lt: the default model's config
     # and tokenizer files, ~3.4 MB; null weights, so the host's 16 cores serve the front end).
     looplag) run 300 python3 benchmarks/loop_lag.py --prompts 64 --words 3000 --transport ipc --null --model .lt ;;
+    # Issue 16: 256 requests generated plain and under a JSON schema (carry .lt, as looplag).
+    grammar) run 300 python3 -m benchmarks.grammar_cost --model .lt --load-format dummy --dtype bfloat16 \
+               --requests 256 --new-tokens 256 ;;
     beamtests) run 300 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
                  tests/test_gpu_beams.py ;;
     # Issue 18, on nvidia-h200-x2: the TP/DP GPU test, then W1 and W2 on the Qwen3-8B

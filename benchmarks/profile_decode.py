@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
-    runner = make_runner(a.bs, a.ctx, 3 * a.steps, graphs=cuda and not a.no_graphs, cascade=a.shared > 0)
+    runner = make_runner(a.bs, a.ctx, 4 * a.steps + 8, graphs=cuda and not a.no_graphs, cascade=a.shared > 0)
     reqs = make_reqs(runner, a.bs, a.ctx, a.temperature, a.shared)
     if cuda and a.shared:
         cascade_alone(runner, reqs, a.shared)

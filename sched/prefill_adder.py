@@ -2,7 +2,9 @@
 and which waiting requests go into the next prefill batch.
 
 A PrefillAdder holds the round's limits: the token budget (max_prefill_tokens),
-the chunk room left, the request slots, and the KV room once the running
+the chunk room left, the prompt-logprob rows left (each prompt token of a request
+asking for prompt logprobs is a [vocab] float32 row in the forward, bounded apart
+from the chunk: PROMPT_LOGPROB_BYTES), the request slots, and the KV room once the running
 requests' future tokens are reserved (new_token_ratio of their remaining
 max_new_tokens, each clipped at CLIP_MAX_NEW_TOKENS). For each request it matches
 the prompt in the radix tree, locks the match, and either admits the request (it
@@ -35,6 +37,10 @@ if TYPE_CHECKING:
     from sgl.sched.scheduler import Scheduler
 
 CLIP_MAX_NEW_TOKENS = 4096
+# The float32 prompt-logprob rows one prefill forward may hold (their log_softmax),
+# whatever the chunk: 2 GiB is 3,533 rows of Qwen3's 151,936-token vocabulary, so an
+# H200's 16,384-token chunk does not become 10 GB of logprobs.
+PROMPT_LOGPROB_BYTES = 2 << 30
 IN_BATCH_PREFIX_MIN = 32  # shared tokens beyond the tree's match that make a request wait for a sibling
 
 
@@ -59,6 +65,11 @@ def future_tokens(req: Req) -> int:
     return min(req.sampling_params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) * beams
 
 
+def prompt_logprob_rows(vocab_size: int, chunk_size: int) -> int:
+    """Prompt tokens with logprobs one round may compute (at least one, at most a chunk)."""
+    return max(1, min(chunk_size, PROMPT_LOGPROB_BYTES // (4 * vocab_size)))
+
+
 def reserved_tokens(running: Iterable[Req], new_token_ratio: float) -> int:
     """KV the running requests are expected to still need."""
     return sum(int(future_tokens(r) * new_token_ratio) for r in running)
@@ -76,6 +87,7 @@ class PrefillAdder:
         rids: Mapping[str, Req],
         max_prefill_tokens: int,
         chunk_size: int,
+        logprob_rows: int,
         max_running_requests: int,
         new_token_ratio: float,
     ) -> None:
@@ -89,6 +101,7 @@ class PrefillAdder:
         self.new_token_ratio = new_token_ratio
         self.budget = max_prefill_tokens  # prefill tokens left this round
         self.chunk_left = chunk_size  # tokens left in this round's chunk
+        self.logprob_rows_left = logprob_rows  # prompt tokens with logprobs left this round
         self.reserved = reserved_tokens(running, new_token_ratio)
         self.claimed = 0  # tokens admitted this round (allocated by the scheduler) plus their reserve
         self.admitted: list[Req] = []
@@ -118,11 +131,12 @@ class PrefillAdder:
         # Hand the chunks written so far to the tree (their KV may still be in flight:
         # the worker runs batches in order, so later readers see it written).
         self.tree.cache_unfinished_req(req)
-        n = min(req.seq_len - req.kv_len, self.chunk_left)
+        n = self._chunk(req, req.seq_len - req.kv_len)
         if n > self.room():
             return False
         req.extend_len = n
         self.admitted.append(req)
+        self._take_rows(req, n)
         self.chunk_left -= n
         self.budget -= n
         self.claimed += n
@@ -143,6 +157,8 @@ class PrefillAdder:
         self.current = req
         if self.chunk_left <= 0 or self.budget <= 0 or self.n_running + len(self.admitted) >= self.max_running_requests:
             return Verdict.FULL
+        if req.needs_input_logprobs and self.logprob_rows_left <= 0:
+            return Verdict.FULL
         if self.pool.available_size() < (req.beam.width if req.beam is not None else 1):
             return Verdict.FULL  # a beam request takes a row per beam
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) and lead.is_leader:
@@ -154,7 +170,7 @@ class PrefillAdder:
         if not req.needs_input_logprobs and self.prefix_in_flight(ids, len(match.indices)):
             return Verdict.DEFERRED  # its prefix is being computed: wait a round and reuse it
         todo = len(ids) - len(match.indices)
-        n = min(todo, self.chunk_left)
+        n = self._chunk(req, todo)
         need = n + (int(future_tokens(req) * self.new_token_ratio) if n == todo else 0)
         # Lock the match first: a locked prefix is no longer evictable room.
         self.tree.inc_lock_ref(match.last_node)
@@ -165,6 +181,7 @@ class PrefillAdder:
             return Verdict.NO_ROOM
         self._admit(req, match, n)
         self.admitted.append(req)
+        self._take_rows(req, n)
         self.claimed += need
         self.budget -= n
         self.chunk_left -= n
@@ -172,6 +189,15 @@ class PrefillAdder:
             self.chunked_req = req
             return Verdict.CHUNKED
         return Verdict.ADMITTED
+
+    def _chunk(self, req: Req, todo: int) -> int:
+        """How much of a request's `todo` prompt tokens this round takes."""
+        n = min(todo, self.chunk_left)
+        return min(n, self.logprob_rows_left) if req.needs_input_logprobs else n
+
+    def _take_rows(self, req: Req, n: int) -> None:
+        if req.needs_input_logprobs:
+            self.logprob_rows_left -= n
 
     def prefix_in_flight(self, ids: list[int], matched: int) -> bool:
         """Whether a request being prefilled (this round or in flight) shares a longer
@@ -221,7 +247,7 @@ def prefill_batch(s: Scheduler) -> ScheduleBatch | None:
         return None
     adder = s.adder = PrefillAdder(
         s.tree, s.pool, s.allocator, running=s.running, prefilling=s.prefilling, rids=s.rids,
-        max_prefill_tokens=s.args.max_prefill_tokens, chunk_size=s.chunk_size,
+        max_prefill_tokens=s.args.max_prefill_tokens, chunk_size=s.chunk_size, logprob_rows=s.logprob_rows,
         max_running_requests=s.runner.max_running_requests, new_token_ratio=s.new_token_ratio)
     if s.chunked_req is not None and not adder.add_chunked(s.chunked_req):
         return None

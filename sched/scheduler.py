@@ -46,7 +46,7 @@ from sgl.sched.beam import release_beams
 from sgl.sched.decode import INIT_NEW_TOKEN_RATIO, decode_batch
 from sgl.sched.grammar import Grammars, admit_compiled
 from sgl.sched.models.parallel import TPGroup
-from sgl.sched.prefill_adder import PrefillAdder, prefill_batch
+from sgl.sched.prefill_adder import PrefillAdder, prefill_batch, prompt_logprob_rows
 from sgl.sched.req import Req
 from sgl.sched.results import error_message, fail_batch, process, start_logprobs, token_id_output
 from sgl.sched.runner.model_runner import ModelRunner, eos_ids_of
@@ -98,6 +98,7 @@ class Scheduler:
         self.outbox: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO  # see sgl.sched.decode
         self.chunk_size = self.runner.chunked_prefill_size or self.runner.context_length
+        self.logprob_rows = prompt_logprob_rows(self.runner.vocab_size, self.chunk_size)
         self.strict = os.environ.get("SGL_STRICT_INVARIANTS") == "1"
         self.invariant_violations = 0
         self.checked_idle = False

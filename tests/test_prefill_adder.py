@@ -20,7 +20,7 @@ from sgl.cache.req_to_token_pool import ReqToTokenPool
 from sgl.core.protocol import GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.prefill_adder import CLIP_MAX_NEW_TOKENS, IN_BATCH_PREFIX_MIN, PrefillAdder, Verdict
+from sgl.sched.prefill_adder import CLIP_MAX_NEW_TOKENS, IN_BATCH_PREFIX_MIN, PrefillAdder, Verdict, prompt_logprob_rows
 from sgl.sched.req import Req
 from tests.hypothesis_profiles import PROFILE
 
@@ -35,11 +35,11 @@ def make(kv: int = 1000, rows: int = 8, ctx: int = 512, disable: bool = False) -
 
 def adder(pools: Pools, *, running: Sequence[Req] = (), prefilling: Sequence[Req] = (),
           rids: dict[str, Req] | None = None, budget: int = 16384, chunk: int = 4096, max_running: int = 256,
-          ratio: float = 0.7) -> PrefillAdder:
+          ratio: float = 0.7, lp_rows: int = 1 << 20) -> PrefillAdder:
     pool, alloc, tree = pools
     return PrefillAdder(tree, pool, alloc, running=running, prefilling=prefilling, rids=rids or {},
-                        max_prefill_tokens=budget, chunk_size=chunk, max_running_requests=max_running,
-                        new_token_ratio=ratio)
+                        max_prefill_tokens=budget, chunk_size=chunk, logprob_rows=lp_rows,
+                        max_running_requests=max_running, new_token_ratio=ratio)
 
 
 def req(rid: str, ids: list[int], max_new: int = 8, **msg: object) -> Req:
@@ -83,6 +83,23 @@ def test_chunk_bounds_the_round_and_budget_is_checked_before_each_request() -> N
     # Budget left before each request: the second starts with 10 left and goes whole.
     assert [r.extend_len for r in b.admitted] == [30, 30] and b.budget == -20 and b.chunked_req is None
     assert b.add_one(req("late", [9] * 5)) is Verdict.FULL
+
+
+LOGPROBS = {"return_logprob": True, "logprob_start_len": 0}
+
+
+def test_prompt_logprob_rows_are_bounded_apart_from_the_chunk() -> None:
+    """Requests asking for prompt logprobs take at most the round's logprob rows; others
+    are not held to them, and a round with none left ends at the next logprob request."""
+    a = adder(make(), chunk=100, lp_rows=40)
+    first, second = req("a", [1] * 30, **LOGPROBS), req("b", [2] * 30, **LOGPROBS)
+    a.add_waiting([req("plain", [3] * 25), first, second], "fcfs")
+    assert [r.extend_len for r in a.admitted] == [25, 30, 10] and a.chunked_req is second
+    b = adder(make(), chunk=100, lp_rows=30)
+    b.add_waiting([req("a", [1] * 30, **LOGPROBS), req("c", [4] * 5, **LOGPROBS), req("plain", [3] * 25)], "fcfs")
+    assert [r.rid for r in b.admitted] == ["a"] and b.logprob_rows_left == 0
+    assert [prompt_logprob_rows(v, 16384) for v in (151936, 49152, 1024)] == [3533, 10922, 16384]
+    assert prompt_logprob_rows(1 << 40, 100) == 1  # a round always makes progress
 
 
 def test_request_slots_and_rows_end_the_round() -> None:
@@ -213,28 +230,30 @@ def prompts(draw: st.DrawFn, base: list[int]) -> list[int]:
     rows=st.integers(1, 8),
     budget=st.integers(1, 200),
     chunk=st.integers(1, 120),
+    lp_rows=st.integers(1, 120),
     max_running=st.integers(1, 12),
     ratio=st.floats(0.1, 1.0),
     policy=st.sampled_from(["fcfs", "lpm"]),
     disable=st.booleans(),
 )
 def test_random_rounds_keep_every_limit(data: st.DataObject, base: list[int], running: list[int], kv: int,
-                                        rows: int, budget: int, chunk: int, max_running: int, ratio: float,
-                                        policy: str, disable: bool) -> None:
+                                        rows: int, budget: int, chunk: int, lp_rows: int, max_running: int,
+                                        ratio: float, policy: str, disable: bool) -> None:
     cached = data.draw(st.lists(prompts(base), max_size=3))
-    waiting = data.draw(st.lists(st.tuples(prompts(base), st.integers(0, 100)), min_size=1, max_size=8))
+    waiting = data.draw(st.lists(st.tuples(prompts(base), st.integers(0, 100), st.booleans()), min_size=1, max_size=8))
     pools = make(kv=kv, rows=rows, disable=disable)
     pool, alloc, tree = pools
     for key in cached:
         if len(key) <= alloc.available_size():
             cache(pools, key)
-    queue = [req(f"w{i}", ids, max_new=m) for i, (ids, m) in enumerate(waiting)]
+    queue = [req(f"w{i}", ids, max_new=m, **(LOGPROBS if lp else {})) for i, (ids, m, lp) in enumerate(waiting)]
     run = [req(f"r{i}", [1], max_new=m) for i, m in enumerate(running)]
-    a = adder(pools, running=run, budget=budget, chunk=chunk, max_running=max_running, ratio=ratio)
+    a = adder(pools, running=run, budget=budget, chunk=chunk, max_running=max_running, ratio=ratio, lp_rows=lp_rows)
     free, evictable = alloc.available_size(), tree.evictable_size()
     a.add_waiting(queue, policy)
     ext = [r.extend_len for r in a.admitted]
     assert sum(ext) <= chunk and sum(ext[:-1]) < budget  # each admission began with budget left
+    assert sum(r.extend_len for r in a.admitted if r.needs_input_logprobs) <= lp_rows
     assert len(a.admitted) + len(run) <= max(max_running, len(run)) and len(a.admitted) <= rows
     assert pool.available_size() == rows - len(a.admitted)
     # What is admitted fits; the reserve holds unless one request went alone.

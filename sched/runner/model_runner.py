@@ -34,9 +34,12 @@ if TYPE_CHECKING:
     from sgl.sched.runner.cuda_graph import CudaGraphRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# chunked_prefill_size=None: SGLang's defaults by GPU memory (GiB, exclusive bound -> tokens);
-# an H200 (141 GB) gets 8192, a B200 16384.
-GPU_CHUNK_DEFAULTS = [(20, 2048), (35, 2048), (60, 4096), (90, 8192), (160, 8192)]
+# chunked_prefill_size=None: by GPU memory (GiB, exclusive bound -> tokens), SGLang's
+# defaults below 90 GiB; an H200 (141 GB) or larger gets 16384 (vLLM's offline default
+# there; SGLang gives an H200 8192): W3 measured 37,577 tok/s against 32,269 with 8192
+# on one H200, same call (benchmarks/RESULTS.md, session 9), as the host builds a quarter
+# of the prefill batches. Prompt-logprob rows are bounded apart (sgl.sched.prefill_adder).
+GPU_CHUNK_DEFAULTS = [(20, 2048), (35, 2048), (60, 4096), (90, 8192)]
 GPU_CHUNK_LARGEST = 16384
 # On CPU: the forward's cost grows linearly with its tokens already (no device to fill),
 # so larger chunks gain little throughput, while they stall every decoding request for
