@@ -81,8 +81,11 @@ for step in "$@"; do
     # The front end's loop stalls at the issue's size (carry .lt: the default model's config
     # and tokenizer files, ~3.4 MB; null weights, so the host's 16 cores serve the front end).
     looplag) run 300 python3 benchmarks/loop_lag.py --prompts 64 --words 3000 --transport ipc --null --model .lt ;;
-    # Issue 16: 256 requests generated plain and under a JSON schema (carry .lt, as looplag).
-    grammar) run 300 python3 -m benchmarks.grammar_cost --model .lt --load-format dummy --dtype bfloat16 \
+    # Issue 16: grammar rows under overlap and graphs (tests/test_gpu_grammar.py), then 256
+    # requests generated plain and under a JSON schema (carry .lt, as looplag).
+    grammar) run 200 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
+               tests/test_gpu_grammar.py
+             run 300 python3 -m benchmarks.grammar_cost --model .lt --load-format dummy --dtype bfloat16 \
                --requests 256 --new-tokens 256 ;;
     beamtests) run 300 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
                  tests/test_gpu_beams.py ;;

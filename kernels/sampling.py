@@ -1,7 +1,11 @@
 """Top-k / top-p filtering of a batch of probabilities, the one dispatch point for
 it: FlashInfer's renormalisation kernels (no sort) for CUDA tensors when FlashInfer
 is installed, a sort in pure torch otherwise (CPU, and the reference the tests
-compare with).
+compare with). And `fused_draw`: one draw per row by FlashInfer's sampling kernels,
+which read a [B, V] row once (from logits: Gumbel-max; from filtered probabilities:
+inverse CDF), where the sampler's own exponential race makes four passes over it;
+their Philox stream is one per batch (a seed array is read at its first entry
+only), so rows with a seed of their own keep the sampler's race.
 
 Semantics, both paths: order a row by descending probability; a token stays when
 its rank is < top_k and the mass strictly before it is < top_p, both measured on
@@ -30,6 +34,19 @@ from __future__ import annotations
 import torch
 
 from sgl.kernels.layers import flashinfer_module
+
+
+def fused_draw(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, need_top_k: bool, need_top_p: bool,
+               generator: torch.Generator | None) -> torch.Tensor | None:
+    """scaled: [B, V] float32 logits already divided by temperature. One token id per
+    row ([B] int64) drawn from softmax(scaled) filtered by top_k_top_p, from the batch's
+    generator; None where FlashInfer cannot (not a CUDA tensor, not installed)."""
+    if not scaled.is_cuda or (fi := flashinfer_module()) is None:
+        return None
+    if not (need_top_k or need_top_p):
+        return fi.sampling.sampling_from_logits(scaled, generator=generator).long()
+    probs = top_k_top_p(torch.softmax(scaled, dim=-1), top_k, top_p, need_top_k, need_top_p)
+    return fi.sampling.sampling_from_probs(probs, generator=generator).long()
 
 
 def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

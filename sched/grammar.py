@@ -7,13 +7,16 @@ request with an abort reason that carries status_code 400 and names the field.
 A ready request holds an xgrammar GrammarMatcher (`req.grammar`): the batch
 preparation fills each such row's token bitmask from it, the sampler applies it, and
 each sampled token is accepted into it when the results are processed. Grammar
-requests run their steps serially (the matcher must have taken the last token before
-the next mask), while the others keep the overlap loop.
+requests keep the overlap loop: a batch's forward is queued before the previous
+step's results are processed, its masks filled and its sampling queued after
+(sgl.sched.runner.step.Deferred), so the matcher has taken the last token before the
+next mask. Beams under a grammar run their steps serially.
 
 It never builds batches and never touches logits."""
 
 from __future__ import annotations
 
+import functools
 import re
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
@@ -109,14 +112,10 @@ class Grammars:
     # ---- the worker thread ----
 
     def _compile(self, kind: str, text: str) -> Any:
-        xgr = _backend()
         if self._compiler is None:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=self.trust_remote_code,
-                                                local_files_only=True)
-            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
+            assert self.tokenizer_path is not None  # error() refused grammars without a tokenizer
+            self._compiler = _compiler_for(self.tokenizer_path, self.trust_remote_code, self.vocab_size,
+                                           tuple(self.eos_ids))
         if kind == "json_schema":
             # Whitespace between tokens stays allowed but bounded: a small model left free
             # can emit it until max_new_tokens, and the JSON never closes.
@@ -124,6 +123,20 @@ class Grammars:
         if kind == "regex":
             return self._compiler.compile_regex(text)
         return self._compiler.compile_grammar(text)
+
+
+@functools.lru_cache(maxsize=4)
+def _compiler_for(tokenizer_path: str, trust_remote_code: bool, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:
+    """One xgrammar compiler (and its grammar cache) per tokenizer in a process: engines
+    of one process (inproc roles, tests) share it instead of each reading the whole
+    vocabulary into a TokenizerInfo again (seconds for a 50k vocabulary). xgrammar's
+    compiler is safe to call from several threads."""
+    from transformers import AutoTokenizer
+
+    xgr = _backend()
+    tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code, local_files_only=True)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=list(eos_ids))
+    return xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
 
 
 def admit_compiled(s: Scheduler) -> None:

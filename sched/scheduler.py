@@ -50,7 +50,7 @@ from sgl.sched.prefill_adder import PrefillAdder, prefill_batch, prompt_logprob_
 from sgl.sched.req import Req
 from sgl.sched.results import error_message, fail_batch, process, start_logprobs, token_id_output
 from sgl.sched.runner.model_runner import ModelRunner, eos_ids_of
-from sgl.sched.runner.step import Launched
+from sgl.sched.runner.step import Deferred, Launched
 from sgl.sched.stop import StopStrings
 from sgl.sched.trie_store import TrieStore, constrain
 from sgl.transports.channel import Receiver, Sender
@@ -135,7 +135,9 @@ class Scheduler:
         IDLE_POLL_S for it), build and launch the next batch, then process the previous
         batch's results and send what finished or streamed. With overlap, batch N+1 is
         launched before batch N's results are processed; without it, each batch is
-        processed in the turn that launched it. False once a ShutdownReq was handled."""
+        processed in the turn that launched it. A batch with grammar rows has its masks
+        filled and its sampling queued only after the previous results are processed
+        (its forward runs meanwhile). False once a ShutdownReq was handled."""
         if self.waiting or self.running or self.chunked_req or self.pending or self.grammars.pending:
             msgs = self.recv.recv_all_nowait()
         else:
@@ -159,13 +161,17 @@ class Scheduler:
         if batch is not None and launched is not None and not self.overlap:
             self.pending, launched = (batch, launched), None
         t2 = self._collect(*self.pending) if self.pending is not None else t1
-        self.pending = (batch, launched) if launched is not None and batch is not None else None
-        self._flush_outbox()
         t3 = time.perf_counter()
+        if batch is not None and isinstance(launched, Deferred):  # its masks need the results just processed
+            launched = self._complete(batch, launched)
+        self.pending = (batch, launched) if launched is not None and batch is not None else None
+        t4 = time.perf_counter()
+        self._flush_outbox()
+        t5 = time.perf_counter()
         st = self.stats
-        st["build_s"] += t1 - t0
+        st["build_s"] += t1 - t0 + t4 - t3
         st["wait_s"] += t2 - t1
-        st["process_s"] += t3 - t2
+        st["process_s"] += t3 - t2 + t5 - t4
         return True
 
     def _next_batch(self) -> ScheduleBatch | None:
@@ -196,11 +202,23 @@ class Scheduler:
             for r in batch.unique_reqs:
                 r.inflight += 1
             counted = True
-            return self.runner.launch(prepared)
+            launched = self.runner.launch(prepared)
+            # Without overlap the previous results are in already: mask and sample now.
+            return launched.complete() if isinstance(launched, Deferred) and not self.overlap else launched
         except Exception as e:  # noqa: BLE001 - contained to this batch
             for r in batch.unique_reqs if counted else ():
                 r.inflight -= 1
             fail_batch(self, batch, e, "forward" if counted else "prepare", kv_written=False)
+            return None
+
+    def _complete(self, batch: ScheduleBatch, deferred: Deferred) -> Launched | None:
+        """Queue a deferred batch's masks and sampling; None if that fails (its requests then end)."""
+        try:
+            return deferred.complete()
+        except Exception as e:  # noqa: BLE001 - contained to this batch
+            for r in batch.unique_reqs:
+                r.inflight -= 1
+            fail_batch(self, batch, e, "sampling", kv_written=False)
             return None
 
     def _collect(self, batch: ScheduleBatch, handle: Launched) -> float:

@@ -57,10 +57,12 @@ def constrain(req: Req, store: TrieStore, runner: ModelRunner) -> str | None:
     """Set a new request's trie and whether it runs serially; why it cannot run, or None."""
     proc = runner.processors.get(req.processor) if req.processor else None
     # The host must know each step's outcome before the next: processors reading output ids,
-    # grammars (the matcher takes each token before the next mask), and beams on CPU, whose
-    # forward worker would move rows while the next batch is prepared.
-    req.serial = ((proc is not None and proc.needs_output_ids) or req.sampling_params.grammar is not None
-                  or (req.beam is not None and runner.device.type == "cpu"))
+    # beams under a grammar (which beam forks which matcher is known only from the
+    # selection), and beams on CPU, whose forward worker would move rows while the next
+    # batch is prepared. Plain grammar requests keep the overlap: their masks are filled
+    # after the previous results are in (sgl.sched.runner.step.Deferred).
+    beam_serial = req.beam is not None and (req.sampling_params.grammar is not None or runner.device.type == "cpu")
+    req.serial = (proc is not None and proc.needs_output_ids) or beam_serial
     c = req.sampling_params.constraint
     if c is None:
         return None

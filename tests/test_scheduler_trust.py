@@ -49,13 +49,14 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 class Driver:
     def __init__(self, model_dir: str, **kw: Any) -> None:
         self.inbox, self.out = QueueReceiver(), ListSender()
-        args = ServerArgs(model_path=model_dir, skip_tokenizer_init=True, device="cpu", **kw)
+        kw.setdefault("skip_tokenizer_init", True)
+        args = ServerArgs(model_path=model_dir, device="cpu", **kw)
         self.s = Scheduler(args, model_dir, self.inbox, self.out)
         self.ids: dict[str, list[int]] = collections.defaultdict(list)
         self.reasons: dict[str, dict[str, Any]] = {}
 
-    def submit(self, rid: str, ids: list[int], n: int) -> None:
-        self.inbox.q.append(GenerateReqInput(rid, ids, SamplingParams(max_new_tokens=n, **GREEDY)))
+    def submit(self, rid: str, ids: list[int], n: int, **params: Any) -> None:
+        self.inbox.q.append(GenerateReqInput(rid, ids, SamplingParams(max_new_tokens=n, **{**GREEDY, **params})))
 
     def run(self, max_steps: int) -> int:
         """Steps until idle; fails (a livelock) past max_steps."""
@@ -156,7 +157,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, rid: str, nth: int | None, make: Cal
     `rid` (of every one if nth is None); the count of those batches so far."""
     rids: dict[int, list[str]] = {}
     seen: collections.Counter[str] = collections.Counter()
-    prepare, forward = ModelRunner.prepare, ModelRunner._forward
+    prepare, forward = ModelRunner.prepare, ModelRunner._logits
 
     def hit() -> bool:
         seen[rid] += 1
@@ -176,7 +177,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, rid: str, nth: int | None, make: Cal
         return forward(self, p)
 
     monkeypatch.setattr(ModelRunner, "prepare", prepare_)
-    monkeypatch.setattr(ModelRunner, "_forward", forward_)
+    monkeypatch.setattr(ModelRunner, "_logits", forward_)
     return seen
 
 

@@ -160,6 +160,48 @@ def test_grammars_hold_through_retraction_on_null_weights(tmp_path: Any) -> None
 
 
 
+def _null_with_tokenizer(tmp_path: Any) -> str:
+    """The default model's config and tokenizer, for null weights (only the mask shapes the output)."""
+    import shutil
+
+    from sgl.sched.models.default_model import default_model_dir
+
+    src = default_model_dir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(f"{src}/{f}", tmp_path / f)
+    return str(tmp_path)
+
+
+def test_grammar_requests_keep_the_overlap_loop(tmp_path: Any) -> None:
+    """Under overlap each loop turn launches the next step of a grammar request (its
+    forward queued before the previous token is in the matcher, its mask after), so n
+    tokens take about n turns, not the 2n of stepping serially; the tokens equal the
+    same requests without overlap, and every output matches its regex."""
+    from transformers import AutoTokenizer
+
+    from tests.test_scheduler_trust import Driver
+
+    model = _null_with_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(model)
+    pattern = r"[a-z]{3}-[0-9]{30}"
+    got = {}
+    for overlap in (True, False):
+        d = Driver(model, load_format="null", skip_tokenizer_init=False, disable_overlap_schedule=not overlap)
+        for i in range(3):
+            d.submit(f"r{i}", [10 + i, 20, 30], 40, regex=pattern, temperature=0.8, seed=i, ignore_eos=False)
+        d.s.step()  # takes the requests in: they compile on the grammar thread, admitted once ready
+        while d.s.grammars.pending:
+            d.s.step()
+        turns = d.run(max_steps=500)
+        assert {r["type"] for r in d.reasons.values()} == {"stop"}
+        assert all(re.fullmatch(pattern, tok.decode(ids[:-1])) for ids in d.ids.values()), d.ids
+        got[overlap] = dict(d.ids)
+        if overlap:  # a turn per token, a few more to start and end (serial steps took two per token)
+            assert turns <= max(map(len, d.ids.values())) + 4, turns
+        d.balanced()
+    assert got[True] == got[False]
+
+
 def _grammar_allowed(pattern: str, eos: list[int]) -> Any:
     """A generated prefix -> the ids the regex allows next (EOS once it may end), by xgrammar."""
     import torch

@@ -27,8 +27,9 @@ from sgl.sched.models.parallel import TPGroup
 from sgl.sched.runner.beam_select import BeamBuffers, select
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
+from sgl.sched.runner.prepare_beams import grammar_mask
 from sgl.sched.runner.sampler import process_logits, sample
-from sgl.sched.runner.step import CudaLaunched, Launched, Ready, StepResult
+from sgl.sched.runner.step import CudaLaunched, Deferred, Launched, Ready, StepResult
 
 if TYPE_CHECKING:
     from sgl.sched.runner.cuda_graph import CudaGraphRunner
@@ -194,7 +195,8 @@ class ModelRunner:
                                    seed=args.random_seed or 0, tp=self.tp)
         return model, config  # in eval mode already
 
-    def _mask(self, processed: torch.Tensor, logits: torch.Tensor, p: PreparedBatch) -> torch.Tensor:
+    def _mask(self, processed: torch.Tensor, logits: torch.Tensor, p: PreparedBatch,
+              bitmask: torch.Tensor | None) -> torch.Tensor:
         """Each trie row keeps only its node's children (EOS where a sequence ends), each
         grammar row only the tokens its bitmask allows."""
         if processed is logits and p.beam_src is None:
@@ -209,10 +211,10 @@ class ModelRunner:
         if p.grammar is not None:
             from xgrammar import apply_token_bitmask_inplace
 
-            entries, mask = p.grammar
-            rows = processed[entries]
-            apply_token_bitmask_inplace(rows, mask, vocab_size=self.vocab_size)
-            processed[entries] = rows
+            assert bitmask is not None
+            rows = processed[p.grammar.entries]
+            apply_token_bitmask_inplace(rows, bitmask, vocab_size=self.vocab_size)
+            processed[p.grammar.entries] = rows
         return processed
 
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
@@ -226,44 +228,70 @@ class ModelRunner:
         on the host. On CUDA the kernels are queued and the results come back through
         pinned buffers and an event, so the caller works on while the GPU runs (the
         overlap loop needs no thread there). On CPU the forward runs on the worker
-        thread when there is one, else right away."""
+        thread when there is one, else right away. A batch with grammar rows gives a
+        Deferred handle: its forward is queued now, its masks are filled and its
+        sampling queued at `complete()` (after the previous step's results are in the
+        matchers), so grammar requests keep the overlap loop."""
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            step = self._forward(p).to_host(non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True)
-            done.record()
-            return CudaLaunched(step, start, done, self.gpu_timeline, p.attn.is_decode)
+            logits = self._logits(p)
+
+            def queue_rest() -> Launched:
+                step = self._sample(p, logits, self._bitmask(p)).to_host(non_blocking=True)
+                done = torch.cuda.Event(enable_timing=True)
+                done.record()
+                return CudaLaunched(step, start, done, self.gpu_timeline, p.attn.is_decode)
+
+            return queue_rest() if p.grammar is None else Deferred(queue_rest)
         if self.worker is not None:
-            return self.worker.submit(self.execute, p)
-        return Ready(self.execute(p))
+            worker = self.worker
+            forward = worker.submit(self._logits, p)
+
+            def submit_rest() -> Launched:
+                bitmask = self._bitmask(p)  # here: the matchers are the scheduler thread's
+                return worker.submit(lambda: self._sample(p, forward.result(), bitmask).to_host(non_blocking=False))
+
+            return submit_rest() if p.grammar is None else Deferred(submit_rest)
+        ready = self._logits(p)
+
+        def run_rest() -> Launched:
+            return Ready(self._sample(p, ready, self._bitmask(p)).to_host(non_blocking=False))
+
+        return run_rest() if p.grammar is None else Deferred(run_rest)
 
     def execute(self, p: PreparedBatch) -> StepResult:
         """Run one prepared batch to completion; its results on the host."""
-        return self._forward(p).to_host(non_blocking=False)
+        return self._sample(p, self._logits(p), self._bitmask(p)).to_host(non_blocking=False)
+
+    def _bitmask(self, p: PreparedBatch) -> torch.Tensor | None:
+        return None if p.grammar is None else grammar_mask(p.grammar, self.vocab_size, self.device)
 
     @torch.inference_mode()
-    def _forward(self, p: PreparedBatch) -> StepResult:
-        """Queue one batch: the sampled next token of each request and, when asked,
-        logprobs (log_softmax of the raw logits, before bias, penalties and
-        temperature), as device tensors."""
+    def _logits(self, p: PreparedBatch) -> torch.Tensor:
+        """Queue one batch's forward: the logits rows it computes, on the device."""
         # Decode inputs are the tokens the previous step sampled, still on the device.
         input_ids = self.next_token[p.rows] if p.input_ids is None else p.input_ids
         if p.attn.is_decode and self.graphs is not None and self.graphs.can_run(len(p.attn.qo_lens)):
-            all_logits = self.graphs.replay(p, input_ids)
-        else:
-            self.attn_backend.begin_forward(p.attn)
-            fb = ForwardBatch(
-                input_ids=input_ids,
-                positions=p.positions,
-                out_cache_loc=p.out_cache_loc,
-                logits_indices=p.logits_indices,
-                attn=p.attn,
-                attn_backend=self.attn_backend,
-                kv_pool=self.kv_pool,
-            )
-            all_logits = self.model(fb)
+            return self.graphs.replay(p, input_ids)
+        self.attn_backend.begin_forward(p.attn)
+        fb = ForwardBatch(
+            input_ids=input_ids,
+            positions=p.positions,
+            out_cache_loc=p.out_cache_loc,
+            logits_indices=p.logits_indices,
+            attn=p.attn,
+            attn_backend=self.attn_backend,
+            kv_pool=self.kv_pool,
+        )
+        return self.model(fb)
 
+    @torch.inference_mode()
+    def _sample(self, p: PreparedBatch, all_logits: torch.Tensor, bitmask: torch.Tensor | None) -> StepResult:
+        """Queue the rest of one batch after its forward: the sampled next token of each
+        request and, when asked, logprobs (log_softmax of the raw logits, before bias,
+        penalties and temperature), as device tensors. A graph's logits are its output
+        buffer: this is queued before the next forward, so it reads them first."""
         logits = all_logits if p.sample_rows is None else all_logits[p.sample_rows]
         counts = None
         if p.sampling.penalties is not None:
@@ -279,7 +307,7 @@ class ModelRunner:
             logits[p.beam_src] = torch.log_softmax(logits[p.beam_src], dim=-1)
         processed = process_logits(logits, p.sampling, counts, errors)
         if p.tries or p.grammar is not None:
-            processed = self._mask(processed, logits, p)
+            processed = self._mask(processed, logits, p, bitmask)
         next_ids = sample(processed, p.sampling, self.generator)
         self.next_token[p.rows] = next_ids
         if self.counts is not None:

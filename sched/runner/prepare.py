@@ -17,7 +17,7 @@ from sgl.cache.req_to_token_pool import gather_kv_indices
 from sgl.kernels.attention import AttnMetadata, CascadeMeta
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.runner.beam_select import BeamGroup
-from sgl.sched.runner.prepare_beams import TrieGroup, beam_groups, grammar_masks, trie_groups
+from sgl.sched.runner.prepare_beams import GrammarRows, TrieGroup, beam_groups, grammar_rows, trie_groups
 from sgl.sched.runner.sampler import SamplingBatch
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class PreparedBatch:
     beams: list[BeamGroup]  # beam requests' selections, by shape
     beam_src: torch.Tensor | None  # every beam source among the sampled rows (they get log_softmax)
     tries: list[TrieGroup]  # trie-constrained rows, by trie
-    grammar: tuple[torch.Tensor, torch.Tensor] | None  # grammar rows among the sampled rows, their bitmasks
+    grammar: GrammarRows | None  # grammar rows among the sampled rows (their bitmasks come at sampling)
 
 
 class BatchPreparer:
@@ -125,7 +125,7 @@ class BatchPreparer:
             beams=beams,
             beam_src=torch.cat([g.src for g in beams]) if beams else None,
             tries=tries,
-            grammar=grammar_masks(batch, r) if any(q.grammar is not None for q in reqs) else None,
+            grammar=grammar_rows(batch, r) if any(q.grammar is not None for q in reqs) else None,
             rows=rows_dev,
             input_ids=ids,
             positions=self._dev(batch.positions),

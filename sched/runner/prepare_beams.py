@@ -3,9 +3,11 @@ one batch, at build time: which sampled rows are a beam request's sources and wh
 its beams next, grouped by shape for one batched top-k each (sgl.sched.runner.
 beam_select); and, per trie, the rows it masks, the widest node they can be at
 (from their depths, so the device gathers a fixed width), the nodes of rows whose
-first token this batch samples, and the rows the sampled token advances; and each
-grammar row's token bitmask, filled from its matcher (grammar requests run serially,
-so the matcher has taken every token before this one; a beam row's is its beam's own).
+first token this batch samples, and the rows the sampled token advances; and the
+grammar rows, whose token bitmasks are filled from their matchers only once the
+previous step's results are processed (sgl.sched.runner.model_runner: the forward is
+queued first, mask and sampling after), so the matcher has taken every token before
+this one; a beam row's is its beam's own.
 
 It reads request state and writes the beam groups' order into the batch
 (`beam_index`, for the results); it runs nothing on the device."""
@@ -13,7 +15,7 @@ It reads request state and writes the beam groups' order into the batch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,28 +40,44 @@ class TrieGroup:
     advance_rows: torch.Tensor | None  # their request rows
 
 
-def grammar_masks(batch: ScheduleBatch, runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(the grammar rows among the sampled logits rows, their token bitmasks) on the
-    device, or None when no row of the batch has a grammar. A beam row's matcher is its
-    beam's own."""
-    reqs = batch.reqs
+@dataclass(slots=True)
+class GrammarRows:
+    """A batch's grammar rows, known at build time; their bitmasks are filled later
+    (`grammar_mask`), once the previous step's tokens are in the matchers."""
+
+    entries: torch.Tensor  # [g] the grammar rows among the batch's sampled logits rows, on the device
+    reqs: list[Req]
+    beams: list[int]  # each row's beam within its request (0 for a plain request)
+
+
+def grammar_rows(batch: ScheduleBatch, runner: ModelRunner) -> GrammarRows | None:
+    """The batch's grammar rows, or None when no sampled row has a grammar."""
     entries: list[int] = []
-    matchers: list[Any] = []
-    for i, (r, beam) in enumerate(zip(reqs, beam_offsets(reqs))):
+    reqs: list[Req] = []
+    beams: list[int] = []
+    for i, (r, beam) in enumerate(zip(batch.reqs, beam_offsets(batch.reqs))):
         if r.grammar is not None and sampled(batch, i):
             entries.append(i)
-            own = r.beam.matchers if r.beam is not None else None
-            matchers.append(r.grammar if own is None else own[beam])
+            reqs.append(r)
+            beams.append(beam)
     if not entries:
         return None
+    return GrammarRows(to_device(torch.tensor(entries, dtype=torch.int64), runner.device), reqs, beams)
+
+
+def grammar_mask(g: GrammarRows, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The rows' token bitmasks from their matchers as they are now, on the device (a
+    beam row's from its beam's own matcher). A row whose request ended since the batch
+    was built is left all-allowed: its token is dropped."""
     import xgrammar
 
-    mask = xgrammar.allocate_token_bitmask(len(entries), runner.vocab_size)
-    for j, m in enumerate(matchers):
-        if not m.is_terminated():
+    mask = xgrammar.allocate_token_bitmask(len(g.reqs), vocab_size)
+    for j, (r, beam) in enumerate(zip(g.reqs, g.beams)):
+        own = r.beam.matchers if r.beam is not None else None
+        m = r.grammar if own is None else own[beam]
+        if not r.finished and not m.is_terminated():
             m.fill_next_token_bitmask(mask, j)
-    dev = runner.device
-    return to_device(torch.tensor(entries, dtype=torch.int64), dev), to_device(mask, dev)
+    return to_device(mask, device)
 
 
 def stop_ids_of(r: Req, eos_ids: frozenset[int]) -> list[int]:

@@ -10,6 +10,9 @@ exponential race (argmax p / E, E ~ Exp(1)), which samples exactly from p and
 ignores p's scale. A request with a seed draws the noise of its k-th output
 token from a generator seeded by (seed, k): its tokens depend neither on what
 else is in the batch nor on chunked prefill, prefix-cache hits or retraction.
+On a GPU a batch with no such row and no min-p draws by FlashInfer's fused
+kernels instead (sgl.kernels.sampling.fused_draw: the same distribution, one
+read of each row), from the engine's generator.
 Nothing here loops over the vocabulary in Python."""
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from sgl.cache.host_copy import to_device
 from sgl.core.logit_processor import BEAM_KEY, OUTPUT_IDS_KEY, OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
 from sgl.core.sampling_params import SamplingParams
-from sgl.kernels.sampling import top_k_top_p
+from sgl.kernels.sampling import fused_draw, top_k_top_p
 from sgl.sched.req import Req, beam_offsets
 
 
@@ -31,6 +34,7 @@ class SamplingBatch:
     """Per-row parameters as tensors, built once per batch on the scheduler thread."""
 
     all_greedy: bool
+    any_greedy: bool
     greedy: torch.Tensor  # [B] bool
     temperature: torch.Tensor  # [B, 1] float32 (1.0 on greedy rows)
     top_k: torch.Tensor  # [B] int64, vocab size where disabled
@@ -98,6 +102,7 @@ class SamplingBatch:
 
         sb = cls(
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             greedy=dev(greedy, torch.bool),
             temperature=dev([1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32)[:, None],
             top_k=dev(top_k, torch.int64),
@@ -193,19 +198,26 @@ def _apply(
 def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator | None = None) -> torch.Tensor:
     """logits: [B, V], already through process_logits -> [B] int64 token ids. The argmax
     runs in the logits' own dtype (upcasting is exact, so it picks the same token);
-    sampling in float32."""
-    greedy_ids = logits.argmax(dim=-1)
+    sampling in float32: on a GPU by FlashInfer's fused draw unless a row has a seed of
+    its own or min_p (sgl.kernels.sampling.fused_draw), else by the exponential race."""
+    greedy_ids = logits.argmax(dim=-1) if sb.any_greedy else None
     if sb.all_greedy:
+        assert greedy_ids is not None
         return greedy_ids
-    probs = torch.softmax(logits.float() / sb.temperature, dim=-1)
-    probs = top_k_top_p(probs, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
-    if sb.need_min_p:
-        probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    noise = torch.empty_like(probs)
-    noise.exponential_(generator=global_gen)
-    for i, g in enumerate(sb.generators):
-        if g is not None:
-            row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=probs.device)
-            noise[i] = row.exponential_(generator=g)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(sb.greedy, greedy_ids, sampled)
+    scaled = logits / sb.temperature  # float32 (the temperatures are), in one pass
+    sampled = None
+    if not sb.need_min_p and all(g is None for g in sb.generators):
+        sampled = fused_draw(scaled, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p, global_gen)
+    if sampled is None:
+        probs = torch.softmax(scaled, dim=-1)
+        probs = top_k_top_p(probs, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
+        if sb.need_min_p:
+            probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=global_gen)
+        for i, g in enumerate(sb.generators):
+            if g is not None:
+                row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=probs.device)
+                noise[i] = row.exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+    return sampled if greedy_ids is None else torch.where(sb.greedy, greedy_ids, sampled)

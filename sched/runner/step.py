@@ -1,11 +1,13 @@
 """One launched step and its results: StepResult (the sampled ids and, when asked,
 logprobs, on the device or copied to the host) and the handles `launch` returns,
-whose `.result()` gives the host copy once the step is done.
+whose `.result()` gives the host copy once the step is done (a Deferred one's
+sampling is queued by `complete()` first).
 
 It holds results only: it runs no forward and decides nothing about requests."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,6 +47,21 @@ class StepResult:
 
 class Launched(Protocol):
     def result(self) -> StepResult: ...
+
+
+class Deferred:
+    """A step whose forward is queued but whose sampling waits: its grammar bitmasks
+    need the previous step's tokens in the matchers. The scheduler calls `complete()`
+    once it has processed the previous results; that queues mask and sampling and
+    gives the step's real handle."""
+
+    __slots__ = ("complete",)
+
+    def __init__(self, complete: Callable[[], Launched]) -> None:
+        self.complete = complete
+
+    def result(self) -> StepResult:
+        raise RuntimeError("a deferred step's sampling was never queued: complete() it first")
 
 
 class Ready:

@@ -1,0 +1,68 @@
+"""Structured output on the GPU path (marked gpu; skipped without CUDA): grammar rows
+in the overlap loop, where a batch's forward (a CUDA graph) is queued before the
+previous step's token is in the matcher and its bitmask is filled and applied after.
+Each output matches its regex or validates against its schema, and equals the same
+engine's without overlap (each request alone: the same batches and kernels, exact);
+KV balances. Weights are random (dummy, bf16): only the masks make outputs valid.
+
+The model is the default model's config and tokenizer: `.lt/` at the repo root (what
+benchmarks/gpu_session.sh carries) or the default model itself."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import sgl
+from tests.conftest import assert_kv_balanced
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+PATTERN = r"[a-z]{3}-[0-9]{20}"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    carried = Path(__file__).resolve().parent.parent / ".lt"
+    if (carried / "tokenizer.json").exists():
+        return str(carried)
+    from sgl.sched.models.default_model import DefaultModelError, default_model_dir
+
+    try:
+        return default_model_dir()
+    except DefaultModelError as e:
+        pytest.skip(f"no tokenizer-bearing model here: {e}")
+
+
+def _outputs(model_dir: str, **kw: Any) -> list[tuple[str, list[int]]]:
+    jobs: list[dict[str, Any]] = [{"regex": PATTERN, "temperature": 0.7, "seed": i} for i in range(4)]
+    jobs += [{"json_schema": json.dumps(SCHEMA), "temperature": 0}, {"regex": PATTERN, "temperature": 0}]
+    with sgl.Engine(model_dir, transport="inproc", load_format="dummy", dtype="bfloat16",
+                    attention_backend="flashinfer", max_total_tokens=40000, **kw) as e:
+        outs = [e.generate(f"item {i}:", {"max_new_tokens": 64, **sp}) for i, sp in enumerate(jobs)]
+        info = e.get_server_info()
+        assert_kv_balanced(info)
+        assert info["failures"] == 0
+    return [(o["text"], o["output_ids"]) for o in outs]
+
+
+def test_grammar_rows_under_overlap_and_graphs_equal_no_overlap(model_dir: str) -> None:
+    overlap = _outputs(model_dir)
+    serial = _outputs(model_dir, disable_overlap_schedule=True)
+    assert overlap == serial
+    texts = [t for t, _ in overlap]
+    for t in texts[:4] + texts[5:]:
+        assert re.fullmatch(PATTERN, t), t
+    obj = json.loads(texts[4])
+    assert set(obj) == {"name", "n"} and isinstance(obj["n"], int) and len(obj["name"]) <= 12
