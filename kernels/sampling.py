@@ -1,7 +1,7 @@
 """Top-k / top-p filtering of a batch of probabilities, the one dispatch point for
 it: FlashInfer's renormalisation kernels (no sort) for CUDA tensors when FlashInfer
 is installed, a sort in pure torch otherwise (CPU, and the reference the tests
-compare with). And `fused_draw`: one draw per row by FlashInfer's sampling kernels,
+compare with). And `FusedDraw`: one draw per row by FlashInfer's sampling kernels,
 which read a [B, V] row once (from logits: Gumbel-max; from filtered probabilities:
 inverse CDF), where the sampler's own exponential race makes four passes over it;
 their Philox stream is one per batch (a seed array is read at its first entry
@@ -36,17 +36,38 @@ import torch
 from sgl.kernels.layers import flashinfer_module
 
 
-def fused_draw(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, need_top_k: bool, need_top_p: bool,
-               generator: torch.Generator | None) -> torch.Tensor | None:
-    """scaled: [B, V] float32 logits already divided by temperature. One token id per
-    row ([B] int64) drawn from softmax(scaled) filtered by top_k_top_p, from the batch's
-    generator; None where FlashInfer cannot (not a CUDA tensor, not installed)."""
-    if not scaled.is_cuda or (fi := flashinfer_module()) is None:
-        return None
-    if not (need_top_k or need_top_p):
-        return fi.sampling.sampling_from_logits(scaled, generator=generator).long()
-    probs = top_k_top_p(torch.softmax(scaled, dim=-1), top_k, top_p, need_top_k, need_top_p)
-    return fi.sampling.sampling_from_probs(probs, generator=generator).long()
+class FusedDraw:
+    """FlashInfer's fused sampling kernels on one engine's own Philox stream. The seed
+    and the offset live in device tensors: the offset advances in place after each draw
+    (by what FlashInfer's own generator path advances it), so a draw never reads the
+    host, and FlashInfer's cache of (seed, offset) arguments keeps one entry per batch
+    size instead of a new one per call. Only where `available` (CUDA and FlashInfer)."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.fi = flashinfer_module()
+        assert self.fi is not None and device.type == "cuda"
+        self.seed = torch.tensor([seed % (1 << 63)], dtype=torch.int64, device=device)
+        self.offset = torch.zeros(1, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def available(device: torch.device) -> bool:
+        return device.type == "cuda" and flashinfer_module() is not None
+
+    def __call__(self, scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, need_top_k: bool,
+                 need_top_p: bool) -> torch.Tensor:
+        """scaled: [B, V] float32 logits already divided by temperature. One token id per
+        row ([B] int64) drawn from softmax(scaled) filtered as top_k_top_p keeps it."""
+        b, v = scaled.shape
+        sampling = self.fi.sampling
+        if not (need_top_k or need_top_p):
+            ids = sampling.sampling_from_logits(scaled, seed=self.seed, offset=self.offset)
+            used = b * v  # Philox counters: one per logit (Gumbel noise)
+        else:
+            probs = top_k_top_p(torch.softmax(scaled, dim=-1), top_k, top_p, need_top_k, need_top_p)
+            ids = sampling.sampling_from_probs(probs, seed=self.seed, offset=self.offset)
+            used = b  # one uniform per row (inverse CDF)
+        self.offset.add_((used + 3) // 4 * 4)
+        return ids.long()
 
 
 def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

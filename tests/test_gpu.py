@@ -311,14 +311,15 @@ def test_flashinfer_top_k_top_p_keeps_boundary_ties() -> None:
 
 @pytest.mark.parametrize("filtered", [False, True])
 def test_fused_draw_samples_the_sampler_distribution(filtered: bool) -> None:
-    """FlashInfer's fused draw (kernels/sampling.fused_draw), which the sampler takes on
+    """FlashInfer's fused draw (kernels/sampling.FusedDraw), which the sampler takes on
     a GPU for rows without their own seed, draws from softmax(logits / T) filtered as
     top_k_top_p keeps it: 20,000 draws of one distribution over 8 tokens (a 32,000-token
     row with mass on 8) against the exact probabilities, within 5 standard errors each; a
-    filtered-out token is never drawn."""
-    from sgl.kernels.sampling import fused_draw, top_k_top_p
+    filtered-out token is never drawn; its stream moves on (a second draw differs) and
+    restarts with its seed (a new FusedDraw of the same seed draws the same)."""
+    from sgl.kernels.sampling import FusedDraw, top_k_top_p
 
-    g = torch.Generator(device="cuda").manual_seed(0)
+    draw = FusedDraw(torch.device("cuda"), 0)
     v, draws = 32_000, 20_000
     base = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
     logits = torch.full((draws, v), -1e9)
@@ -326,8 +327,10 @@ def test_fused_draw_samples_the_sampler_distribution(filtered: bool) -> None:
     logits = logits.cuda()
     top_k = torch.full((draws,), 5 if filtered else v, dtype=torch.int64, device="cuda")
     top_p = torch.full((draws,), 0.9 if filtered else 1.0, device="cuda")
-    ids = fused_draw(logits, top_k, top_p, filtered, filtered, g)
-    assert ids is not None and ids.dtype == torch.int64
+    ids = draw(logits, top_k, top_p, filtered, filtered)
+    assert ids.dtype == torch.int64
+    assert not torch.equal(draw(logits, top_k, top_p, filtered, filtered), ids)
+    assert torch.equal(FusedDraw(torch.device("cuda"), 0)(logits, top_k, top_p, filtered, filtered), ids)
     want = top_k_top_p(torch.softmax(logits[:1].cpu(), -1), top_k[:1].cpu(), top_p[:1].cpu(), filtered, filtered)[0]
     want = (want / want.sum())[:8].double()
     got = torch.bincount(ids.cpu(), minlength=v)[:8].double() / draws

@@ -19,6 +19,7 @@ from sgl.core.log import get_logger
 from sgl.core.logit_processor import CustomLogitProcessor
 from sgl.core.server_args import ServerArgs
 from sgl.kernels.attention import AttentionBackend
+from sgl.kernels.sampling import FusedDraw
 from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.kernels.trie_mask import trie_advance, trie_mask_
 from sgl.sched.batch import ScheduleBatch
@@ -147,6 +148,8 @@ class ModelRunner:
         self.processors: dict[str, CustomLogitProcessor] = {}
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(args.random_seed if args.random_seed is not None else 0)
+        self.fused_draw = (FusedDraw(self.device, args.random_seed or 0) if FusedDraw.available(self.device)
+                           else None)
         self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null":
@@ -308,7 +311,7 @@ class ModelRunner:
         processed = process_logits(logits, p.sampling, counts, errors)
         if p.tries or p.grammar is not None:
             processed = self._mask(processed, logits, p, bitmask)
-        next_ids = sample(processed, p.sampling, self.generator)
+        next_ids = sample(processed, p.sampling, self.generator, self.fused_draw)
         self.next_token[p.rows] = next_ids
         if self.counts is not None:
             self.counts[p.rows, next_ids] += 1

@@ -14,8 +14,10 @@ It reads request state and writes the beam groups' order into the batch
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +29,8 @@ from sgl.sched.runner.beam_select import BeamGroup
 
 if TYPE_CHECKING:
     from sgl.sched.runner.model_runner import ModelRunner
+
+FILL_THREADS = 8  # threads filling a batch's grammar bitmasks (it overlaps the batch's forward)
 
 
 @dataclass(slots=True)
@@ -72,12 +76,26 @@ def grammar_mask(g: GrammarRows, vocab_size: int, device: torch.device) -> torch
     import xgrammar
 
     mask = xgrammar.allocate_token_bitmask(len(g.reqs), vocab_size)
+    rows: list[int] = []
+    live: list[Any] = []
     for j, (r, beam) in enumerate(zip(g.reqs, g.beams)):
         own = r.beam.matchers if r.beam is not None else None
         m = r.grammar if own is None else own[beam]
         if not r.finished and not m.is_terminated():
-            m.fill_next_token_bitmask(mask, j)
+            rows.append(j)
+            live.append(m)
+    if live:
+        _filler().batch_fill_next_token_bitmask(live, mask, indices=rows)
     return to_device(mask, device)
+
+
+@functools.cache
+def _filler() -> Any:
+    """xgrammar's batch mask filler, over up to FILL_THREADS threads: one matcher's fill
+    takes ~25 us of CPU for a 49k vocabulary, so a batch of 256 would take 6 ms alone."""
+    import xgrammar
+
+    return xgrammar.BatchGrammarMatcher(max_threads=max(1, min(FILL_THREADS, os.cpu_count() or 1)))
 
 
 def stop_ids_of(r: Req, eos_ids: frozenset[int]) -> list[int]:

@@ -11,8 +11,8 @@ ignores p's scale. A request with a seed draws the noise of its k-th output
 token from a generator seeded by (seed, k): its tokens depend neither on what
 else is in the batch nor on chunked prefill, prefix-cache hits or retraction.
 On a GPU a batch with no such row and no min-p draws by FlashInfer's fused
-kernels instead (sgl.kernels.sampling.fused_draw: the same distribution, one
-read of each row), from the engine's generator.
+kernels instead (sgl.kernels.sampling.FusedDraw: the same distribution, one
+read of each row, on the engine's own Philox stream).
 Nothing here loops over the vocabulary in Python."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from sgl.cache.host_copy import to_device
 from sgl.core.logit_processor import BEAM_KEY, OUTPUT_IDS_KEY, OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
 from sgl.core.sampling_params import SamplingParams
-from sgl.kernels.sampling import fused_draw, top_k_top_p
+from sgl.kernels.sampling import FusedDraw, top_k_top_p
 from sgl.sched.req import Req, beam_offsets
 
 
@@ -44,6 +44,7 @@ class SamplingBatch:
     need_top_p: bool
     need_min_p: bool
     generators: list[torch.Generator | None]
+    seeded: bool = False  # whether any row has a generator of its own
     # Penalties: None when no row has any. Counts live in the model runner, indexed by pool row.
     penalties: torch.Tensor | None = None  # [3, B, 1]: frequency, presence, repetition
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
@@ -63,7 +64,7 @@ class SamplingBatch:
         parameters never change; what depends on the tokens generated so far is rebuilt."""
         ps = [r.sampling_params for r in reqs]
         if same_as is not None:
-            sb = replace(same_as, generators=[None] * len(reqs), ban=None, processors=None)
+            sb = replace(same_as, generators=[None] * len(reqs), seeded=False, ban=None, processors=None)
         else:
             sb = cls._per_request(ps, vocab_size, device)
         # Tokens generated before this one. Under overlap a decode row's one in-flight batch
@@ -73,6 +74,7 @@ class SamplingBatch:
         for i, (p, k) in enumerate(zip(ps, done)):
             if p.seed is not None and not p.is_greedy:
                 sb.generators[i] = torch.Generator(device).manual_seed((p.seed * _SEED_MIX + k) % (1 << 63))
+                sb.seeded = True
         banned = [(i, t, 0.0) for i, (p, d) in enumerate(zip(ps, done)) if d < p.min_new_tokens
                   for t in (p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *eos_ids])]
         if banned:
@@ -195,27 +197,28 @@ def _apply(
         return str(e) or type(e).__name__
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator | None = None,
+           fused: FusedDraw | None = None) -> torch.Tensor:
     """logits: [B, V], already through process_logits -> [B] int64 token ids. The argmax
     runs in the logits' own dtype (upcasting is exact, so it picks the same token);
-    sampling in float32: on a GPU by FlashInfer's fused draw unless a row has a seed of
-    its own or min_p (sgl.kernels.sampling.fused_draw), else by the exponential race."""
+    sampling in float32: by `fused` (FlashInfer's kernels, the engine's stream) when
+    given, unless a row has a seed of its own or min_p; else by the exponential race
+    on `global_gen`."""
     greedy_ids = logits.argmax(dim=-1) if sb.any_greedy else None
     if sb.all_greedy:
         assert greedy_ids is not None
         return greedy_ids
     scaled = logits / sb.temperature  # float32 (the temperatures are), in one pass
-    sampled = None
-    if not sb.need_min_p and all(g is None for g in sb.generators):
-        sampled = fused_draw(scaled, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p, global_gen)
-    if sampled is None:
+    if fused is not None and not sb.need_min_p and not sb.seeded:
+        sampled = fused(scaled, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
+    else:
         probs = torch.softmax(scaled, dim=-1)
         probs = top_k_top_p(probs, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
         if sb.need_min_p:
             probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         noise = torch.empty_like(probs)
         noise.exponential_(generator=global_gen)
-        for i, g in enumerate(sb.generators):
+        for i, g in enumerate(sb.generators if sb.seeded else ()):
             if g is not None:
                 row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=probs.device)
                 noise[i] = row.exponential_(generator=g)
