@@ -1,9 +1,16 @@
-"""What structured output costs: the same concurrent requests generated plain and under
-a JSON schema (issue 16's measure), tokens per second each way and their ratio.
+"""What structured output costs (issue 16's measure): the same requests generated under
+a JSON schema and plain, tokens per second each way and their ratio, and where a
+grammar step's host time goes.
 
-The schema asks for one long string field, so constrained outputs are long too; the
-plain run ignores EOS at the same max_new_tokens. Tokens/s counts the tokens each
-run generated, so shorter constrained outputs do not flatter it.
+The constrained run goes first; the plain run then asks each request for exactly as
+many tokens as its constrained output had (ignore_eos), so both runs have the same
+batches step for step and the ratio is the grammar's cost alone (a plain run of full
+length would compare a full batch with the constrained run's tail of short outputs).
+
+Then the matchers alone, off the engine: `--requests` matchers of the schema stepped
+together with a random allowed token each, timing per step the bitmask fill one by
+one, the batch fill (the engine's from BATCH_FILL_MIN rows: xgrammar's BatchGrammarMatcher,
+up to FILL_THREADS threads), the token accepts, and on a GPU the bitmask's application to the logits.
 
     python -m benchmarks.grammar_cost [--requests 16] [--new-tokens 64] [--model DIR] [--dtype float32]
         [--load-format dummy]   # the H200 run: the default model's config and tokenizer (.lt), random bf16 weights
@@ -14,50 +21,124 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import time
 from typing import Any
+
+import numpy as np
+import torch
 
 import sgl
 from benchmarks.common import loop_split
 from sgl.sched.models.default_model import default_model_dir
+from sgl.sched.runner.prepare_beams import fill_threads
 
-SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
-                                           "body": {"type": "string", "minLength": 400, "maxLength": 400}},
-          "required": ["title", "body"], "additionalProperties": False}
+# An API-style record: short strings, an enum, bounded numbers, an array of objects.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "kind": {"enum": ["river", "lake", "sea", "glacier"]},
+        "length_km": {"type": "integer", "minimum": 0, "maximum": 7000},
+        "countries": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 6},
+        "stations": {"type": "array", "maxItems": 12, "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 0},
+                           "code": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+                           "depth_m": {"type": "number"}},
+            "required": ["id", "code", "depth_m"], "additionalProperties": False}},
+    },
+    "required": ["title", "kind", "length_km", "countries", "stations"],
+    "additionalProperties": False,
+}
 
 
-async def run(e: sgl.AsyncEngine, prompts: list[str], params: dict[str, Any]) -> tuple[float, int]:
+async def run(e: sgl.AsyncEngine, prompts: list[str], params: list[dict[str, Any]]) -> tuple[float, list[int]]:
     t = time.perf_counter()
-    outs = await asyncio.gather(*(e.generate(p, params) for p in prompts))
-    return time.perf_counter() - t, sum(o["meta_info"]["completion_tokens"] for o in outs)
+    outs = await asyncio.gather(*(e.generate(p, sp) for p, sp in zip(prompts, params)))
+    return time.perf_counter() - t, [o["meta_info"]["completion_tokens"] for o in outs]
 
 
-async def main(a: argparse.Namespace) -> None:
-    prompts = [f"Write a short note number {i} about rivers, as JSON:" for i in range(a.requests)]
-    plain = {"temperature": 0, "max_new_tokens": a.new_tokens, "ignore_eos": True}
+async def engine_runs(a: argparse.Namespace, model: str) -> None:
+    prompts = [f"Describe river number {i} as JSON:" for i in range(a.requests)]
     constrained = {"temperature": 0, "max_new_tokens": a.new_tokens, "json_schema": json.dumps(SCHEMA)}
-    async with sgl.AsyncEngine(a.model or default_model_dir(), dtype=a.dtype, transport="ipc",
-                               load_format=a.load_format) as e:
-        await run(e, prompts[:2], constrained)  # warm-up: the tokenizer info and the compile, cached after
-        await run(e, prompts[:2], plain)
+    async with sgl.AsyncEngine(model, dtype=a.dtype, transport="ipc", load_format=a.load_format) as e:
+        await run(e, prompts[:2], [constrained] * 2)  # warm-up: the tokenizer info and the compile, cached after
+        await run(e, prompts[:2], [{"max_new_tokens": 4}] * 2)
         rows = []
-        for name, params in (("plain", plain), ("json_schema", constrained)):
+        lens: list[int] = []
+        for name in ("json_schema", "plain"):
+            params = ([constrained] * len(prompts) if name == "json_schema" else
+                      [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in lens])
             await e.flush_cache()
             i0 = await e.get_server_info()
-            secs, toks = await run(e, prompts, params)
-            rows.append((name, secs, toks, toks / secs))
+            secs, got = await run(e, prompts, params)
+            lens = lens or got
+            rows.append((name, secs, sum(got), sum(got) / secs))
             print(f"{name}: scheduler loop {loop_split(i0, await e.get_server_info())}", flush=True)
-    print(f"{'run':<12} {'seconds':>8} {'tokens':>7} {'tok/s':>8}")
+    print(f"{'run':<12} {'seconds':>8} {'tokens':>7} {'tok/s':>9}")
     for name, secs, toks, rate in rows:
-        print(f"{name:<12} {secs:8.2f} {toks:7d} {rate:8.1f}")
-    print(f"json_schema / plain tok/s: {rows[1][3] / rows[0][3]:.3f}")
+        print(f"{name:<12} {secs:8.2f} {toks:7d} {rate:9.1f}")
+    print(f"json_schema / plain tok/s: {rows[0][3] / rows[1][3]:.3f} (outputs {min(lens)}-{max(lens)} tokens)")
 
 
-if __name__ == "__main__":
+def matcher_costs(model: str, n: int, steps: int = 40) -> None:
+    import xgrammar as xgr
+    from transformers import AutoConfig, AutoTokenizer
+
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model), vocab_size=vocab)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), max_whitespace_cnt=2)
+    ms = [xgr.GrammarMatcher(compiled) for _ in range(n)]
+    mask = xgr.allocate_token_bitmask(n, vocab)
+    threads = fill_threads()
+    batch = xgr.BatchGrammarMatcher(max_threads=threads)
+    cuda = torch.cuda.is_available()
+    logits = torch.randn(n, vocab, device="cuda" if cuda else "cpu")
+    rng = random.Random(0)
+    t = {"fill one by one": 0.0, f"batch fill ({threads} threads)": 0.0, "accept": 0.0, "apply on device": 0.0}
+    for _ in range(steps):
+        live = [j for j, m in enumerate(ms) if not m.is_terminated()]
+        if not live:
+            break
+        t0 = time.perf_counter()
+        for j in live:
+            ms[j].fill_next_token_bitmask(mask, j)
+        t1 = time.perf_counter()
+        batch.batch_fill_next_token_bitmask([ms[j] for j in live], mask, indices=live)
+        t2 = time.perf_counter()
+        dev = mask.to(logits.device)
+        xgr.apply_token_bitmask_inplace(logits, dev, vocab_size=vocab)
+        if cuda:
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        bits = mask.numpy()
+        for j in live:
+            allowed = np.nonzero(np.unpackbits(bits[j].view(np.uint8), bitorder="little")[:vocab])[0]
+            tok = int(rng.choice(allowed[:64].tolist()))
+            t4 = time.perf_counter()
+            ms[j].accept_token(tok)
+            t["accept"] += time.perf_counter() - t4
+        t["fill one by one"] += t1 - t0
+        t[f"batch fill ({threads} threads)"] += t2 - t1
+        t["apply on device"] += t3 - t2
+    print(f"--- {n} matchers of the schema, ms per step over {steps} steps")
+    for k, v in t.items():
+        print(f"{k:<28} {v / steps * 1e3:7.2f}")
+
+
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--model")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--load-format", default="auto")
-    asyncio.run(main(ap.parse_args()))
+    a = ap.parse_args()
+    model = a.model or default_model_dir()
+    asyncio.run(engine_runs(a, model))
+    matcher_costs(model, a.requests)
+
+
+if __name__ == "__main__":
+    main()

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from sgl.sched.runner.model_runner import ModelRunner
 
 FILL_THREADS = 8  # threads filling a batch's grammar bitmasks (it overlaps the batch's forward)
+BATCH_FILL_MIN = 16  # grammar rows from which the threaded fill pays (8 rows: 0.48 ms threaded, 0.27 alone)
 
 
 @dataclass(slots=True)
@@ -84,8 +85,11 @@ def grammar_mask(g: GrammarRows, vocab_size: int, device: torch.device) -> torch
         if not r.finished and not m.is_terminated():
             rows.append(j)
             live.append(m)
-    if live:
+    if len(live) >= BATCH_FILL_MIN:
         _filler().batch_fill_next_token_bitmask(live, mask, indices=rows)
+    else:  # a few rows: the threads' hand-off costs more than it saves
+        for j, m in zip(rows, live):
+            m.fill_next_token_bitmask(mask, j)
     return to_device(mask, device)
 
 
@@ -95,7 +99,11 @@ def _filler() -> Any:
     takes ~25 us of CPU for a 49k vocabulary, so a batch of 256 would take 6 ms alone."""
     import xgrammar
 
-    return xgrammar.BatchGrammarMatcher(max_threads=max(1, min(FILL_THREADS, os.cpu_count() or 1)))
+    return xgrammar.BatchGrammarMatcher(max_threads=fill_threads())
+
+
+def fill_threads() -> int:
+    return max(1, min(FILL_THREADS, os.cpu_count() or 1))
 
 
 def stop_ids_of(r: Req, eos_ids: frozenset[int]) -> list[int]:
