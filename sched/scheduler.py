@@ -104,10 +104,12 @@ class Scheduler:
         self.checked_idle = False
         self.overlap = self.runner.overlap
         self.pending: tuple[ScheduleBatch, Launched] | None = None  # launched, results not processed yet
-        # Loop time split: building and launching batches, waiting for results, processing them.
+        # Loop time split: building and launching batches, waiting for results, processing them;
+        # mask_wait_s: of the building, waiting for grammar bitmasks and queueing their sampling.
         # failures: batches and requests ended by an internal error.
         self.stats: dict[str, float] = {"prefill_tokens": 0, "decode_steps": 0, "retractions": 0, "cached_tokens": 0,
-                                        "failures": 0, "build_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
+                                        "failures": 0, "build_s": 0.0, "wait_s": 0.0, "process_s": 0.0,
+                                        "mask_wait_s": 0.0}
 
     def info(self) -> dict[str, Any]:
         r = self.runner
@@ -130,14 +132,20 @@ class Scheduler:
         while self.step(block=True):
             pass
 
+    def close(self) -> None:
+        """Stop the scheduler's threads (the runner's forward and mask threads, the grammar compiler's)."""
+        self.runner.close()
+        self.grammars.close()
+
     def step(self, block: bool = False) -> bool:
         """One turn of the loop: drain the input (when idle and `block`, waiting up to
         IDLE_POLL_S for it), build and launch the next batch, then process the previous
         batch's results and send what finished or streamed. With overlap, batch N+1 is
         launched before batch N's results are processed; without it, each batch is
         processed in the turn that launched it. A batch with grammar rows has its masks
-        filled and its sampling queued only after the previous results are processed
-        (its forward runs meanwhile). False once a ShutdownReq was handled."""
+        filled only after the previous results are processed (its forward runs
+        meanwhile), on a thread while the next batch is built, and its sampling queued
+        before the next forward. False once a ShutdownReq was handled."""
         if self.waiting or self.running or self.chunked_req or self.pending or self.grammars.pending:
             msgs = self.recv.recv_all_nowait()
         else:
@@ -156,22 +164,27 @@ class Scheduler:
             admit_compiled(self)
         t0 = time.perf_counter()
         batch = self._build()
+        st = self.stats
+        if self.pending is not None and isinstance(self.pending[1], Deferred):
+            # Its masks filled while this batch was built; its sampling is queued now,
+            # before the next forward, which reads the tokens it samples.
+            tm = time.perf_counter()
+            done = self._complete(*self.pending)  # type: ignore[arg-type]
+            self.pending = None if done is None else (self.pending[0], done)
+            st["mask_wait_s"] += time.perf_counter() - tm
         launched = self._launch(batch) if batch is not None else None
         t1 = time.perf_counter()
         if batch is not None and launched is not None and not self.overlap:
             self.pending, launched = (batch, launched), None
         t2 = self._collect(*self.pending) if self.pending is not None else t1
-        t3 = time.perf_counter()
-        if batch is not None and isinstance(launched, Deferred):  # its masks need the results just processed
-            launched = self._complete(batch, launched)
+        if batch is not None and isinstance(launched, Deferred):
+            launched.start()  # the results just processed are in the matchers: fill the masks
         self.pending = (batch, launched) if launched is not None and batch is not None else None
-        t4 = time.perf_counter()
         self._flush_outbox()
-        t5 = time.perf_counter()
-        st = self.stats
-        st["build_s"] += t1 - t0 + t4 - t3
+        t3 = time.perf_counter()
+        st["build_s"] += t1 - t0
         st["wait_s"] += t2 - t1
-        st["process_s"] += t3 - t2 + t5 - t4
+        st["process_s"] += t3 - t2
         return True
 
     def _next_batch(self) -> ScheduleBatch | None:
@@ -224,7 +237,7 @@ class Scheduler:
     def _collect(self, batch: ScheduleBatch, handle: Launched) -> float:
         """Wait for a launched batch and process its results (or its failure); when they came."""
         try:
-            res = handle.result()
+            res = (handle.complete() if isinstance(handle, Deferred) else handle).result()
         except Exception as e:  # noqa: BLE001 - the forward failed: that batch's requests end
             for r in batch.unique_reqs:
                 r.inflight -= 1

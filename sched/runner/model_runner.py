@@ -8,7 +8,8 @@ scheduler's job."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -106,6 +107,7 @@ class ModelRunner:
         # The CPU overlap loop runs each forward on this thread; CUDA queues kernels instead.
         self.worker = (ThreadPoolExecutor(1, thread_name_prefix="sgl-forward")
                        if self.device.type == "cpu" and self.overlap else None)
+        self.mask_pool: ThreadPoolExecutor | None = None  # fills grammar bitmasks (sgl.sched.runner.step.Deferred)
         self.dtype = resolve_dtype(args, self.device)
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
@@ -232,36 +234,53 @@ class ModelRunner:
         pinned buffers and an event, so the caller works on while the GPU runs (the
         overlap loop needs no thread there). On CPU the forward runs on the worker
         thread when there is one, else right away. A batch with grammar rows gives a
-        Deferred handle: its forward is queued now, its masks are filled and its
-        sampling queued at `complete()` (after the previous step's results are in the
-        matchers), so grammar requests keep the overlap loop."""
+        Deferred handle: its forward is queued now, its masks are filled from `start()`
+        (once the previous step's results are in the matchers) and its sampling queued
+        at `complete()`, so grammar requests keep the overlap loop."""
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             logits = self._logits(p)
 
-            def queue_rest() -> Launched:
-                step = self._sample(p, logits, self._bitmask(p)).to_host(non_blocking=True)
+            def rest(bitmask: torch.Tensor | None) -> Launched:
+                step = self._sample(p, logits, bitmask).to_host(non_blocking=True)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record()
                 return CudaLaunched(step, start, done, self.gpu_timeline, p.attn.is_decode)
-
-            return queue_rest() if p.grammar is None else Deferred(queue_rest)
-        if self.worker is not None:
+        elif self.worker is not None:
             worker = self.worker
             forward = worker.submit(self._logits, p)
 
-            def submit_rest() -> Launched:
-                bitmask = self._bitmask(p)  # here: the matchers are the scheduler thread's
+            def rest(bitmask: torch.Tensor | None) -> Launched:
                 return worker.submit(lambda: self._sample(p, forward.result(), bitmask).to_host(non_blocking=False))
+        else:
+            ready = self._logits(p)
 
-            return submit_rest() if p.grammar is None else Deferred(submit_rest)
-        ready = self._logits(p)
+            def rest(bitmask: torch.Tensor | None) -> Launched:
+                return Ready(self._sample(p, ready, bitmask).to_host(non_blocking=False))
+        return rest(None) if p.grammar is None else self._deferred(p, rest)
 
-        def run_rest() -> Launched:
-            return Ready(self._sample(p, ready, self._bitmask(p)).to_host(non_blocking=False))
+    def _deferred(self, p: PreparedBatch, rest: Callable[[torch.Tensor | None], Launched]) -> Deferred:
+        """The handle of a batch with grammar rows: `start` fills its bitmasks on the mask
+        thread (xgrammar's fill releases the GIL), `complete` waits for them (or fills
+        them now, if never started) and queues the rest of the step."""
+        fill: list[Future[torch.Tensor | None]] = []
 
-        return run_rest() if p.grammar is None else Deferred(run_rest)
+        def start() -> None:
+            if self.mask_pool is None:
+                self.mask_pool = ThreadPoolExecutor(1, thread_name_prefix="sgl-grammar-mask")
+            fill.append(self.mask_pool.submit(self._bitmask, p))
+
+        def complete() -> Launched:
+            return rest(fill[0].result() if fill else self._bitmask(p))
+
+        return Deferred(start, complete)
+
+    def close(self) -> None:
+        """Stop the runner's threads (the forward worker, the mask thread)."""
+        for pool in (self.worker, self.mask_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def execute(self, p: PreparedBatch) -> StepResult:
         """Run one prepared batch to completion; its results on the host."""

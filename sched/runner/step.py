@@ -51,13 +51,16 @@ class Launched(Protocol):
 
 class Deferred:
     """A step whose forward is queued but whose sampling waits: its grammar bitmasks
-    need the previous step's tokens in the matchers. The scheduler calls `complete()`
-    once it has processed the previous results; that queues mask and sampling and
-    gives the step's real handle."""
+    need the previous step's tokens in the matchers. Once the scheduler has processed
+    the previous results it calls `start()`, which fills the masks on a thread while
+    the next batch is built; `complete()` (before the next forward is queued, since
+    that reads this step's tokens) waits for them, queues mask and sampling and gives
+    the step's real handle."""
 
-    __slots__ = ("complete",)
+    __slots__ = ("start", "complete")
 
-    def __init__(self, complete: Callable[[], Launched]) -> None:
+    def __init__(self, start: Callable[[], None], complete: Callable[[], Launched]) -> None:
+        self.start = start
         self.complete = complete
 
     def result(self) -> StepResult:

@@ -91,6 +91,8 @@ def run_role(cfg: ChildConfig, report: Callable[[dict[str, Any]], None], in_thre
         log.exception("role crashed")
         raise
     finally:
+        if (close := getattr(role, "close", None)) is not None:
+            close()  # its own threads (the scheduler's forward, mask and grammar threads)
         role.recv.close()
         role.send.close()
 
