@@ -4,8 +4,9 @@ the KV budget, runs decode steps, and streams token ids to the detokenizer.
 It owns the model runner, the KV pools and the radix cache, and the request
 state the loop's parts share: the loop and its input live here, with the request
 ends (finish, release) and KV allocation; admission is sgl.sched.prefill_adder's,
-decode steps and retraction sgl.sched.decode's, a step's results and the outbox
-sgl.sched.results'. It never talks to the caller directly and never decodes text.
+decode steps and retraction sgl.sched.decode's, launching and collecting a batch
+sgl.sched.stepping's, a step's results and the outbox sgl.sched.results'. It
+never talks to the caller directly and never decodes text.
 Bad input finishes that request with an abort reason, and a batch that fails (in
 building, prepare, the forward, or its results) ends that batch's requests with one
 (sgl.sched.results.fail_batch): neither takes the loop down. Retraction keeps the
@@ -48,9 +49,10 @@ from sgl.sched.grammar import Grammars, admit_compiled
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.prefill_adder import PrefillAdder, prefill_batch, prompt_logprob_rows
 from sgl.sched.req import Req
-from sgl.sched.results import error_message, fail_batch, process, start_logprobs, token_id_output
+from sgl.sched.results import error_message, start_logprobs, token_id_output
 from sgl.sched.runner.model_runner import ModelRunner, eos_ids_of
 from sgl.sched.runner.step import Deferred, Launched
+from sgl.sched.stepping import collect, complete, launch
 from sgl.sched.stop import StopStrings
 from sgl.sched.trie_store import TrieStore, constrain
 from sgl.transports.channel import Receiver, Sender
@@ -155,7 +157,7 @@ class Scheduler:
         for msg in msgs:
             if isinstance(msg, ShutdownReq):
                 if self.pending is not None:
-                    self._collect(*self.pending)
+                    collect(self, *self.pending)
                 self.send.send(msg)
                 return False
             self.handle(msg)
@@ -169,14 +171,14 @@ class Scheduler:
             # Its masks filled while this batch was built; its sampling is queued now,
             # before the next forward, which reads the tokens it samples.
             tm = time.perf_counter()
-            done = self._complete(*self.pending)  # type: ignore[arg-type]
+            done = complete(self, *self.pending)  # type: ignore[arg-type]
             self.pending = None if done is None else (self.pending[0], done)
             st["mask_wait_s"] += time.perf_counter() - tm
-        launched = self._launch(batch) if batch is not None else None
+        launched = launch(self, batch) if batch is not None else None
         t1 = time.perf_counter()
         if batch is not None and launched is not None and not self.overlap:
             self.pending, launched = (batch, launched), None
-        t2 = self._collect(*self.pending) if self.pending is not None else t1
+        t2 = collect(self, *self.pending) if self.pending is not None else t1
         if batch is not None and isinstance(launched, Deferred):
             launched.start()  # the results just processed are in the matchers: fill the masks
         self.pending = (batch, launched) if launched is not None and batch is not None else None
@@ -206,46 +208,6 @@ class Scheduler:
             for r in dict.fromkeys(culprits):
                 self.abort_now(r, error_message("scheduling", e))
             return None
-
-    def _launch(self, batch: ScheduleBatch) -> Launched | None:
-        """Prepare and start a batch; None if either fails (its requests then end)."""
-        counted = False
-        try:
-            prepared = self.runner.prepare(batch)
-            for r in batch.unique_reqs:
-                r.inflight += 1
-            counted = True
-            launched = self.runner.launch(prepared)
-            # Without overlap the previous results are in already: mask and sample now.
-            return launched.complete() if isinstance(launched, Deferred) and not self.overlap else launched
-        except Exception as e:  # noqa: BLE001 - contained to this batch
-            for r in batch.unique_reqs if counted else ():
-                r.inflight -= 1
-            fail_batch(self, batch, e, "forward" if counted else "prepare", kv_written=False)
-            return None
-
-    def _complete(self, batch: ScheduleBatch, deferred: Deferred) -> Launched | None:
-        """Queue a deferred batch's masks and sampling; None if that fails (its requests then end)."""
-        try:
-            return deferred.complete()
-        except Exception as e:  # noqa: BLE001 - contained to this batch
-            for r in batch.unique_reqs:
-                r.inflight -= 1
-            fail_batch(self, batch, e, "sampling", kv_written=False)
-            return None
-
-    def _collect(self, batch: ScheduleBatch, handle: Launched) -> float:
-        """Wait for a launched batch and process its results (or its failure); when they came."""
-        try:
-            res = (handle.complete() if isinstance(handle, Deferred) else handle).result()
-        except Exception as e:  # noqa: BLE001 - the forward failed: that batch's requests end
-            for r in batch.unique_reqs:
-                r.inflight -= 1
-            fail_batch(self, batch, e, "forward", kv_written=False)
-            return time.perf_counter()
-        t = time.perf_counter()
-        process(self, batch, res)
-        return t
 
     # ---- input -----------------------------------------------------------------
 
