@@ -69,7 +69,7 @@ from sgl.core.log import ROOT as LOG_ROOT
 from sgl.core.protocol import AbortReq, BatchTokenIDOutput, GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
-from sgl.sched import decode, scheduler
+from sgl.sched import decode, stepping
 from sgl.sched.prefill_adder import PrefillAdder
 from sgl.sched.req import Req
 from sgl.sched.scheduler import Scheduler
@@ -264,14 +264,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.order)
     @rule(pick=st.integers(0, 1 << 16), siblings=st.booleans(), skip=st.integers(0, 2))
     def abort(self, pick: int, siblings: bool, skip: int) -> None:
-        """Abort a request (live or not; at times a rid that never existed); most draws skip."""
+        """Abort a request (live or not; at times a rid that never existed); most draws skip.
+        Half the draws pick among the requests not finished yet, so aborts meet running
+        and prefilling requests often, not only finished ones."""
         if skip:
             return
-        i = pick % (len(self.order) + 1)
-        if i == len(self.order):
+        live = [r for r in self.order if self.subs[r].finish is None]
+        pool = live if pick & 1 and live else self.order
+        i = (pick >> 1) % (len(pool) + 1)
+        if i == len(pool):
             self.recv.q.append(AbortReq("never-submitted"))
             return
-        rid = self.order[i]
+        rid = pool[i]
         group = [r for r in self.order if r.rsplit("-", 1)[0] == rid.rsplit("-", 1)[0]] if siblings else [rid]
         for r in group:
             self.subs[r].aborted = True
@@ -567,7 +571,7 @@ def _reserve_ignored() -> None:
 
 def _token_processed_twice() -> None:
     """Every third decode step's results are applied twice."""
-    process = scheduler.process
+    process = stepping.process
     calls = Counter[str]()
 
     def twice(s: Scheduler, batch: Any, *args: Any, **kw: Any) -> None:
@@ -576,7 +580,7 @@ def _token_processed_twice() -> None:
         if batch.is_decode and calls["decode"] % 3 == 0:
             process(s, batch, *args, **kw)
 
-    plant(scheduler, "process", twice)
+    plant(stepping, "process", twice)
 
 
 def _deferred_forever() -> None:
