@@ -126,17 +126,12 @@ def test_grammars_hold_through_retraction_on_null_weights(tmp_path: Any) -> None
     """Null weights: the logits know nothing of the grammar, so only the mask makes
     these valid; a pool that cannot hold all of them at once makes retraction happen."""
     import asyncio
-    import shutil
 
-    from sgl.sched.models.default_model import default_model_dir
-
-    src = default_model_dir()
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(f"{src}/{f}", tmp_path / f)
+    model = _null_with_tokenizer(tmp_path)
     pattern = r"[0-9]{50,55}"  # single-digit tokens: 50 or more of them, so the requests outgrow their reserve
 
     async def main() -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        async with sgl.AsyncEngine(str(tmp_path), load_format="null", transport="inproc", max_total_tokens=200,
+        async with sgl.AsyncEngine(model, load_format="null", transport="inproc", max_total_tokens=200,
                                    chunked_prefill_size=16, disable_overlap_schedule=False) as e:
             outs = await asyncio.gather(*(e.generate(f"r {i}", {"temperature": 0.7, "seed": i, "max_new_tokens": 60,
                                                                  "regex": pattern}) for i in range(12)))

@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # chunked_prefill_size=None: by GPU memory (GiB, exclusive bound -> tokens), SGLang's
 # defaults below 90 GiB; an H200 (141 GB) or larger gets 16384 (vLLM's offline default
-# there; SGLang gives an H200 8192): W3 measured 37,577 tok/s against 32,269 with 8192
-# on one H200, same call (benchmarks/RESULTS.md, session 9), as the host builds a quarter
-# of the prefill batches. Prompt-logprob rows are bounded apart (sgl.sched.prefill_adder).
+# there; SGLang gives an H200 8192): W3 without the prefix cache (537,600 prefill tokens)
+# ran 4-5% faster with it on one H200 (benchmarks/RESULTS.md, session 9), half as many
+# prefill batches for the host to build. Prompt-logprob rows are bounded apart
+# (sgl.sched.prefill_adder).
 GPU_CHUNK_DEFAULTS = [(20, 2048), (35, 2048), (60, 4096), (90, 8192)]
 GPU_CHUNK_LARGEST = 16384
 # On CPU: the forward's cost grows linearly with its tokens already (no device to fill),
@@ -281,10 +282,6 @@ class ModelRunner:
         for pool in (self.worker, self.mask_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
-
-    def execute(self, p: PreparedBatch) -> StepResult:
-        """Run one prepared batch to completion; its results on the host."""
-        return self._sample(p, self._logits(p), self._bitmask(p)).to_host(non_blocking=False)
 
     def _bitmask(self, p: PreparedBatch) -> torch.Tensor | None:
         return None if p.grammar is None else grammar_mask(p.grammar, self.vocab_size, self.device)
