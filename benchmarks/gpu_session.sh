@@ -5,7 +5,17 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w7 startup prof1 prof2 prof3 prof8b vllm vllm8b
+#        w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
+# (w3rep: W3's three engines with 5 timed runs each, medians; w3spy: the cascade engine's
+# 5 runs under py-spy (its wheel in .whl), folded stacks in $OUT/w3spy.txt; w3old: the
+# same on the checkout in .old/, run by this checkout's benchmark script)
+# (prof1/2/3/8b: benchmarks/profile_run.py, W1/W2/W3 (prof8b: W2 at 8B) kernels by kind and
+# batches by size; startup: benchmarks/startup.py; w7: W1 and W2 on the Qwen3-8B architecture)
+# (vllm, vllm8b: the peer kit's bench.py, once its parts are in /tmp (../shared/peers/vllm:
+# carry .peer/vllm/c1 and kit in one call, c2 and kit in the next); vllm8b runs W1,W2 at 8B)
+# A later call on a machine still warm may carry neither .whl nor .ficache: what the first
+# call installed in /tmp (wheels, kernels) is used again.
 # (old: W1, W2 and W3 on an older checkout carried in .old/ (`git archive COMMIT | tar x
 # -C .old`), installed apart in /tmp/oldsite, so a change is measured against what it
 # changed in the same lease)
@@ -33,7 +43,14 @@ set -uo pipefail
 log=${OUT:-/tmp}/log.txt
 exec > >(tee -a "$log") 2>&1
 budget=${GPU_BUDGET_S:-540}
-eval "$(bash .whl/install-wheels.sh)"
+if [ -f .whl/install-wheels.sh ]; then
+  eval "$(bash .whl/install-wheels.sh)"
+else  # a warm machine: the first call's /tmp/site
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-} FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
+  [ -d /tmp/site/flashinfer ] || echo "no .whl carried and no /tmp/site: nothing of sgl will import"
+fi
+export PATH=/tmp/site/bin:$PATH
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
 ws=$FLASHINFER_WORKSPACE_BASE
@@ -77,6 +94,29 @@ for step in "$@"; do
     w2hf) run 500 python3 -m benchmarks.w1_w2_gpu --workloads W2 ;;
     w3) run 400 python3 -m benchmarks.w3_shared_prefix ;;
     w3c16k) run 400 python3 -m benchmarks.w3_shared_prefix --chunked-prefill-size 16384 ;;
+    w3rep) run 400 python3 -m benchmarks.w3_shared_prefix --repeat 5 ;;
+    w3spy) run 200 py-spy record -r 400 --nonblocking --subprocesses --format raw -o "${OUT:-/tmp}/w3spy.txt" -- \
+             python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5 ;;
+    w3old)
+      if [ -d .old ] && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite .old \
+          >/dev/null 2>&1; then
+        rm -rf /tmp/oldrun && mkdir -p /tmp/oldrun && cp -r benchmarks /tmp/oldrun/
+        (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
+          && run 200 py-spy record -r 400 --nonblocking --subprocesses --format raw -o "${OUT:-/tmp}/w3spyold.txt" -- \
+             python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5)
+      else
+        echo "no .old checkout carried, or it failed to install"
+      fi ;;
+    w7) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf ;;
+    startup) run 200 python3 -m benchmarks.startup --repeat 3 ;;
+    prof1) run 200 python3 -m benchmarks.profile_run --workload W1 ;;
+    prof2) run 200 python3 -m benchmarks.profile_run --workload W2 ;;
+    prof3) run 200 python3 -m benchmarks.profile_run --workload W3 ;;
+    prof8b) run 300 python3 -m benchmarks.profile_run --workload W2 --config qwen3-8b ;;
+    vllm) run 540 bash .peer/vllm/kit/unpack.sh .peer/vllm -- --timeout 520 --json "${OUT:-/tmp}/vllm.json" ;;
+    vllm8b) cp benchmarks/configs/qwen3-8b.json /tmp/qwen3-8b.json
+            run 540 bash .peer/vllm/kit/unpack.sh .peer/vllm -- --config /tmp/qwen3-8b.json --workloads W1,W2 \
+              --timeout 520 --json "${OUT:-/tmp}/vllm8b.json" ;;
     profile) run 300 python3 -m benchmarks.profile_decode ;;
     # The front end's loop stalls at the issue's size (carry .lt: the default model's config
     # and tokenizer files, ~3.4 MB; null weights, so the host's 16 cores serve the front end).

@@ -8,6 +8,7 @@ scheduler's job."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -112,7 +113,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(args, self.device)
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
+        # Start-up phases in seconds (weights, KV pools, CUDA graphs), logged and in the scheduler's info.
+        t0 = time.perf_counter()
         self.model, self.config = self._load(args, model_path)
+        self.startup = {"weights_s": time.perf_counter() - t0}
         self.vocab_size: int = self.model.vocab_size
         # The model's own limit (its rotary table); the null model has none.
         limit: int | None = getattr(self.model, "context_len", None)
@@ -125,8 +129,10 @@ class ModelRunner:
         if slots is None and tp.size > 1:  # every rank must hold the same slots: the smallest pool fits all
             slots = tp.min_int(default_kv_tokens(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device,
                                                  args.mem_fraction_static))
+        t0 = time.perf_counter()
         pools = build_kv_pools(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device, self.context_length,
                                slots, args.max_running_requests, args.mem_fraction_static)
+        self.startup["kv_pool_s"] = time.perf_counter() - t0
         self.max_total_tokens = pools.max_total_tokens
         self.max_running_requests = pools.max_running_requests
         self.kv_pool = pools.kv_pool
@@ -155,15 +161,18 @@ class ModelRunner:
                            else None)
         self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
+        t0 = time.perf_counter()
         if self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null":
             from sgl.sched.runner.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self, min(args.cuda_graph_max_bs, self.max_running_requests))
+        self.startup["cuda_graphs_s"] = time.perf_counter() - t0
         self.log.info(
             "model ready", device=str(self.device), dtype=str(self.dtype), kv_tokens=self.max_total_tokens,
             kv_gib=round(self.kv_pool.nbytes() / 2**30, 2), attention=type(self.attn_backend).__name__,
             context_length=self.context_length, max_running_requests=self.max_running_requests,
             cuda_graph_sizes=self.graphs.sizes if self.graphs else None,
+            **{k: round(v, 2) for k, v in self.startup.items()},
         )
 
     @property

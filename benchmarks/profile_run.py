@@ -1,0 +1,157 @@
+"""Where a whole workload's GPU time goes (issue 17: "profile first"): one timed run of
+W1, W2 or W3 through the real engine, with the scheduler on a thread of this process
+(transport inproc) so that torch.profiler sees every kernel it queues, CUDA-graph
+replays included. Prints:
+
+- the kernels by total GPU time (top N) and by kind (decode attention, prefill
+  attention, GEMMs, norms, rotary, activation, sampling, KV writes, copies, other);
+- the batches by kind and size: count, GPU ms per batch (CUDA events around each
+  step, as the scheduler's own timeline records them) and the GPU's wait for the
+  host before each one, so the shrinking tail of W2 shows apart from its full start.
+
+The profiler costs host time (it records each launch), so this run's wall time is
+not the benchmark's: use w1_w2_gpu / w3_shared_prefix for throughput.
+
+    python -m benchmarks.profile_run --workload W2 [--top 25] [--no-trace] [--config qwen3-8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+import sgl
+from benchmarks.common import dummy_model_dir, machine, random_prompts, table
+from benchmarks.w1_w2_gpu import workload
+from sgl.sched.runner import step as step_mod
+
+# (kind, substrings of a kernel's name, lower case), first match wins.
+KINDS = [
+    ("decode attention", ("batchdecode", "mergestate", "merge_state", "variablelengthmerge")),
+    ("prefill attention", ("batchprefill", "prefillwith", "ragged")),
+    ("sampling", ("sampling", "topk", "top_k", "softmax", "argmax", "gumbel", "exponential", "multinomial")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "cublas", "splitk")),
+    ("norm", ("rmsnorm", "norm")),
+    ("rotary", ("rope", "rotary")),
+    ("activation", ("act_and_mul", "silu", "gelu")),
+    ("kv write", ("kv_write", "_write_kv", "index_put", "scatter")),
+    ("copy", ("memcpy", "memset", "copy", "fill")),
+    ("gather/index", ("index", "gather", "take")),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
+
+
+class StepLog:
+    """Every collected step: (decode?, batch rows, GPU ms, GPU wait before it in ms)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[bool, int, float, float]] = []
+        self.on = False
+        self._prev: torch.cuda.Event | None = None
+
+    def install(self) -> None:
+        orig = step_mod.CudaLaunched.result
+        log = self
+
+        def result(h: Any) -> Any:
+            out = orig(h)
+            if log.on:
+                gap = max(0.0, log._prev.elapsed_time(h.start)) if log._prev is not None else 0.0
+                log.rows.append((h.decode, int(out.next_ids.numel()), h.start.elapsed_time(h.done), gap))
+            log._prev = h.done
+            return out
+
+        step_mod.CudaLaunched.result = result  # type: ignore[method-assign]
+
+
+def buckets(rows: list[tuple[bool, int, float, float]]) -> list[dict[str, object]]:
+    edges = [1, 16, 32, 64, 128, 192, 256, 512, 1 << 30]
+    groups: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    for decode, b, ms, gap in rows:
+        hi = next(e for e in edges if b <= e)
+        groups[("decode" if decode else "prefill", hi)].append((ms, gap))
+    out = []
+    for (kind, hi), v in sorted(groups.items()):
+        lo = edges[edges.index(hi) - 1] + 1 if edges.index(hi) else 1
+        out.append({"batch": kind, "rows": f"{lo}-{hi}" if hi < 1 << 30 else f">{lo - 1}", "count": len(v),
+                    "GPU ms each": sum(x for x, _ in v) / len(v), "GPU s": sum(x for x, _ in v) / 1000,
+                    "wait ms each": sum(g for _, g in v) / len(v), "wait s": sum(g for _, g in v) / 1000})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="W2", choices=["W1", "W2", "W3"])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--config", default="qwen3-0.6b")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--no-trace", action="store_true", help="only the per-batch table (no torch.profiler)")
+    a = ap.parse_args()
+    if a.workload == "W3":
+        shared = random_prompts(1, 2000, 151000, seed=5)[0]
+        prompts = [shared + u for u in random_prompts(a.requests, 100, 151000, seed=6)]
+        outs, temp = [128] * a.requests, 0.0
+    else:
+        prompts, outs, temp = workload(a.workload, a.requests)
+    params = [{"temperature": temp, "max_new_tokens": o, "ignore_eos": True} for o in outs]
+    log = StepLog()
+    log.install()
+    t0 = time.perf_counter()
+    with sgl.Engine(dummy_model_dir(a.config), transport="inproc", load_format="dummy", skip_tokenizer_init=True,
+                    random_seed=0) as e:
+        print(f"ready in {time.perf_counter() - t0:.1f} s {e.get_server_info().get('startup')}", flush=True)
+        e.generate(input_ids=prompts[:8], sampling_params=params[:8])  # warm-up
+        e.flush_cache()
+        log.on = True
+        prof = None
+        if not a.no_trace:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        t1 = time.perf_counter()
+        e.generate(input_ids=prompts, sampling_params=params)
+        wall = time.perf_counter() - t1
+        if prof is not None:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+        log.on = False
+    print(f"{a.workload} on {machine()} ({a.config}), profiled wall {wall:.2f} s "
+          f"({sum(outs) / wall:,.0f} tok/s under the profiler)")
+    if log.rows:  # none on CPU: its steps are not CUDA events
+        print(table(buckets(log.rows)))
+    gpu = sum(ms for _, _, ms, _ in log.rows) / 1000
+    wait = sum(g for _, _, _, g in log.rows) / 1000
+    print(f"steps {len(log.rows)}: GPU busy {gpu:.3f} s, GPU waiting for the host {wait:.3f} s")
+    if prof is None:
+        return
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:
+            t = getattr(ev, "self_cuda_time_total", 0.0)
+        if t > 0:
+            k = kernels[ev.key]
+            k[0] += t / 1e6
+            k[1] += ev.count
+    total = sum(v[0] for v in kernels.values())
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, (s, _) in kernels.items():
+        by_kind[kind_of(name)] += s
+    print(table([{"kind": k, "GPU s": s, "share %": 100 * s / total}
+                 for k, s in sorted(by_kind.items(), key=lambda kv: -kv[1])]))
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[: a.top]
+    print(table([{"kernel": n[:90], "kind": kind_of(n), "calls": int(c), "GPU s": s, "us each": 1e6 * s / max(c, 1)}
+                 for n, (s, c) in top]))
+    print(f"RESULT name=profile_{a.workload} kernel_s={total:.3f} step_gpu_s={gpu:.3f} wait_s={wait:.3f} "
+          + " ".join(f"{k.replace(' ', '_').replace('/', '_')}_s={s:.3f}" for k, s in by_kind.items()))
+
+
+if __name__ == "__main__":
+    main()
