@@ -5,11 +5,11 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w7 startup prof1 prof2 prof3 prof8b vllm vllm8b
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 startup prof1 prof2 prof3 prof8b vllm vllm8b
 #        w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
 # (w3rep: W3's three engines with 5 timed runs each, medians; w3spy: the cascade engine's
-# 5 runs under py-spy (its wheel in .whl), folded stacks in $OUT/w3spy.txt; w3old: the
-# same on the checkout in .old/, run by this checkout's benchmark script)
+# 5 runs under py-spy (its wheel in .whl), folded stacks in $OUT/w3spy.txt; w3old: its 5 runs
+# on the checkout in .old/, run by this checkout's benchmark script; w3oldspy: under py-spy)
 # (prof1/2/3/8b: benchmarks/profile_run.py, W1/W2/W3 (prof8b: W2 at 8B) kernels by kind and
 # batches by size; startup: benchmarks/startup.py; w7: W1 and W2 on the Qwen3-8B architecture)
 # (vllm, vllm8b: the peer kit's bench.py, once its parts are in /tmp (../shared/peers/vllm:
@@ -97,13 +97,13 @@ for step in "$@"; do
     w3rep) run 400 python3 -m benchmarks.w3_shared_prefix --repeat 5 ;;
     w3spy) run 200 py-spy record -r 400 --nonblocking --subprocesses --format raw -o "${OUT:-/tmp}/w3spy.txt" -- \
              python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5 ;;
-    w3old)
+    w3old|w3oldspy)
+      spy=(); [ "$step" = w3oldspy ] && spy=(py-spy record -r 400 --nonblocking --subprocesses --format raw -o "${OUT:-/tmp}/w3spyold.txt" --)
       if [ -d .old ] && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite .old \
           >/dev/null 2>&1; then
         rm -rf /tmp/oldrun && mkdir -p /tmp/oldrun && cp -r benchmarks /tmp/oldrun/
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
-          && run 200 py-spy record -r 400 --nonblocking --subprocesses --format raw -o "${OUT:-/tmp}/w3spyold.txt" -- \
-             python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5)
+          && run 200 "${spy[@]}" python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5)
       else
         echo "no .old checkout carried, or it failed to install"
       fi ;;

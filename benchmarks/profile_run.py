@@ -1,7 +1,10 @@
 """Where a whole workload's GPU time goes (issue 17: "profile first"): one timed run of
-W1, W2 or W3 through the real engine, with the scheduler on a thread of this process
-(transport inproc) so that torch.profiler sees every kernel it queues, CUDA-graph
-replays included. Prints:
+W1, W2 or W3 through the real scheduler (its own `step()` loop, overlap and CUDA graphs
+as configured), driven from this process's main thread with in-memory channels and no
+other role, so that torch.profiler sees every kernel it queues, CUDA-graph replays
+included. (An inproc engine would do too, but its scheduler thread shares the GIL with
+the detokenizer's and the caller's: its CUDA-graph capture alone took 126 s on an H200.)
+Prints:
 
 - the kernels by total GPU time (top N) and by kind (decode attention, prefill
   attention, GEMMs, norms, rotary, activation, sampling, KV writes, copies, other);
@@ -19,15 +22,19 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import torch
 
-import sgl
 from benchmarks.common import dummy_model_dir, machine, random_prompts, table
 from benchmarks.w1_w2_gpu import workload
+from sgl.core.protocol import GenerateReqInput, Message
+from sgl.core.sampling_params import SamplingParams
+from sgl.core.server_args import ServerArgs
 from sgl.sched.runner import step as step_mod
+from sgl.sched.scheduler import Scheduler
+from sgl.transports.channel import Receiver, Sender
 
 # (kind, substrings of a kernel's name, lower case), first match wins.
 KINDS = [
@@ -47,6 +54,46 @@ KINDS = [
 def kind_of(name: str) -> str:
     low = name.lower()
     return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
+
+
+class Inbox(Receiver):
+    """The scheduler's input: a deque this script fills."""
+
+    def __init__(self) -> None:
+        self.q: deque[Message] = deque()
+
+    def recv(self, timeout: float | None = None) -> Message | None:
+        return self.q.popleft() if self.q else None
+
+    async def recv_async(self) -> Message:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Outbox(Sender):
+    """The scheduler's output, counted and dropped."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def send(self, msg: Message) -> None:
+        self.sent += 1
+
+    def close(self) -> None:
+        pass
+
+
+def run(s: Scheduler, inbox: Inbox, prompts: list[list[int]], outs: list[int], temp: float, tag: str) -> float:
+    """Submit every request, step the scheduler until it is idle; the wall time."""
+    t0 = time.perf_counter()
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        sp = SamplingParams(max_new_tokens=o, temperature=temp, ignore_eos=True)
+        inbox.q.append(GenerateReqInput(f"{tag}{i}", p, sp))
+    while inbox.q or s.waiting or s.running or s.chunked_req or s.pending:
+        s.step()
+    return time.perf_counter() - t0
 
 
 class StepLog:
@@ -101,27 +148,28 @@ def main() -> None:
         outs, temp = [128] * a.requests, 0.0
     else:
         prompts, outs, temp = workload(a.workload, a.requests)
-    params = [{"temperature": temp, "max_new_tokens": o, "ignore_eos": True} for o in outs]
     log = StepLog()
     log.install()
     t0 = time.perf_counter()
-    with sgl.Engine(dummy_model_dir(a.config), transport="inproc", load_format="dummy", skip_tokenizer_init=True,
-                    random_seed=0) as e:
-        print(f"ready in {time.perf_counter() - t0:.1f} s {e.get_server_info().get('startup')}", flush=True)
-        e.generate(input_ids=prompts[:8], sampling_params=params[:8])  # warm-up
-        e.flush_cache()
-        log.on = True
-        prof = None
-        if not a.no_trace:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-            prof.__enter__()
-        t1 = time.perf_counter()
-        e.generate(input_ids=prompts, sampling_params=params)
-        wall = time.perf_counter() - t1
-        if prof is not None:
-            torch.cuda.synchronize()
-            prof.__exit__(None, None, None)
-        log.on = False
+    model = dummy_model_dir(a.config)
+    args = ServerArgs.from_kwargs(model_path=model, load_format="dummy", skip_tokenizer_init=True, random_seed=0)
+    inbox = Inbox()
+    s = Scheduler(args, model, inbox, Outbox())
+    print(f"ready in {time.perf_counter() - t0:.1f} s {s.runner.startup}", flush=True)
+    run(s, inbox, prompts[:8], outs[:8], temp, "warm")
+    s.tree.reset()
+    log.on = True
+    prof = None
+    if not a.no_trace:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        prof.__enter__()
+    wall = run(s, inbox, prompts, outs, temp, "r")
+    if prof is not None:
+        torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
+    log.on = False
+    print(f"scheduler loop: { {k: round(float(v), 3) for k, v in s.stats.items()} }")
+    s.close()
     print(f"{a.workload} on {machine()} ({a.config}), profiled wall {wall:.2f} s "
           f"({sum(outs) / wall:,.0f} tok/s under the profiler)")
     if log.rows:  # none on CPU: its steps are not CUDA events
