@@ -5,13 +5,14 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 startup prof1 prof2 prof3 prof8b vllm vllm8b
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 startup decodebal prof1 prof2 prof3 prof8b vllm vllm8b
 #        w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
 # (w3rep: W3's three engines with 5 timed runs each, medians; w3spy: the cascade engine's
 # 5 runs under py-spy (its wheel in .whl), folded stacks in $OUT/w3spy.txt; w3old: its 5 runs
 # on the checkout in .old/, run by this checkout's benchmark script; w3oldspy: under py-spy)
 # (prof1/2/3/8b: benchmarks/profile_run.py, W1/W2/W3 (prof8b: W2 at 8B) kernels by kind and
-# batches by size; startup: benchmarks/startup.py; w7: W1 and W2 on the Qwen3-8B architecture)
+# batches by size; startup: benchmarks/startup.py; w7: W1 and W2 on the Qwen3-8B architecture;
+# decodebal: benchmarks/decode_balance.py, W2's decode attention at its real batches)
 # (vllm, vllm8b: the peer kit's bench.py, once its parts are in /tmp (../shared/peers/vllm:
 # carry .peer/vllm/c1 and kit in one call, c2 and kit in the next); vllm8b runs W1,W2 at 8B)
 # A later call on a machine still warm may carry neither .whl nor .ficache: what the first
@@ -51,6 +52,10 @@ else  # a warm machine: the first call's /tmp/site
   [ -d /tmp/site/flashinfer ] || echo "no .whl carried and no /tmp/site: nothing of sgl will import"
 fi
 export PATH=/tmp/site/bin:$PATH
+# Bytecode cached across processes: the host's site-packages is not writable, so without
+# this every process compiles transformers' modules again (py-spy, session 10: about 8 s
+# of each start). A user's install has its .pyc files; so do these runs from the 2nd on.
+export PYTHONPYCACHEPREFIX=/tmp/pycache
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
 ws=$FLASHINFER_WORKSPACE_BASE
@@ -94,7 +99,7 @@ for step in "$@"; do
     w2hf) run 500 python3 -m benchmarks.w1_w2_gpu --workloads W2 ;;
     w3) run 400 python3 -m benchmarks.w3_shared_prefix ;;
     w3c16k) run 400 python3 -m benchmarks.w3_shared_prefix --chunked-prefill-size 16384 ;;
-    w3rep) run 400 python3 -m benchmarks.w3_shared_prefix --repeat 5 ;;
+    w3rep) run 400 python3 -m benchmarks.w3_shared_prefix --repeat ${W3_REPEAT:-5} ;;
     w3spy) run 200 py-spy record -r 400 --nonblocking --subprocesses --format raw -o "${OUT:-/tmp}/w3spy.txt" -- \
              python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5 ;;
     w3old|w3oldspy)
@@ -108,7 +113,8 @@ for step in "$@"; do
         echo "no .old checkout carried, or it failed to install"
       fi ;;
     w7) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf ;;
-    startup) run 200 python3 -m benchmarks.startup --repeat 3 ;;
+    startup) run 200 python3 -m benchmarks.startup --repeat ${STARTUP_REPEAT:-3} ;;
+    decodebal) run 120 python3 -m benchmarks.decode_balance ;;
     prof1) run 200 python3 -m benchmarks.profile_run --workload W1 ;;
     prof2) run 200 python3 -m benchmarks.profile_run --workload W2 ;;
     prof3) run 200 python3 -m benchmarks.profile_run --workload W3 ;;
@@ -127,6 +133,10 @@ for step in "$@"; do
                tests/test_gpu_grammar.py
              run 300 python3 -m benchmarks.grammar_cost --model .lt --load-format dummy --dtype bfloat16 \
                --requests 256 --new-tokens 256 ;;
+    # W2-like (issue 16): the Qwen3-0.6B architecture (dummy bf16) with the default model's
+    # tokenizer (carry .lt), 256 requests under a JSON schema against plain, same lengths.
+    grammar06) run 300 python3 -m benchmarks.grammar_cost --model .lt --config qwen3-0.6b --load-format dummy \
+                 --dtype bfloat16 --requests 256 --new-tokens 256 ;;
     beamtests) run 300 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
                  tests/test_gpu_beams.py ;;
     # Issue 18, on nvidia-h200-x2: the TP/DP GPU test, then W1 and W2 on the Qwen3-8B

@@ -14,6 +14,9 @@ up to FILL_THREADS threads), the token accepts, and on a GPU the bitmask's appli
 
     python -m benchmarks.grammar_cost [--requests 16] [--new-tokens 64] [--model DIR] [--dtype float32]
         [--load-format dummy]   # the H200 run: the default model's config and tokenizer (.lt), random bf16 weights
+        [--config qwen3-0.6b]   # W2-like: that architecture of benchmarks/configs (dummy weights) with
+                                # --model's tokenizer (its token ids, EOS included; the logits keep the
+                                # architecture's 151,936 columns, the ids past the tokenizer's are masked)
 """
 
 from __future__ import annotations
@@ -127,6 +130,29 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
         print(f"{k:<28} {v / steps * 1e3:7.2f}")
 
 
+def with_architecture(model: str, config_name: str) -> str:
+    """A model directory of the benchmark architecture `config_name` holding `model`'s
+    tokenizer files, its bos/eos/pad ids in the config (for load_format="dummy")."""
+    import os
+    import shutil
+
+    from benchmarks.common import dummy_model_dir
+
+    d = dummy_model_dir(config_name) + "-tokenizer"
+    os.makedirs(d, exist_ok=True)
+    for f in os.listdir(model):
+        if f != "config.json" and not f.endswith((".safetensors", ".gguf", ".bin")):
+            shutil.copy(os.path.join(model, f), os.path.join(d, f))
+    with open(os.path.join(dummy_model_dir(config_name), "config.json")) as fh:
+        cfg = json.load(fh)
+    with open(os.path.join(model, "config.json")) as fh:
+        own = json.load(fh)
+    cfg.update({k: own[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in own})
+    with open(os.path.join(d, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return d
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=16)
@@ -134,8 +160,13 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--config", help="a benchmarks/configs architecture with --model's tokenizer (needs dummy)")
     a = ap.parse_args()
     model = a.model or default_model_dir()
+    if a.config:
+        if a.load_format != "dummy":
+            ap.error("--config needs --load-format dummy (the architecture has no weights of its own)")
+        model = with_architecture(model, a.config)
     asyncio.run(engine_runs(a, model))
     matcher_costs(model, a.requests)
 
