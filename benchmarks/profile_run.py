@@ -2,8 +2,9 @@
 W1, W2 or W3 through the real scheduler (its own `step()` loop, overlap and CUDA graphs
 as configured), driven from this process's main thread with in-memory channels and no
 other role, so that torch.profiler sees every kernel it queues, CUDA-graph replays
-included. (An inproc engine would do too, but its scheduler thread shares the GIL with
-the detokenizer's and the caller's: its CUDA-graph capture alone took 126 s on an H200.)
+included. (A first version ran an inproc engine instead: on a fresh H200 its start took
+141 s, 126 s of it capturing CUDA graphs, against 2-5 s in the engine's child process in
+later calls; the cause was not found, so this drives the scheduler with no other thread.)
 Prints:
 
 - the kernels by total GPU time (top N) and by kind (decode attention, prefill
