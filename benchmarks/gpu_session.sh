@@ -36,6 +36,12 @@
 # - The whole call stays within GPU_BUDGET_S (default 540 s, under the 600 s limit):
 #   each step gets the time left, capped by its own limit; steps that no longer fit
 #   are skipped and say so.
+# - A fresh machine costs 60-120 s of device time before the command starts; a call sent
+#   within 30 s of the last one's return keeps the same machine (and its /tmp). One lease
+#   for the table of issue 17 (session 10, 610 s of device time): vLLM's two calls first
+#   (`bash .peer/vllm/kit/unpack.sh .peer/vllm` carrying c1 and kit, then c2 and kit with
+#   `-- --timeout 400 --json $OUT/vllm.json`), then this script's steps with GPU_BUDGET_S
+#   set from the budget `status` reports, most important step first.
 # - Built kernels are installed as FlashInfer AOT modules. Restored as a JIT cache
 #   they are not enough: FlashInfer runs ninja on every load, and the fresh wheel
 #   install makes its headers newer than the cached objects, so ninja rebuilds

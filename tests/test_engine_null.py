@@ -131,6 +131,9 @@ def test_flush_cache_and_health(engine: sgl.Engine) -> None:
     assert engine.flush_cache() == {"success": True, "message": ""}
     info = engine.get_server_info()
     assert info["kv_evictable"] == 0 and info["kv_free"] == info["max_total_tokens"]
+    # The start's phases, in seconds (no CUDA graphs on CPU: that phase is ~0).
+    assert set(info["startup"]) == {"weights_s", "kv_pool_s", "cuda_graphs_s"}
+    assert all(0 <= v < 600 for v in info["startup"].values())
 
 
 def test_penalties_seeds_and_logprobs_survive_retraction(engine: sgl.Engine) -> None:
