@@ -229,6 +229,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.tokens_asked = 0
         self.seen = 0  # sent messages consumed
         self.broken = False  # a check or the scheduler failed: teardown only cleans up
+        self.armed: dict[str, bool] = {}  # rid -> siblings: aborts sent once the request holds a row
         STATS["examples"] += 1
         if PROFILE_NAME == "long" and STATS["examples"] % 50 == 0:
             print(f"[{time.strftime('%H:%M:%S')}] {dict(STATS)} {PEAK}", file=sys.stderr, flush=True)
@@ -265,21 +266,56 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 1 << 16), siblings=st.booleans(), skip=st.integers(0, 2))
     def abort(self, pick: int, siblings: bool, skip: int) -> None:
         """Abort a request (live or not; at times a rid that never existed); most draws skip.
-        Half the draws pick among the requests not finished yet, so aborts meet running
-        and prefilling requests often, not only finished ones."""
+        A quarter of the draws pick among all submitted rids (finished ones too, and the
+        rid never submitted), a quarter among the requests not finished yet (queued and
+        waiting ones too), and half aim at a request holding a KV row (running or
+        prefilling): one holding a row now, or else a live one, armed, whose abort is sent
+        before the first step that finds it holding a row (during the drain too). A leak
+        of an aborted request's KV shows only when the abort lands while it holds KV, and
+        the plain loop leaves few such moments between rules: without aiming, 12 examples
+        could miss it (they did, depending on which modules were imported: see
+        test_planted_bug_is_caught)."""
         if skip:
             return
         live = [r for r in self.order if self.subs[r].finish is None]
-        pool = live if pick & 1 and live else self.order
-        i = (pick >> 1) % (len(pool) + 1)
+        if pick & 3 >= 2 and live:
+            holding = [r for r in live if self._holds_row(r)]
+            pool = holding or live
+            rid = pool[(pick >> 2) % len(pool)]
+            if holding:
+                self._send_abort(rid, siblings)
+            else:
+                self.armed.setdefault(rid, siblings)
+            return
+        pool = live if pick & 3 and live else self.order
+        i = (pick >> 2) % (len(pool) + 1)
         if i == len(pool):
             self.recv.q.append(AbortReq("never-submitted"))
             return
-        rid = pool[i]
+        self._send_abort(pool[i], siblings)
+
+    def _holds_row(self, rid: str) -> bool:
+        assert self.s is not None
+        req = self.s.rids.get(rid)
+        return req is not None and req.req_pool_idx is not None
+
+    def _send_abort(self, rid: str, siblings: bool) -> None:
+        """Abort `rid`, or with `siblings` every request of its n > 1 group."""
+        if self._holds_row(rid):
+            STATS["KV-holder aborts"] += 1
         group = [r for r in self.order if r.rsplit("-", 1)[0] == rid.rsplit("-", 1)[0]] if siblings else [rid]
         for r in group:
             self.subs[r].aborted = True
             self.recv.q.append(AbortReq(r))
+
+    def _fire_armed(self) -> None:
+        """Send the armed aborts whose request holds a row now; drop those that finished."""
+        for rid, siblings in list(self.armed.items()):
+            if self.subs[rid].finish is not None:
+                del self.armed[rid]
+            elif self._holds_row(rid):
+                del self.armed[rid]
+                self._send_abort(rid, siblings)
 
     @rule(k=st.integers(1, 6))
     def step(self, k: int) -> None:
@@ -291,6 +327,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _step(self) -> None:
         assert self.s is not None
         STATS["steps"] += 1
+        self._fire_armed()
         try:
             self.s.step()
         except Exception as e:
@@ -507,7 +544,8 @@ def _soak(test: Callable[..., None]) -> Callable[..., None]:
 def _report(label: str, before: Counter[str], t0: float) -> None:
     d = STATS - before
     print(f"{label}: {d['examples']} examples, {d['steps']} scheduler steps ({STATS['steps']} in all), "
-          f"{d['requests']} requests, {d['retractions']} retractions, {d['aborted']} aborted, "
+          f"{d['requests']} requests, {d['retractions']} retractions, {d['aborted']} aborted "
+          f"({d['KV-holder aborts']} aborts at a KV holder), "
           f"{d['drain_steps']} drain steps, {d['examples retracting']} examples retracting, "
           f"peak drain/bound {PEAK['drain/bound']:.2f}, {time.perf_counter() - t0:.1f} s")
 
@@ -609,11 +647,11 @@ PLANTED: dict[str, Callable[[], None]] = {
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("bug", sorted(PLANTED))
-def test_planted_bug_is_caught(model_dir: str, bug: str, overlap: bool, request: pytest.FixtureRequest) -> None:
-    if bug == "abort-leaks-kv" and not overlap:
-        # Caught when this module runs alone, missed in the full suite's order since session 9
-        # (the overlap machine catches the same bug): an order dependence being looked for.
-        request.applymarker(pytest.mark.xfail(reason="order-dependent miss in the full suite", strict=False))
+def test_planted_bug_is_caught(model_dir: str, bug: str, overlap: bool) -> None:
+    # Derandomized (ci), yet the search still varies with the process: Hypothesis draws 5%
+    # of its integers from the literals of the local modules imported so far (sgl's, not
+    # tests'), so collecting the whole suite changes the examples. Each planted bug must be
+    # caught by any such search, not by the one a lucky set of imports gives.
     quick = machine_settings(max_examples=12, stateful_step_count=30, phases=[Phase.explicit, Phase.generate],
                              database=None, report_multiple_bugs=False)
     PLANTED[bug]()
