@@ -23,6 +23,7 @@ import random
 import torch
 
 from benchmarks.common import machine, table
+from benchmarks.profile_decode import time_us
 
 HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B
 KV_BYTES_PER_TOKEN = 2 * HKV * D * 2  # one layer, K and V, bf16
@@ -34,18 +35,6 @@ def w2_contexts(t: int, n: int = 256) -> list[int]:
     ins = [rng.randint(100, 1024) for _ in range(n)]
     outs = [rng.randint(100, 1024) for _ in range(n)]
     return [i + t for i, o in zip(ins, outs) if o > t]
-
-
-def time_us(fn: object, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()  # type: ignore[operator]
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        fn()  # type: ignore[operator]
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1) / reps * 1e3
 
 
 def plan(ws: torch.Tensor, lens: list[int], slots: torch.Tensor, graph: bool, tc: bool) -> object:

@@ -127,7 +127,7 @@ def main() -> None:
         attention_alone(runner, reqs)
 
 
-def _time_us(fn: object, reps: int = 20) -> float:
+def time_us(fn: object, reps: int = 20) -> float:
     """GPU microseconds per call of fn (CUDA events around reps calls, after warm-up)."""
     for _ in range(3):
         fn()  # type: ignore[operator]
@@ -201,7 +201,7 @@ def cascade_alone(runner: ModelRunner, reqs: list[Req], shared: int) -> None:
         "suffix via prefill": lambda: own_pre.run(q, kv, return_lse=True),
         "merge_state": lambda: flashinfer.merge_state(o1, s1, o2, s2),
     }
-    out += [{"piece": k, "ms (host)": float("nan"), "us/layer (GPU)": _time_us(f)} for k, f in runs.items()]
+    out += [{"piece": k, "ms (host)": float("nan"), "us/layer (GPU)": time_us(f)} for k, f in runs.items()]
     for row in out:
         row.setdefault("us/layer (GPU)", float("nan"))
     print(f"--- cascade pieces, one layer: bs={b}, shared {shared}, own ~{int(lens.float().mean()) - shared}")
@@ -236,7 +236,7 @@ def attention_alone(runner: ModelRunner, reqs: list[Req]) -> None:
     def record(name: str, make: object, kv_bytes: float = 1.0) -> None:
         try:
             run = make()  # type: ignore[operator]
-            us = _time_us(run, reps=50)
+            us = time_us(run, reps=50)
             rows.append({"variant": name, "us/layer": us, "KV TB/s": gbytes * kv_bytes / us * 1e6 / 1e3})
         except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others; it is reported
             rows.append({"variant": name, "us/layer": float("nan"), "KV TB/s": float("nan")})

@@ -1,6 +1,6 @@
 """Where a whole workload's GPU time goes (issue 17: "profile first"): one timed run of
 W1, W2 or W3 through the real scheduler (its own `step()` loop, overlap and CUDA graphs
-as configured), driven from this process's main thread with in-memory channels and no
+as configured), driven from this process's main thread over in-process channels with no
 other role, so that torch.profiler sees every kernel it queues, CUDA-graph replays
 included. (A first version ran an inproc engine instead: on a fresh H200 its start took
 141 s, 126 s of it capturing CUDA graphs, against 2-5 s in the engine's child process in
@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from typing import Any
 
 import torch
 
 from benchmarks.common import dummy_model_dir, machine, random_prompts, table
 from benchmarks.w1_w2_gpu import workload
-from sgl.core.protocol import GenerateReqInput, Message
+from sgl.core.protocol import GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
 from sgl.sched.runner import step as step_mod
 from sgl.sched.scheduler import Scheduler
-from sgl.transports.channel import Receiver, Sender
+from sgl.transports.inproc import InprocReceiver, InprocSender
 
 # (kind, substrings of a kernel's name, lower case), first match wins.
 KINDS = [
@@ -57,43 +57,17 @@ def kind_of(name: str) -> str:
     return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
 
 
-class Inbox(Receiver):
-    """The scheduler's input: a deque this script fills."""
-
-    def __init__(self) -> None:
-        self.q: deque[Message] = deque()
-
-    def recv(self, timeout: float | None = None) -> Message | None:
-        return self.q.popleft() if self.q else None
-
-    async def recv_async(self) -> Message:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class Outbox(Sender):
-    """The scheduler's output, counted and dropped."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-
-    def send(self, msg: Message) -> None:
-        self.sent += 1
-
-    def close(self) -> None:
-        pass
-
-
-def run(s: Scheduler, inbox: Inbox, prompts: list[list[int]], outs: list[int], temp: float, tag: str) -> float:
-    """Submit every request, step the scheduler until it is idle; the wall time."""
+def run(s: Scheduler, feed: InprocSender, out: InprocReceiver, prompts: list[list[int]], outs: list[int],
+        temp: float, tag: str) -> float:
+    """Submit every request, step the scheduler until it is idle (reading what it sends,
+    as the detokenizer would); the wall time."""
     t0 = time.perf_counter()
     for i, (p, o) in enumerate(zip(prompts, outs)):
-        sp = SamplingParams(max_new_tokens=o, temperature=temp, ignore_eos=True)
-        inbox.q.append(GenerateReqInput(f"{tag}{i}", p, sp))
-    while inbox.q or s.waiting or s.running or s.chunked_req or s.pending:
+        feed.send(GenerateReqInput(f"{tag}{i}", p, SamplingParams(max_new_tokens=o, temperature=temp, ignore_eos=True)))
+    s.step()
+    while s.waiting or s.running or s.chunked_req or s.pending:
         s.step()
+        out.recv_all_nowait()
     return time.perf_counter() - t0
 
 
@@ -154,17 +128,18 @@ def main() -> None:
     t0 = time.perf_counter()
     model = dummy_model_dir(a.config)
     args = ServerArgs.from_kwargs(model_path=model, load_format="dummy", skip_tokenizer_init=True, random_seed=0)
-    inbox = Inbox()
-    s = Scheduler(args, model, inbox, Outbox())
+    # The real in-process channels (the codec included), not the engine's threads.
+    s = Scheduler(args, model, InprocReceiver("profile-run-in"), InprocSender("profile-run-out"))
+    feed, out = InprocSender("profile-run-in"), InprocReceiver("profile-run-out")
     print(f"ready in {time.perf_counter() - t0:.1f} s {s.runner.startup}", flush=True)
-    run(s, inbox, prompts[:8], outs[:8], temp, "warm")
+    run(s, feed, out, prompts[:8], outs[:8], temp, "warm")
     s.tree.reset()
     log.on = True
     prof = None
     if not a.no_trace:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         prof.__enter__()
-    wall = run(s, inbox, prompts, outs, temp, "r")
+    wall = run(s, feed, out, prompts, outs, temp, "r")
     if prof is not None:
         torch.cuda.synchronize()
         prof.__exit__(None, None, None)
