@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import dummy_model_dir, machine, random_prompts, table
+from benchmarks.common import dummy_model_dir, machine, table
 from benchmarks.w1_w2_gpu import workload
+from benchmarks.w3_shared_prefix import w3_prompts
 from sgl.core.protocol import GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
@@ -118,8 +119,7 @@ def main() -> None:
     ap.add_argument("--no-trace", action="store_true", help="only the per-batch table (no torch.profiler)")
     a = ap.parse_args()
     if a.workload == "W3":
-        shared = random_prompts(1, 2000, 151000, seed=5)[0]
-        prompts = [shared + u for u in random_prompts(a.requests, 100, 151000, seed=6)]
+        prompts = w3_prompts(a.requests)
         outs, temp = [128] * a.requests, 0.0
     else:
         prompts, outs, temp = workload(a.workload, a.requests)

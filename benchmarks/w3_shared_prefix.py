@@ -21,6 +21,12 @@ import sgl
 from benchmarks.common import dummy_model_dir, loop_split, machine, random_prompts, table
 
 
+def w3_prompts(requests: int = 256, prefix: int = 2000, unique: int = 100) -> list[list[int]]:
+    """W3's prompts: one shared prefix, then each request's own ids (the vLLM kit builds the same)."""
+    shared = random_prompts(1, prefix, 151000, seed=5)[0]
+    return [shared + u for u in random_prompts(requests, unique, 151000, seed=6)]
+
+
 def run(model_dir: str, prompts: list[list[int]], a: argparse.Namespace, radix: bool,
         cascade: bool | None) -> dict[str, object]:
     params = {"temperature": 0, "max_new_tokens": a.output, "ignore_eos": True}
@@ -61,8 +67,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per engine; the median is reported")
     a = ap.parse_args()
     model_dir = dummy_model_dir()
-    shared = random_prompts(1, a.prefix, 151000, seed=5)[0]
-    prompts = [shared + u for u in random_prompts(a.requests, a.unique, 151000, seed=6)]
+    prompts = w3_prompts(a.requests, a.prefix, a.unique)
     engines = {"cascade": (True, None), "radix": (True, False), "off": (False, None)}
     rows = {v: run(model_dir, prompts, a, *engines[v]) for v in a.variants.split(",")}
     print(f"W3 on {machine()}: {a.requests} x ({a.prefix} shared + {a.unique}) in, {a.output} out")
