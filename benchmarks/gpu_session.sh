@@ -91,6 +91,19 @@ run() {
 }
 # Carried model parts (benchmarks/model_parts.sh) go to /tmp, which outlives the call
 # while the machine stays warm; carried folders do not.
+# old_site BENCHMARKS: install the checkout carried in .old/ into /tmp/oldsite and put the
+# benchmark folder BENCHMARKS (its own, or this checkout's) alone in /tmp/oldrun: run from
+# there, since a checkout's own sgl/ folder on the path (python -m puts the cwd first) would
+# shadow the installed package. False (and says so) when .old is missing or fails to install.
+old_site() {
+  if [ -d .old ] && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite .old \
+      >/dev/null 2>&1; then
+    rm -rf /tmp/oldrun && mkdir -p /tmp/oldrun && cp -r "$1" /tmp/oldrun/benchmarks
+    return 0
+  fi
+  echo "no .old checkout carried, or it failed to install"
+  return 1
+}
 stash_parts() { mkdir -p /tmp/sgl-parts && cp .m?/* /tmp/sgl-parts/ 2>/dev/null; }
 for step in "$@"; do
   echo "=== $step ($(date +%T), ${SECONDS}s into the call)"
@@ -110,13 +123,9 @@ for step in "$@"; do
              python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5 ;;
     w3old|w3oldspy)
       spy=(); [ "$step" = w3oldspy ] && spy=(py-spy record -r 400 --nonblocking --subprocesses --format raw -o "${OUT:-/tmp}/w3spyold.txt" --)
-      if [ -d .old ] && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite .old \
-          >/dev/null 2>&1; then
-        rm -rf /tmp/oldrun && mkdir -p /tmp/oldrun && cp -r benchmarks /tmp/oldrun/
+      if old_site benchmarks; then
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
           && run 200 "${spy[@]}" python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5)
-      else
-        echo "no .old checkout carried, or it failed to install"
       fi ;;
     w7) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf ;;
     startup) run 200 python3 -m benchmarks.startup --repeat ${STARTUP_REPEAT:-3} ;;
@@ -156,16 +165,10 @@ for step in "$@"; do
     profile2) run 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 ;;
     parts) stash_parts; ls /tmp/sgl-parts ;;
     old)
-      if [ -d .old ] && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite .old \
-          >/dev/null 2>&1; then
-        # Run from a folder holding only its benchmarks: a checkout's own sgl/ folder on the
-        # path (python -m puts the cwd first) would shadow the installed package.
-        rm -rf /tmp/oldrun && mkdir -p /tmp/oldrun && cp -r .old/benchmarks /tmp/oldrun/
+      if old_site .old/benchmarks; then
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
           && run 300 python3 -m benchmarks.w1_w2_gpu --workloads ${OLD_WORKLOADS:-W1,W2} --no-hf \
           ; run 300 python3 -m benchmarks.w3_shared_prefix)
-      else
-        echo "no .old checkout carried, or it failed to install"
       fi ;;
     model)
       stash_parts
