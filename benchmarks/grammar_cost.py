@@ -89,16 +89,19 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
     import xgrammar as xgr
     from transformers import AutoConfig, AutoTokenizer
 
-    vocab = AutoConfig.from_pretrained(model).vocab_size
-    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model), vocab_size=vocab)
+    tok = AutoTokenizer.from_pretrained(model)
+    columns = AutoConfig.from_pretrained(model).vocab_size
+    vocab = min(columns, max(tok.get_vocab().values()) + 1)  # the engine's bitmask width (sgl.sched.grammar)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), max_whitespace_cnt=2)
     ms = [xgr.GrammarMatcher(compiled) for _ in range(n)]
     mask = xgr.allocate_token_bitmask(n, vocab)
     threads = fill_threads()
     batch = xgr.BatchGrammarMatcher(max_threads=threads)
     cuda = torch.cuda.is_available()
-    logits = torch.randn(n, vocab, device="cuda" if cuda else "cpu")
+    logits = torch.randn(n, columns, device="cuda" if cuda else "cpu")
     rng = random.Random(0)
+    xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device), vocab_size=vocab)  # Triton compiles once
     t = {"fill one by one": 0.0, f"batch fill ({threads} threads)": 0.0, "accept": 0.0, "apply on device": 0.0}
     for _ in range(steps):
         live = [j for j, m in enumerate(ms) if not m.is_terminated()]
@@ -116,12 +119,13 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
             torch.cuda.synchronize()
         t3 = time.perf_counter()
         bits = mask.numpy()
+        toks = []
         for j in live:
             allowed = np.nonzero(np.unpackbits(bits[j].view(np.uint8), bitorder="little")[:vocab])[0]
-            tok = int(rng.choice(allowed[:64].tolist()))
-            t4 = time.perf_counter()
-            ms[j].accept_token(tok)
-            t["accept"] += time.perf_counter() - t4
+            toks.append(int(rng.choice(allowed[:64].tolist())))
+        t4 = time.perf_counter()
+        xgr.BatchGrammarMatcher.batch_accept_token([ms[j] for j in live], toks)  # as the engine does
+        t["accept"] += time.perf_counter() - t4
         t["fill one by one"] += t1 - t0
         t[f"batch fill ({threads} threads)"] += t2 - t1
         t["apply on device"] += t3 - t2

@@ -54,6 +54,7 @@ class Req:
         "cached_tokens", "to_abort", "retractions", "inflight", "epoch",
         "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
+        "grammar_seen",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -93,6 +94,9 @@ class Req:
         # (set by the scheduler: a processor that reads output ids, or beams on a CPU worker).
         self.serial = False
         self.grammar: Any = None  # its xgrammar GrammarMatcher, once compiled (sgl.sched.grammar)
+        # Output ids its matcher has taken: the rest go in on the mask thread before the
+        # request's next mask (sgl.sched.runner.prepare_beams.grammar_mask); beams excepted.
+        self.grammar_seen = 0
 
     @property
     def all_ids(self) -> list[int]:

@@ -20,7 +20,6 @@ from sgl.core.protocol import BatchTokenIDOutput, Logprobs
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.beam import apply_picks
 from sgl.sched.decode import holders, retract
-from sgl.sched.grammar import advance
 from sgl.sched.req import Req
 from sgl.sched.runner.step import StepResult
 from sgl.sched.stop import StopStrings
@@ -79,12 +78,10 @@ def _apply(s: Scheduler, batch: ScheduleBatch, res: StepResult, i: int, req: Req
         return
     req.output_ids.append(tok)
     reason = finish_reason(req, tok, s.eos_ids, s.stop_strings, s.runner.context_length)
-    if req.grammar is not None:
-        error = advance(req, tok)
-        if error is not None:
-            reason = {"type": "abort", "message": error}
-        elif reason is None and req.grammar.is_terminated():
-            reason = {"type": "stop", "matched": tok}  # the grammar is complete
+    if req.grammar is not None and reason is None and tok in s.eos_ids:
+        # The grammar is complete (its mask allows EOS only then), ignore_eos or not. The
+        # matcher takes the token on the mask thread, never here (sgl.sched.runner.prepare_beams).
+        reason = {"type": "stop", "matched": tok}
     if not batch.is_decode:
         s.prefilling.discard(req)
         s.running.append(req)

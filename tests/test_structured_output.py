@@ -155,8 +155,9 @@ def test_grammars_hold_through_retraction_on_null_weights(tmp_path: Any) -> None
 
 
 
-def _null_with_tokenizer(tmp_path: Any) -> str:
-    """The default model's config and tokenizer, for null weights (only the mask shapes the output)."""
+def _null_with_tokenizer(tmp_path: Any, vocab_size: int | None = None) -> str:
+    """The default model's config and tokenizer, for null weights (only the mask shapes
+    the output); `vocab_size`: the model's columns, padded past the tokenizer's ids."""
     import shutil
 
     from sgl.sched.models.default_model import default_model_dir
@@ -164,7 +165,75 @@ def _null_with_tokenizer(tmp_path: Any) -> str:
     src = default_model_dir()
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(f"{src}/{f}", tmp_path / f)
+    if vocab_size is not None:
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": vocab_size}))
     return str(tmp_path)
+
+
+def test_columns_past_the_tokenizer_are_never_a_grammars_token(tmp_path: Any) -> None:
+    """A model with more logits columns than its tokenizer has ids (Qwen3: 151,936 over
+    151,669): the bitmasks cover the tokenizer's ids only (xgrammar slows 7x when the
+    padding counts as special tokens), and the sampler keeps the columns past them out.
+    Null weights give every other column the same logit, so sampling draws uniformly
+    from what the mask leaves: 10,848 padding ids against a few dozen characters."""
+    from transformers import AutoTokenizer
+
+    from tests.test_scheduler_trust import Driver
+
+    model = _null_with_tokenizer(tmp_path, vocab_size=60_000)
+    tok = AutoTokenizer.from_pretrained(model)
+    pattern = r"[a-z0-9 ]{20,40}"
+    d = Driver(model, load_format="null", skip_tokenizer_init=False)
+    for i in range(4):
+        d.submit(f"r{i}", [10 + i, 20, 30], 50, regex=pattern, ignore_eos=False, temperature=1.0, seed=i)
+    d.s.step()
+    while d.s.grammars.pending:
+        d.s.step()
+    d.run(max_steps=500)
+    assert d.s.runner.vocab_size == 60_000 and d.s.runner.grammar_vocab == len(tok)
+    assert {r["type"] for r in d.reasons.values()} == {"stop"}, d.reasons
+    for ids in d.ids.values():
+        assert max(ids) < len(tok), ids
+        assert re.fullmatch(pattern, tok.decode(ids[:-1])), tok.decode(ids)
+    d.balanced()
+
+
+def test_a_token_the_matcher_refuses_ends_that_request_alone(tmp_path: Any) -> None:
+    """The matchers take each step's tokens on the mask thread, just before the next
+    masks: a token a matcher refuses (its own mask allowed it, so an internal error)
+    becomes an error on that request's row (its mask all-allowed: the token is
+    dropped), and the other rows' matchers move on and fill their masks."""
+    import torch
+    import xgrammar
+    from transformers import AutoTokenizer
+    from xgrammar.testing import bitmask_to_bool_mask
+
+    from sgl.core.sampling_params import SamplingParams
+    from sgl.sched.grammar import _compiler_for
+    from sgl.sched.req import Req
+    from sgl.sched.runner.prepare_beams import GrammarRows, MaskBuffer, grammar_mask
+
+    model = _null_with_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(model)
+    eos = tok.eos_token_id
+    compiled = _compiler_for(model, False, len(tok), (eos,)).compile_regex(r"[0-9]+")
+    digit, letter = tok.convert_tokens_to_ids("7"), tok.convert_tokens_to_ids("a")
+    reqs = [Req(f"r{i}", [1, 2], SamplingParams(max_new_tokens=8), False) for i in range(3)]
+    for r in reqs:
+        r.grammar = xgrammar.GrammarMatcher(compiled)
+    reqs[0].output_ids = [digit]
+    reqs[1].output_ids = [digit, letter]  # two new tokens, the second refused
+    reqs[2].output_ids = [letter]  # one new token, refused
+    fill = grammar_mask(GrammarRows(None, [4, 5, 6], reqs, [0, 0, 0], len(tok)), MaskBuffer(torch.device("cpu")))
+    assert set(fill.errors) == {5, 6} and "rejected token" in fill.errors[6]
+    allowed = set(torch.nonzero(bitmask_to_bool_mask(fill.mask[0:1], len(tok))[0]).flatten().tolist())
+    assert {eos, digit} <= allowed and letter not in allowed  # after a digit: more digits, or the end
+    start = xgrammar.allocate_token_bitmask(1, len(tok))
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(start, 0)
+    assert eos not in set(torch.nonzero(bitmask_to_bool_mask(start, len(tok))[0]).flatten().tolist())
+    assert (fill.mask[1:] == -1).all()
+    assert all(r.grammar_seen == len(r.output_ids) for r in reqs)
 
 
 def test_grammar_requests_keep_the_overlap_loop(tmp_path: Any) -> None:

@@ -30,7 +30,7 @@ from sgl.sched.models.parallel import TPGroup
 from sgl.sched.runner.beam_select import BeamBuffers, select
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
-from sgl.sched.runner.prepare_beams import grammar_mask
+from sgl.sched.runner.prepare_beams import GrammarFill, MaskBuffer, grammar_mask
 from sgl.sched.runner.sampler import process_logits, sample
 from sgl.sched.runner.step import CudaLaunched, Deferred, Launched, Ready, StepResult
 
@@ -118,6 +118,9 @@ class ModelRunner:
         self.model, self.config = self._load(args, model_path)
         self.startup = {"weights_s": time.perf_counter() - t0}
         self.vocab_size: int = self.model.vocab_size
+        # Grammar bitmasks' width (the tokenizer's ids), set by the scheduler's grammars once one compiled.
+        self.grammar_vocab = self.vocab_size
+        self.mask_buffer = MaskBuffer(self.device)
         # The model's own limit (its rotary table); the null model has none.
         limit: int | None = getattr(self.model, "context_len", None)
         if args.context_length is not None and limit is not None and args.context_length > limit:
@@ -211,7 +214,7 @@ class ModelRunner:
         return model, config  # in eval mode already
 
     def _mask(self, processed: torch.Tensor, logits: torch.Tensor, p: PreparedBatch,
-              bitmask: torch.Tensor | None) -> torch.Tensor:
+              fill: GrammarFill | None) -> torch.Tensor:
         """Each trie row keeps only its node's children (EOS where a sequence ends), each
         grammar row only the tokens its bitmask allows."""
         if processed is logits and p.beam_src is None:
@@ -223,13 +226,16 @@ class ModelRunner:
             rows = processed[tg.entries]
             trie_mask_(rows, tg.trie, nodes[p.rows[tg.entries]], tg.width, self.eos_dev)
             processed[tg.entries] = rows
-        if p.grammar is not None:
+        if (g := p.grammar) is not None:
             from xgrammar import apply_token_bitmask_inplace
 
-            assert bitmask is not None
-            rows = processed[p.grammar.entries]
-            apply_token_bitmask_inplace(rows, bitmask, vocab_size=self.vocab_size)
-            processed[p.grammar.entries] = rows
+            assert fill is not None
+            rows = processed if g.entries is None else processed[g.entries]
+            apply_token_bitmask_inplace(rows, fill.mask, vocab_size=g.width)
+            if g.width < rows.shape[1]:
+                rows[:, g.width:] = float("-inf")  # past the tokenizer's ids: never a grammar's token
+            if g.entries is not None:
+                processed[g.entries] = rows
         return processed
 
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
@@ -252,8 +258,8 @@ class ModelRunner:
             start.record()
             logits = self._logits(p)
 
-            def rest(bitmask: torch.Tensor | None) -> Launched:
-                step = self._sample(p, logits, bitmask).to_host(non_blocking=True)
+            def rest(fill: GrammarFill | None) -> Launched:
+                step = self._sample(p, logits, fill).to_host(non_blocking=True)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record()
                 return CudaLaunched(step, start, done, self.gpu_timeline, p.attn.is_decode)
@@ -261,20 +267,20 @@ class ModelRunner:
             worker = self.worker
             forward = worker.submit(self._logits, p)
 
-            def rest(bitmask: torch.Tensor | None) -> Launched:
-                return worker.submit(lambda: self._sample(p, forward.result(), bitmask).to_host(non_blocking=False))
+            def rest(fill: GrammarFill | None) -> Launched:
+                return worker.submit(lambda: self._sample(p, forward.result(), fill).to_host(non_blocking=False))
         else:
             ready = self._logits(p)
 
-            def rest(bitmask: torch.Tensor | None) -> Launched:
-                return Ready(self._sample(p, ready, bitmask).to_host(non_blocking=False))
+            def rest(fill: GrammarFill | None) -> Launched:
+                return Ready(self._sample(p, ready, fill).to_host(non_blocking=False))
         return rest(None) if p.grammar is None else self._deferred(p, rest)
 
-    def _deferred(self, p: PreparedBatch, rest: Callable[[torch.Tensor | None], Launched]) -> Deferred:
+    def _deferred(self, p: PreparedBatch, rest: Callable[[GrammarFill | None], Launched]) -> Deferred:
         """The handle of a batch with grammar rows: `start` fills its bitmasks on the mask
         thread (xgrammar's fill releases the GIL), `complete` waits for them (or fills
         them now, if never started) and queues the rest of the step."""
-        fill: list[Future[torch.Tensor | None]] = []
+        fill: list[Future[GrammarFill | None]] = []
 
         def start() -> None:
             if self.mask_pool is None:
@@ -292,8 +298,8 @@ class ModelRunner:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
 
-    def _bitmask(self, p: PreparedBatch) -> torch.Tensor | None:
-        return None if p.grammar is None else grammar_mask(p.grammar, self.vocab_size, self.device)
+    def _bitmask(self, p: PreparedBatch) -> GrammarFill | None:
+        return None if p.grammar is None else grammar_mask(p.grammar, self.mask_buffer)
 
     @torch.inference_mode()
     def _logits(self, p: PreparedBatch) -> torch.Tensor:
@@ -315,7 +321,7 @@ class ModelRunner:
         return self.model(fb)
 
     @torch.inference_mode()
-    def _sample(self, p: PreparedBatch, all_logits: torch.Tensor, bitmask: torch.Tensor | None) -> StepResult:
+    def _sample(self, p: PreparedBatch, all_logits: torch.Tensor, fill: GrammarFill | None) -> StepResult:
         """Queue the rest of one batch after its forward: the sampled next token of each
         request and, when asked, logprobs (log_softmax of the raw logits, before bias,
         penalties and temperature), as device tensors. A graph's logits are its output
@@ -335,7 +341,9 @@ class ModelRunner:
             logits[p.beam_src] = torch.log_softmax(logits[p.beam_src], dim=-1)
         processed = process_logits(logits, p.sampling, counts, errors)
         if p.tries or p.grammar is not None:
-            processed = self._mask(processed, logits, p, bitmask)
+            processed = self._mask(processed, logits, p, fill)
+            if fill is not None and fill.errors:
+                errors.update(fill.errors)
         next_ids = sample(processed, p.sampling, self.generator, self.fused_draw)
         self.next_token[p.rows] = next_ids
         if self.counts is not None:
