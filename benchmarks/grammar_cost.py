@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import time
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 import sgl
 from benchmarks.common import loop_split
 from sgl.sched.models.default_model import default_model_dir
-from sgl.sched.runner.prepare_beams import fill_threads
+from sgl.sched.runner.grammar_masks import FILL_THREADS
 
 # An API-style record: short strings, an enum, bounded numbers, an array of objects.
 SCHEMA = {
@@ -96,7 +97,7 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), max_whitespace_cnt=2)
     ms = [xgr.GrammarMatcher(compiled) for _ in range(n)]
     mask = xgr.allocate_token_bitmask(n, vocab)
-    threads = fill_threads()
+    threads = min(FILL_THREADS, os.cpu_count() or 1)
     batch = xgr.BatchGrammarMatcher(max_threads=threads)
     cuda = torch.cuda.is_available()
     logits = torch.randn(n, columns, device="cuda" if cuda else "cpu")

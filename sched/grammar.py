@@ -6,15 +6,14 @@ request with an abort reason that carries status_code 400 and names the field.
 
 A ready request holds an xgrammar GrammarMatcher (`req.grammar`). Grammar requests
 keep the overlap loop: a batch's forward is queued before the previous step's results
-are processed; then, on the mask thread, each matcher takes the tokens sampled since
+are processed; then, on the fill threads, each matcher takes the tokens sampled since
 its last mask and fills the next one, while the scheduler builds the next batch; mask
 and sampling are queued after (sgl.sched.runner.step.Deferred,
-sgl.sched.runner.prepare_beams.grammar_mask). Beams under a grammar run their steps
-serially.
+sgl.sched.runner.grammar_masks). Beams under a grammar run their steps serially.
 
 The bitmasks cover the tokenizer's ids, not the model's padded vocabulary: xgrammar
 counts every id past the tokenizer's as a special token and scans them on each
-accepted token (52 us a token instead of 8 with Qwen3's 151,936 columns over a 49k
+accepted token (52 us a token instead of 8: 151,936 columns over a 49,152-id
 tokenizer); the sampler disallows the columns past the mask instead.
 
 It never builds batches and never touches logits."""

@@ -95,7 +95,7 @@ class Req:
         self.serial = False
         self.grammar: Any = None  # its xgrammar GrammarMatcher, once compiled (sgl.sched.grammar)
         # Output ids its matcher has taken: the rest go in on the mask thread before the
-        # request's next mask (sgl.sched.runner.prepare_beams.grammar_mask); beams excepted.
+        # request's next mask (sgl.sched.runner.grammar_masks); beams excepted.
         self.grammar_seen = 0
 
     @property

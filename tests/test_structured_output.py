@@ -212,7 +212,7 @@ def test_a_token_the_matcher_refuses_ends_that_request_alone(tmp_path: Any) -> N
     from sgl.core.sampling_params import SamplingParams
     from sgl.sched.grammar import _compiler_for
     from sgl.sched.req import Req
-    from sgl.sched.runner.prepare_beams import GrammarRows, MaskBuffer, grammar_mask
+    from sgl.sched.runner.grammar_masks import GrammarRows, MaskFiller
 
     model = _null_with_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(model)
@@ -225,7 +225,8 @@ def test_a_token_the_matcher_refuses_ends_that_request_alone(tmp_path: Any) -> N
     reqs[0].output_ids = [digit]
     reqs[1].output_ids = [digit, letter]  # two new tokens, the second refused
     reqs[2].output_ids = [letter]  # one new token, refused
-    fill = grammar_mask(GrammarRows(None, [4, 5, 6], reqs, [0, 0, 0], len(tok)), MaskBuffer(torch.device("cpu")))
+    rows = GrammarRows(None, [4, 5, 6], reqs, [0, 0, 0], len(tok))
+    fill = MaskFiller(torch.device("cpu"), frozenset([eos])).fill(rows)
     assert set(fill.errors) == {5, 6} and "rejected token" in fill.errors[6]
     allowed = set(torch.nonzero(bitmask_to_bool_mask(fill.mask[0:1], len(tok))[0]).flatten().tolist())
     assert {eos, digit} <= allowed and letter not in allowed  # after a digit: more digits, or the end

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,8 +29,8 @@ from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.runner.beam_select import BeamBuffers, select
 from sgl.sched.runner.gpu_timeline import GpuTimeline
+from sgl.sched.runner.grammar_masks import GrammarFill, MaskFiller
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
-from sgl.sched.runner.prepare_beams import GrammarFill, MaskBuffer, grammar_mask
 from sgl.sched.runner.sampler import process_logits, sample
 from sgl.sched.runner.step import CudaLaunched, Deferred, Launched, Ready, StepResult
 
@@ -109,7 +109,6 @@ class ModelRunner:
         # The CPU overlap loop runs each forward on this thread; CUDA queues kernels instead.
         self.worker = (ThreadPoolExecutor(1, thread_name_prefix="sgl-forward")
                        if self.device.type == "cpu" and self.overlap else None)
-        self.mask_pool: ThreadPoolExecutor | None = None  # fills grammar bitmasks (sgl.sched.runner.step.Deferred)
         self.dtype = resolve_dtype(args, self.device)
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
@@ -120,7 +119,7 @@ class ModelRunner:
         self.vocab_size: int = self.model.vocab_size
         # Grammar bitmasks' width (the tokenizer's ids), set by the scheduler's grammars once one compiled.
         self.grammar_vocab = self.vocab_size
-        self.mask_buffer = MaskBuffer(self.device)
+        self.masks = MaskFiller(self.device, frozenset())  # grammar bitmasks (sgl.sched.runner.step.Deferred)
         # The model's own limit (its rotary table); the null model has none.
         limit: int | None = getattr(self.model, "context_len", None)
         if args.context_length is not None and limit is not None and args.context_length > limit:
@@ -185,6 +184,7 @@ class ModelRunner:
     @eos_ids.setter
     def eos_ids(self, ids: frozenset[int]) -> None:
         self._eos_ids = frozenset(ids)
+        self.masks.stop_ids = self._eos_ids  # a grammar's stop tokens are the model's EOS (sgl.sched.grammar)
         self.eos_dev = torch.tensor(sorted(ids), dtype=torch.int64, device=self.device)
 
     def _attention_backend(self, args: ServerArgs) -> AttentionBackend:
@@ -277,29 +277,26 @@ class ModelRunner:
         return rest(None) if p.grammar is None else self._deferred(p, rest)
 
     def _deferred(self, p: PreparedBatch, rest: Callable[[GrammarFill | None], Launched]) -> Deferred:
-        """The handle of a batch with grammar rows: `start` fills its bitmasks on the mask
-        thread (xgrammar's fill releases the GIL), `complete` waits for them (or fills
-        them now, if never started) and queues the rest of the step."""
-        fill: list[Future[GrammarFill | None]] = []
+        """The handle of a batch with grammar rows: `start` sets its matchers to take the
+        last tokens and fill the bitmasks on the fill threads, `complete` waits for them
+        (or does it all now, if never started) and queues the rest of the step."""
+        assert p.grammar is not None
+        g = p.grammar
+        started: list[Any] = []
 
         def start() -> None:
-            if self.mask_pool is None:
-                self.mask_pool = ThreadPoolExecutor(1, thread_name_prefix="sgl-grammar-mask")
-            fill.append(self.mask_pool.submit(self._bitmask, p))
+            started.append(self.masks.start(g))
 
         def complete() -> Launched:
-            return rest(fill[0].result() if fill else self._bitmask(p))
+            return rest(self.masks.finish(started[0]) if started else self.masks.fill(g))
 
         return Deferred(start, complete)
 
     def close(self) -> None:
-        """Stop the runner's threads (the forward worker, the mask thread)."""
-        for pool in (self.worker, self.mask_pool):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-
-    def _bitmask(self, p: PreparedBatch) -> GrammarFill | None:
-        return None if p.grammar is None else grammar_mask(p.grammar, self.mask_buffer)
+        """Stop the runner's threads (the forward worker, the grammar fill threads)."""
+        if self.worker is not None:
+            self.worker.shutdown(wait=False, cancel_futures=True)
+        self.masks.close()
 
     @torch.inference_mode()
     def _logits(self, p: PreparedBatch) -> torch.Tensor:

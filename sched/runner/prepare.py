@@ -17,7 +17,8 @@ from sgl.cache.req_to_token_pool import gather_kv_indices
 from sgl.kernels.attention import AttnMetadata, CascadeMeta
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.runner.beam_select import BeamGroup
-from sgl.sched.runner.prepare_beams import GrammarRows, TrieGroup, beam_groups, grammar_rows, trie_groups
+from sgl.sched.runner.grammar_masks import GrammarRows, grammar_rows
+from sgl.sched.runner.prepare_beams import TrieGroup, beam_groups, trie_groups
 from sgl.sched.runner.sampler import SamplingBatch
 
 if TYPE_CHECKING:
