@@ -14,9 +14,11 @@ up to FILL_THREADS threads), the token accepts, and on a GPU the bitmask's appli
 
     python -m benchmarks.grammar_cost [--requests 16] [--new-tokens 64] [--model DIR] [--dtype float32]
         [--load-format dummy]   # the H200 run: the default model's config and tokenizer (.lt), random bf16 weights
-        [--config qwen3-0.6b]   # W2-like: that architecture of benchmarks/configs (dummy weights) with
-                                # --model's tokenizer (its token ids, EOS included; the logits keep the
+        [--config qwen3-0.6b]   # that architecture of benchmarks/configs (dummy weights) with --model's
+                                # tokenizer (its token ids, EOS included; the logits keep the
                                 # architecture's 151,936 columns, the ids past the tokenizer's are masked)
+        [--w2]                  # W2-like: W2's prompts (100-1,024 ids), output caps (100-1,024) and T=0.6;
+                                # the schema ends each output where it closes
 """
 
 from __future__ import annotations
@@ -57,23 +59,33 @@ SCHEMA = {
 }
 
 
-async def run(e: sgl.AsyncEngine, prompts: list[str], params: list[dict[str, Any]]) -> tuple[float, list[int]]:
+async def run(e: sgl.AsyncEngine, prompts: list[str] | list[list[int]],
+              params: list[dict[str, Any]]) -> tuple[float, list[int]]:
     t = time.perf_counter()
-    outs = await asyncio.gather(*(e.generate(p, sp) for p, sp in zip(prompts, params)))
+    outs = await asyncio.gather(*(e.generate(p, sp) if isinstance(p, str) else
+                                  e.generate(input_ids=p, sampling_params=sp) for p, sp in zip(prompts, params)))
     return time.perf_counter() - t, [o["meta_info"]["completion_tokens"] for o in outs]
 
 
 async def engine_runs(a: argparse.Namespace, model: str) -> None:
-    prompts = [f"Describe river number {i} as JSON:" for i in range(a.requests)]
-    constrained = {"temperature": 0, "max_new_tokens": a.new_tokens, "json_schema": json.dumps(SCHEMA)}
+    prompts: list[str] | list[list[int]]
+    if a.w2:  # W2's prompts (ids < 10,000, any tokenizer's), its output caps and temperature
+        from benchmarks.w1_w2_gpu import workload
+
+        prompts, caps, temp = workload("W2", a.requests)
+    else:
+        prompts = [f"Describe river number {i} as JSON:" for i in range(a.requests)]
+        caps, temp = [a.new_tokens] * a.requests, 0.0
+    schema = json.dumps(SCHEMA)
     async with sgl.AsyncEngine(model, dtype=a.dtype, transport="ipc", load_format=a.load_format) as e:
-        await run(e, prompts[:2], [constrained] * 2)  # warm-up: the tokenizer info and the compile, cached after
+        await run(e, prompts[:2], [{"max_new_tokens": 16, "json_schema": schema}] * 2)  # warm-up: the compile, cached
         await run(e, prompts[:2], [{"max_new_tokens": 4}] * 2)
         rows = []
         lens: list[int] = []
         for name in ("json_schema", "plain"):
-            params = ([constrained] * len(prompts) if name == "json_schema" else
-                      [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in lens])
+            params = ([{"temperature": temp, "max_new_tokens": c, "json_schema": schema} for c in caps]
+                      if name == "json_schema" else
+                      [{"temperature": temp, "max_new_tokens": n, "ignore_eos": True} for n in lens])
             await e.flush_cache()
             i0 = await e.get_server_info()
             secs, got = await run(e, prompts, params)
@@ -166,6 +178,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--config", help="a benchmarks/configs architecture with --model's tokenizer (needs dummy)")
+    ap.add_argument("--w2", action="store_true", help="W2's prompts, output caps and temperature (--requests of them)")
     a = ap.parse_args()
     model = a.model or default_model_dir()
     if a.config:
