@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 COMPILE_THREADS = 2  # xgrammar's own threads per compile; one compile at a time here
 MAX_JSON_WHITESPACE = 2  # whitespace characters in a row between JSON tokens
+RECENT_GRAMMARS = 32  # compiles (running or done) kept by (kind, text): a batch of one schema compiles once
 
 
 def _backend() -> Any:
@@ -59,6 +61,9 @@ class Grammars:
         self._pool: ThreadPoolExecutor | None = None
         self._compiler: Any = None
         self.pending: dict[Req, Future[Any]] = {}
+        # The same grammar twice is one compile: 256 requests of one schema, each compiled in
+        # turn on the one thread (each a cache hit of xgrammar's), trickled into the batch.
+        self._recent: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self.width = vocab_size  # the bitmasks' token ids, the tokenizer's (known once a grammar compiled)
 
     def error(self, req: Req) -> str | None:
@@ -76,8 +81,15 @@ class Grammars:
         """Start compiling the request's grammar (it waits in `pending`)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="sgl-grammar")
-        kind, text = req.sampling_params.grammar  # type: ignore[misc]
-        self.pending[req] = self._pool.submit(self._compile, kind, text)
+        key: tuple[str, str] = req.sampling_params.grammar  # type: ignore[assignment]
+        fut = self._recent.get(key)
+        if fut is None or fut.cancelled():
+            fut = self._pool.submit(self._compile, *key)
+            self._recent[key] = fut
+            if len(self._recent) > RECENT_GRAMMARS:
+                self._recent.popitem(last=False)
+        self._recent.move_to_end(key)
+        self.pending[req] = fut
 
     def ready(self) -> list[tuple[Req, str | None]]:
         """The pending requests whose compile is done: (request, error or None); a
@@ -108,8 +120,8 @@ class Grammars:
     def drop(self, req: Req) -> bool:
         """Forget a pending request (aborted); whether it was pending."""
         fut = self.pending.pop(req, None)
-        if fut is not None:
-            fut.cancel()
+        if fut is not None and not any(f is fut for f in self.pending.values()):
+            fut.cancel()  # not started yet and nobody else's: never compiled
         return fut is not None
 
     def close(self) -> None:

@@ -237,6 +237,37 @@ def test_a_token_the_matcher_refuses_ends_that_request_alone(tmp_path: Any) -> N
     assert all(r.grammar_seen == len(r.output_ids) for r in reqs)
 
 
+def test_one_grammar_for_many_requests_compiles_once(tmp_path: Any) -> None:
+    """Requests of one grammar share its compile (a batch of one schema joins at once,
+    not one compile at a time); aborting one of them while it compiles leaves the
+    others theirs; a grammar seen before needs no compile at all."""
+    from sgl.core.protocol import AbortReq
+    from tests.test_scheduler_trust import Driver
+
+    model = _null_with_tokenizer(tmp_path)
+    d = Driver(model, load_format="null", skip_tokenizer_init=False)
+    calls: list[tuple[str, str]] = []
+    compile_ = d.s.grammars._compile
+    d.s.grammars._compile = lambda kind, text: calls.append((kind, text)) or compile_(kind, text)  # type: ignore[method-assign]
+    for i in range(12):
+        d.submit(f"r{i}", [10 + i, 20, 30], 8, regex=r"[a-z]{8}" if i < 11 else r"[0-9]{8}")
+    d.inbox.q.append(AbortReq("r0"))
+    d.s.step()
+    while d.s.grammars.pending:
+        d.s.step()
+    d.run(max_steps=2000)
+    assert sorted(calls) == [("regex", r"[0-9]{8}"), ("regex", r"[a-z]{8}")]
+    assert d.reasons.pop("r0")["type"] == "abort"
+    assert {r["type"] for r in d.reasons.values()} <= {"length", "stop"} and len(d.reasons) == 11
+    d.submit("again", [1, 2, 3], 8, regex=r"[a-z]{8}")
+    d.s.step()
+    while d.s.grammars.pending:
+        d.s.step()
+    d.run(max_steps=200)
+    assert len(calls) == 2 and d.reasons["again"]["type"] in ("length", "stop")
+    d.balanced()
+
+
 def test_grammar_requests_keep_the_overlap_loop(tmp_path: Any) -> None:
     """Under overlap each loop turn launches the next step of a grammar request (its
     forward queued before the previous token is in the matcher, its mask after), so n
