@@ -9,8 +9,9 @@ length would compare a full batch with the constrained run's tail of short outpu
 
 Then the matchers alone, off the engine: `--requests` matchers of the schema stepped
 together with a random allowed token each, timing per step the bitmask fill one by
-one, the batch fill (the engine's from BATCH_FILL_MIN rows: xgrammar's BatchGrammarMatcher,
-up to FILL_THREADS threads), the token accepts, and on a GPU the bitmask's application to the logits.
+one, xgrammar's batch fill over FILL_THREADS native threads (the engine's, from CHUNK_MIN rows:
+sgl.sched.runner.grammar_masks), the token accepts (one batch call, as the engine; with --config,
+also at the model's width, as before session 11), and on a GPU the bitmask's application.
 
     python -m benchmarks.grammar_cost [--requests 16] [--new-tokens 64] [--model DIR] [--dtype float32]
         [--load-format dummy]   # the H200 run: the default model's config and tokenizer (.lt), random bf16 weights
@@ -108,6 +109,13 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), max_whitespace_cnt=2)
     ms = [xgr.GrammarMatcher(compiled) for _ in range(n)]
+    # The same matchers at the model's width, as before session 11: xgrammar counts the ids
+    # past the tokenizer's as special tokens and scans them on each accepted token.
+    wide: list[Any] = []
+    if columns > vocab:
+        wide_info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=columns)
+        c_wide = xgr.GrammarCompiler(wide_info).compile_json_schema(json.dumps(SCHEMA), max_whitespace_cnt=2)
+        wide = [xgr.GrammarMatcher(c_wide) for _ in range(n)]
     mask = xgr.allocate_token_bitmask(n, vocab)
     threads = min(FILL_THREADS, os.cpu_count() or 1)
     batch = xgr.BatchGrammarMatcher(max_threads=threads)
@@ -116,6 +124,8 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
     rng = random.Random(0)
     xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device), vocab_size=vocab)  # Triton compiles once
     t = {"fill one by one": 0.0, f"batch fill ({threads} threads)": 0.0, "accept": 0.0, "apply on device": 0.0}
+    if wide:
+        t[f"accept, {columns:,}-wide"] = 0.0
     for _ in range(steps):
         live = [j for j, m in enumerate(ms) if not m.is_terminated()]
         if not live:
@@ -139,6 +149,10 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
         t4 = time.perf_counter()
         xgr.BatchGrammarMatcher.batch_accept_token([ms[j] for j in live], toks)  # as the engine does
         t["accept"] += time.perf_counter() - t4
+        if wide:
+            t4 = time.perf_counter()
+            xgr.BatchGrammarMatcher.batch_accept_token([wide[j] for j in live], toks)
+            t[f"accept, {columns:,}-wide"] += time.perf_counter() - t4
         t["fill one by one"] += t1 - t0
         t[f"batch fill ({threads} threads)"] += t2 - t1
         t["apply on device"] += t3 - t2
