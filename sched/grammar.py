@@ -94,7 +94,8 @@ class Grammars:
     def ready(self) -> list[tuple[Req, str | None]]:
         """The pending requests whose compile is done: (request, error or None); a
         request's matcher is set on success."""
-        done = [(r, f) for r, f in self.pending.items() if f.done()]
+        finished = {f for f in set(self.pending.values()) if f.done()}  # once per compile: its requests join together
+        done = [(r, f) for r, f in self.pending.items() if f in finished]
         if self.tp.size > 1:
             # Compiles finish at different times on each rank: rank 0's set is every rank's
             # (the others wait for theirs), so all admit the same requests in the same step.

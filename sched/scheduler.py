@@ -52,7 +52,7 @@ from sgl.sched.req import Req
 from sgl.sched.results import error_message, start_logprobs, token_id_output
 from sgl.sched.runner.model_runner import ModelRunner, eos_ids_of
 from sgl.sched.runner.step import Deferred, Launched
-from sgl.sched.stepping import collect, complete, launch
+from sgl.sched.stepping import collect, complete, launch, start
 from sgl.sched.stop import StopStrings
 from sgl.sched.trie_store import TrieStore, constrain
 from sgl.transports.channel import Receiver, Sender
@@ -180,7 +180,7 @@ class Scheduler:
             self.pending, launched = (batch, launched), None
         t2 = collect(self, *self.pending) if self.pending is not None else t1
         if batch is not None and isinstance(launched, Deferred):
-            launched.start()  # the results just processed are in the matchers: fill the masks
+            launched = start(self, batch, launched)  # the results just processed: the matchers take them
         self.pending = (batch, launched) if launched is not None and batch is not None else None
         self._flush_outbox()
         t3 = time.perf_counter()

@@ -44,6 +44,17 @@ def complete(s: Scheduler, batch: ScheduleBatch, deferred: Deferred) -> Launched
         return None
 
 
+def start(s: Scheduler, batch: ScheduleBatch, deferred: Deferred) -> Deferred | None:
+    """Start a deferred batch's masks (the previous results are in); None if that fails
+    (its requests then end, as for a failed sampling)."""
+    try:
+        deferred.start()
+        return deferred
+    except Exception as e:  # noqa: BLE001 - contained to this batch
+        _failed(s, batch, e, "sampling", True)
+        return None
+
+
 def collect(s: Scheduler, batch: ScheduleBatch, handle: Launched) -> float:
     """Wait for a launched batch and process its results (or its failure); when they came."""
     try:

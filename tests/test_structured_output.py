@@ -268,6 +268,44 @@ def test_one_grammar_for_many_requests_compiles_once(tmp_path: Any) -> None:
     d.balanced()
 
 
+@pytest.mark.parametrize("where", ["start", "finish"])
+def test_a_failing_mask_step_ends_its_batch_not_the_loop(tmp_path: Any, monkeypatch: Any, where: str) -> None:
+    """Giving the matchers their tokens (`start`, on the scheduler's thread) or filling
+    the masks (`finish` waits for the fill thread) raising once ends that batch's
+    requests with an error; the loop goes on, later requests finish, KV balances."""
+    from sgl.sched.runner.grammar_masks import MaskFiller
+    from tests.test_scheduler_trust import Driver
+
+    model = _null_with_tokenizer(tmp_path)
+    d = Driver(model, load_format="null", skip_tokenizer_init=False, disable_overlap_schedule=False)
+    real = getattr(MaskFiller, where)
+    calls = {"n": 0}
+
+    def flaky(self: MaskFiller, *a: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected mask failure")
+        return real(self, *a)
+
+    monkeypatch.setattr(MaskFiller, where, flaky)
+    for i in range(3):  # single-digit tokens: 12 steps each, so the third mask step is theirs
+        d.submit(f"r{i}", [10 + i, 20, 30], 12, regex=r"[0-9]{12}")
+    d.s.step()
+    while d.s.grammars.pending:
+        d.s.step()
+    d.run(max_steps=500)
+    assert calls["n"] >= 3
+    assert {r["type"] for r in d.reasons.values()} == {"abort"}, d.reasons
+    assert all("injected mask failure" in r["message"] for r in d.reasons.values())
+    d.submit("after", [1, 2, 3], 12, regex=r"[0-9]{12}")
+    d.s.step()
+    while d.s.grammars.pending:
+        d.s.step()
+    d.run(max_steps=500)
+    assert d.reasons["after"]["type"] in ("length", "stop")
+    d.balanced()
+
+
 def test_grammar_requests_keep_the_overlap_loop(tmp_path: Any) -> None:
     """Under overlap each loop turn launches the next step of a grammar request (its
     forward queued before the previous token is in the matcher, its mask after), so n
