@@ -208,6 +208,9 @@ def shared_prefix_len(req_to_token: torch.Tensor, rows: torch.Tensor, limit: int
     """How many leading slots (at most `limit`) all the given rows have in common."""
     if limit <= 0:
         return 0
+    first = req_to_token[rows, 0]
+    if bool((first != first[0]).any()):
+        return 0  # the usual batch without a shared prefix: one column read, not [B, limit]
     block = req_to_token[rows, :limit]
     differs = (block != block[:1]).any(dim=0)
     return int(differs.int().argmax()) if bool(differs.any()) else limit
