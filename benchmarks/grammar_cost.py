@@ -61,11 +61,32 @@ SCHEMA = {
 
 
 async def run(e: sgl.AsyncEngine, prompts: list[str] | list[list[int]],
-              params: list[dict[str, Any]]) -> tuple[float, list[int]]:
+              params: list[dict[str, Any]]) -> tuple[float, list[dict[str, Any]]]:
     t = time.perf_counter()
     outs = await asyncio.gather(*(e.generate(p, sp) if isinstance(p, str) else
                                   e.generate(input_ids=p, sampling_params=sp) for p, sp in zip(prompts, params)))
-    return time.perf_counter() - t, [o["meta_info"]["completion_tokens"] for o in outs]
+    return time.perf_counter() - t, outs
+
+
+def check(outs: list[dict[str, Any]]) -> str:
+    """The constrained outputs: how many closed (finish_reason stop) and, of those, how
+    many parse (strict `json.loads`) and validate against the schema (where jsonschema is)."""
+    try:
+        from jsonschema import Draft202012Validator
+        valid = Draft202012Validator(SCHEMA).is_valid
+    except ImportError:
+        valid = None
+
+    def good(text: str) -> bool:
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            return False
+        return valid is None or bool(valid(doc))
+
+    closed = [o["text"] for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop"]
+    how = "parse and validate" if valid is not None else "parse (no jsonschema here)"
+    return f"{len(closed)} of {len(outs)} outputs closed before their cap, {sum(map(good, closed))} of those {how}"
 
 
 async def engine_runs(a: argparse.Namespace, model: str) -> None:
@@ -89,8 +110,11 @@ async def engine_runs(a: argparse.Namespace, model: str) -> None:
                       [{"temperature": temp, "max_new_tokens": n, "ignore_eos": True} for n in lens])
             await e.flush_cache()
             i0 = await e.get_server_info()
-            secs, got = await run(e, prompts, params)
+            secs, outs = await run(e, prompts, params)
+            got = [o["meta_info"]["completion_tokens"] for o in outs]
             lens = lens or got
+            if name == "json_schema":
+                print(f"json_schema: {check(outs)}", flush=True)
             rows.append((name, secs, sum(got), sum(got) / secs))
             print(f"{name}: scheduler loop {loop_split(i0, await e.get_server_info())}", flush=True)
     print(f"{'run':<12} {'seconds':>8} {'tokens':>7} {'tok/s':>9}")

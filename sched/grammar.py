@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from sgl.core.log import get_logger
+from sgl.sched.json_schema_rewrite import for_xgrammar
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.req import Req
 
@@ -139,7 +140,7 @@ class Grammars:
         if kind == "json_schema":
             # Whitespace between tokens stays allowed but bounded: a small model left free
             # can emit it until max_new_tokens, and the JSON never closes.
-            return self._compiler.compile_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            return self._compiler.compile_json_schema(for_xgrammar(text), max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if kind == "regex":
             return self._compiler.compile_regex(text)
         return self._compiler.compile_grammar(text)

@@ -306,6 +306,50 @@ def test_a_failing_mask_step_ends_its_batch_not_the_loop(tmp_path: Any, monkeypa
     d.balanced()
 
 
+def test_length_bounded_strings_never_take_a_control_character(tmp_path: Any) -> None:
+    """xgrammar 0.2.9 lets raw control characters into strings with minLength or
+    maxLength, which JSON forbids (`json.loads` refuses them); the engine hands it those
+    bounds as a pattern (sgl.sched.json_schema_rewrite). Inside such a string, through
+    the engine's own compile, the mask allows no token holding a byte below 0x20, and
+    still allows plain text and the closing quote."""
+    import torch
+    import xgrammar
+    from xgrammar.testing import bitmask_to_bool_mask
+
+    from sgl.sched.grammar import Grammars
+
+    model = _null_with_tokenizer(tmp_path)
+    grammars = Grammars(model, 49152, {0}, False)
+    schema = {"type": "object", "required": ["title"], "additionalProperties": False,
+              "properties": {"title": {"type": "string", "minLength": 1, "maxLength": 40}}}
+    compiled = grammars._compile("json_schema", json.dumps(schema))
+    m = xgrammar.GrammarMatcher(compiled)
+    assert m.accept_string('{"title": "ab')
+    mask = xgrammar.allocate_token_bitmask(1, 49152)
+    m.fill_next_token_bitmask(mask, 0)
+    allowed = torch.nonzero(bitmask_to_bool_mask(mask, 49152)[0]).flatten().tolist()
+    vocab = compiled.tokenizer_info.decoded_vocab
+    control = [i for i in allowed if any(b < 0x20 for b in vocab[i])]
+    assert not control, [vocab[i] for i in control[:10]]
+    assert {vocab[i] for i in allowed} >= {b"c", b'"', b" the"}
+
+
+def test_the_schema_rewrite_touches_bounded_plain_strings_only() -> None:
+    from sgl.sched.json_schema_rewrite import for_xgrammar
+
+    s = {"type": "object", "$defs": {"t": {"type": "string", "maxLength": 3}},
+         "properties": {"enum": {"type": "string", "minLength": 2},  # a property named like a keyword
+                        "p": {"type": "string", "pattern": "^a+$", "maxLength": 3},  # left to xgrammar
+                        "e": {"enum": [{"type": "string", "maxLength": 3}]},  # data, not a schema
+                        "l": {"type": "array", "items": [{"type": "string", "minLength": 1, "maxLength": 4}]}}}
+    out = json.loads(for_xgrammar(json.dumps(s)))
+    assert out["$defs"]["t"] == {"type": "string", "pattern": "^[\\s\\S]{0,3}$"}
+    assert out["properties"]["enum"] == {"type": "string", "pattern": "^[\\s\\S]{2,}$"}
+    assert out["properties"]["p"] == s["properties"]["p"] and out["properties"]["e"] == s["properties"]["e"]
+    assert out["properties"]["l"]["items"] == [{"type": "string", "pattern": "^[\\s\\S]{1,4}$"}]
+    assert for_xgrammar('{"type": "string"}') == '{"type": "string"}' and for_xgrammar("{bad") == "{bad"
+
+
 def test_grammar_requests_keep_the_overlap_loop(tmp_path: Any) -> None:
     """Under overlap each loop turn launches the next step of a grammar request (its
     forward queued before the previous token is in the matcher, its mask after), so n
