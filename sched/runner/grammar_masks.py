@@ -21,6 +21,7 @@ It runs no kernel: the mask is applied by the runner's sampling."""
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ class MaskFiller:
     def __init__(self, device: torch.device, stop_ids: frozenset[int], threads: int = FILL_THREADS) -> None:
         self.device = device
         self.stop_ids = stop_ids
-        self.threads = max(1, threads)
+        self.threads = max(1, min(threads, os.cpu_count() or 1))  # xgrammar warns past the machine's
         self.buf = torch.empty(0, 0, dtype=torch.int32)
         self.pool: ThreadPoolExecutor | None = None
         self.fillers: dict[int, Any] = {}
