@@ -37,8 +37,9 @@ import torch
 
 import sgl
 from benchmarks.common import loop_split
+from sgl.sched.grammar import tokenizer_width
 from sgl.sched.models.default_model import default_model_dir
-from sgl.sched.runner.grammar_masks import FILL_THREADS
+from sgl.sched.runner.grammar_masks import fill_threads
 
 # An API-style record: short strings, an enum, bounded numbers, an array of objects.
 SCHEMA = {
@@ -129,7 +130,7 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
 
     tok = AutoTokenizer.from_pretrained(model)
     columns = AutoConfig.from_pretrained(model).vocab_size
-    vocab = min(columns, max(tok.get_vocab().values()) + 1)  # the engine's bitmask width (sgl.sched.grammar)
+    vocab = tokenizer_width(tok, columns)  # the engine's bitmask width
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), max_whitespace_cnt=2)
     ms = [xgr.GrammarMatcher(compiled) for _ in range(n)]
@@ -141,7 +142,7 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
         c_wide = xgr.GrammarCompiler(wide_info).compile_json_schema(json.dumps(SCHEMA), max_whitespace_cnt=2)
         wide = [xgr.GrammarMatcher(c_wide) for _ in range(n)]
     mask = xgr.allocate_token_bitmask(n, vocab)
-    threads = min(FILL_THREADS, os.cpu_count() or 1)
+    threads = fill_threads()
     batch = xgr.BatchGrammarMatcher(max_threads=threads)
     cuda = torch.cuda.is_available()
     logits = torch.randn(n, columns, device="cuda" if cuda else "cpu")
@@ -188,7 +189,6 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
 def with_architecture(model: str, config_name: str) -> str:
     """A model directory of the benchmark architecture `config_name` holding `model`'s
     tokenizer files, its bos/eos/pad ids in the config (for load_format="dummy")."""
-    import os
     import shutil
 
     from benchmarks.common import dummy_model_dir

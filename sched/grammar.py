@@ -6,8 +6,8 @@ request with an abort reason that carries status_code 400 and names the field.
 
 A ready request holds an xgrammar GrammarMatcher (`req.grammar`). Grammar requests
 keep the overlap loop: a batch's forward is queued before the previous step's results
-are processed; then, on the fill threads, each matcher takes the tokens sampled since
-its last mask and fills the next one, while the scheduler builds the next batch; mask
+are processed; then each matcher takes the tokens sampled since its last mask, and the
+masks are filled on the fill thread while the scheduler builds the next batch; mask
 and sampling are queued after (sgl.sched.runner.step.Deferred,
 sgl.sched.runner.grammar_masks). Beams under a grammar run their steps serially.
 
@@ -66,7 +66,7 @@ class Grammars:
         # The same grammar twice is one compile: 256 requests of one schema, each compiled in
         # turn on the one thread (each a cache hit of xgrammar's), trickled into the batch.
         self._recent: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
-        self.width = vocab_size  # the bitmasks' token ids, the tokenizer's (known once a grammar compiled)
+        self.width = vocab_size  # the bitmasks' token ids, the tokenizer's (set with the compiler)
 
     def error(self, req: Req) -> str | None:
         """Why this engine cannot constrain the request at all, or None."""
@@ -109,9 +109,7 @@ class Grammars:
         for req, fut in done:
             del self.pending[req]
             try:
-                compiled = fut.result()
-                req.grammar = _backend().GrammarMatcher(compiled)
-                self.width = compiled.tokenizer_info.vocab_size
+                req.grammar = _backend().GrammarMatcher(fut.result())
                 out.append((req, None))
             except Exception as e:  # noqa: BLE001 - the caller's grammar: their 400
                 kind = req.sampling_params.grammar[0]  # type: ignore[index]
@@ -136,8 +134,9 @@ class Grammars:
     def _compile(self, kind: str, text: str) -> Any:
         if self._compiler is None:
             assert self.tokenizer_path is not None  # error() refused grammars without a tokenizer
-            self._compiler = _compiler_for(self.tokenizer_path, self.trust_remote_code, self.vocab_size,
-                                           tuple(self.eos_ids))
+            # Set before any compile's future is done: ready() reads the width after it.
+            self._compiler, self.width = _compiler_for(self.tokenizer_path, self.trust_remote_code,
+                                                       self.vocab_size, tuple(self.eos_ids))
         if kind == "json_schema":
             # Whitespace between tokens stays allowed but bounded: a small model left free
             # can emit it until max_new_tokens, and the JSON never closes.
@@ -148,7 +147,8 @@ class Grammars:
 
 
 @functools.lru_cache(maxsize=4)
-def _compiler_for(tokenizer_path: str, trust_remote_code: bool, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:
+def _compiler_for(tokenizer_path: str, trust_remote_code: bool, vocab_size: int,
+                  eos_ids: tuple[int, ...]) -> tuple[Any, int]:
     """One xgrammar compiler (and its grammar cache) per tokenizer in a process: engines
     of one process (inproc roles, tests) share it instead of each reading the whole
     vocabulary into a TokenizerInfo again (seconds for a 50k vocabulary). xgrammar's
@@ -157,17 +157,24 @@ def _compiler_for(tokenizer_path: str, trust_remote_code: bool, vocab_size: int,
 
     xgr = _backend()
     tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code, local_files_only=True)
-    # The tokenizer's ids (EOS included), within the model's columns: see the module's docstring.
-    width = min(vocab_size, max([*tok.get_vocab().values(), *eos_ids]) + 1)
+    width = tokenizer_width(tok, vocab_size, eos_ids)
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=width, stop_token_ids=list(eos_ids))
-    return xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
+    return xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS), width
+
+
+def tokenizer_width(tok: Any, vocab_size: int, eos_ids: tuple[int, ...] = ()) -> int:
+    """The grammar bitmasks' width: the tokenizer's ids (EOS included), within the
+    model's `vocab_size` columns (see the module's docstring)."""
+    return min(vocab_size, max([*tok.get_vocab().values(), *eos_ids]) + 1)
 
 
 def admit_compiled(s: Scheduler) -> None:
     """Requests whose grammar compiled join the queue; the others end (a failed compile
     is the caller's error: status_code 400, a ValueError to engine callers)."""
-    for req, error in s.grammars.ready():
+    ready = s.grammars.ready()
+    if ready:
         s.runner.grammar_vocab = s.grammars.width
+    for req, error in ready:
         if req.to_abort is not None or error is not None:
             reason: dict[str, Any] = {"type": "abort", "message": req.to_abort or error}
             if req.to_abort is None:

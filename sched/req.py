@@ -94,8 +94,8 @@ class Req:
         # (set by the scheduler: a processor that reads output ids, or beams on a CPU worker).
         self.serial = False
         self.grammar: Any = None  # its xgrammar GrammarMatcher, once compiled (sgl.sched.grammar)
-        # Output ids its matcher has taken: the rest go in on the mask thread before the
-        # request's next mask (sgl.sched.runner.grammar_masks); beams excepted.
+        # Output ids its matcher has taken: the rest go in just before the request's next
+        # mask is filled (sgl.sched.runner.grammar_masks); beams excepted.
         self.grammar_seen = 0
 
     @property

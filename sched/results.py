@@ -80,7 +80,7 @@ def _apply(s: Scheduler, batch: ScheduleBatch, res: StepResult, i: int, req: Req
     reason = finish_reason(req, tok, s.eos_ids, s.stop_strings, s.runner.context_length)
     if req.grammar is not None and reason is None and tok in s.eos_ids:
         # The grammar is complete (its mask allows EOS only then), ignore_eos or not. The
-        # matcher takes the token on the mask thread, never here (sgl.sched.runner.prepare_beams).
+        # matcher takes the token before the next mask, never here (sgl.sched.runner.grammar_masks).
         reason = {"type": "stop", "matched": tok}
     if not batch.is_decode:
         s.prefilling.discard(req)

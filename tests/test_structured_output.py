@@ -217,7 +217,7 @@ def test_a_token_the_matcher_refuses_ends_that_request_alone(tmp_path: Any) -> N
     model = _null_with_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(model)
     eos = tok.eos_token_id
-    compiled = _compiler_for(model, False, len(tok), (eos,)).compile_regex(r"[0-9]+")
+    compiled = _compiler_for(model, False, len(tok), (eos,))[0].compile_regex(r"[0-9]+")
     digit, letter = tok.convert_tokens_to_ids("7"), tok.convert_tokens_to_ids("a")
     reqs = [Req(f"r{i}", [1, 2], SamplingParams(max_new_tokens=8), False) for i in range(3)]
     for r in reqs:

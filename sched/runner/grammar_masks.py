@@ -78,11 +78,11 @@ def grammar_rows(batch: ScheduleBatch, runner: ModelRunner) -> GrammarRows | Non
     return GrammarRows(dev, entries, reqs, beams, runner.grammar_vocab)
 
 
+@dataclass(slots=True)
 class _Started:
-    __slots__ = ("mask", "errors", "future")
-
-    def __init__(self, mask: torch.Tensor, errors: dict[int, str], future: Future[None] | None) -> None:
-        self.mask, self.errors, self.future = mask, errors, future
+    mask: torch.Tensor
+    errors: dict[int, str]
+    future: Future[None] | None  # the fill, when on the fill thread
 
 
 class MaskFiller:
@@ -91,10 +91,10 @@ class MaskFiller:
     batch's results were collected, so its copy to the device is done), the fill thread
     and xgrammar's batch fillers (FILL_THREADS native threads; one for small batches)."""
 
-    def __init__(self, device: torch.device, stop_ids: frozenset[int], threads: int = FILL_THREADS) -> None:
+    def __init__(self, device: torch.device, stop_ids: frozenset[int]) -> None:
         self.device = device
         self.stop_ids = stop_ids
-        self.threads = max(1, min(threads, os.cpu_count() or 1))  # xgrammar warns past the machine's
+        self.threads = fill_threads()
         self.buf = torch.empty(0, 0, dtype=torch.int32)
         self.pool: ThreadPoolExecutor | None = None
         self.fillers: dict[int, Any] = {}
@@ -214,6 +214,11 @@ class MaskFiller:
             mask[rows[i]] = -1
         keep = [i for i in range(len(rows)) if i not in drop]
         return [rows[i] for i in keep], [matchers[i] for i in keep]
+
+
+def fill_threads() -> int:
+    """FILL_THREADS, at most the machine's cores (xgrammar warns past them)."""
+    return max(1, min(FILL_THREADS, os.cpu_count() or 1))
 
 
 def refused(tok: int) -> str:
