@@ -1,24 +1,25 @@
-"""W2's decode attention, one layer, at the batches W2 really runs (issue 17): W2's
-decode attention reads the KV at ~3.3 TB/s where W1's reads it at ~4.0 (profile_run),
-and W2's batches mix contexts of 100 to 2,000 tokens. For a few of W2's decode steps
-(the running requests' contexts at step t, all admitted at once as the engine does),
-FlashInfer's decode kernel timed alone (CUDA events, page size 1, slots shuffled as in
-a long-running pool) in the ways the engine could call it:
+"""Decode attention, one layer, at the batches W1, W2 and W3 really run (issue 17), through
+the engine's own FlashInfer backend: W2's batches mix contexts of 100 to 2,000 tokens
+(its decode attention read the KV at ~3.3 TB/s where W1's uniform batch read it at
+~4.0), W1's are uniform, W3's cascade suffixes short and uniform. For each batch (the
+running requests' contexts at step t, all admitted at once as the engine does; slots
+shuffled as in a long-running pool), the kernel timed alone (CUDA events) as the
+engine can run it:
 
-- graph: the engine's CUDA-graph wrapper (FlashInfer then always splits the KV when
-  the batch leaves SMs idle, and never when batch x KV heads fill the grid);
-- graph, sorted: the same with the batch's rows longest first (the blocks of the
-  longest requests start first, so the last wave holds short ones);
-- eager: the wrapper without graphs (splits only when that makes more blocks);
-- tensor cores: FlashInfer's prefill kernel as decode (its own balanced split).
+- decode / tensor cores: FlashInfer's decode kernel, or its prefill kernel as decode
+  (`tensor_core_decode_min_batch` picks between them by batch size);
+- graph / eager: the CUDA-graph wrapper of the batch's size, or the eager one;
+- plan us: the host time of the graph wrapper's plan, which the scheduler's thread
+  pays each step.
 
-    python -m benchmarks.decode_balance [--steps 0,200,400,600,800,950]
+    python -m benchmarks.decode_balance [--w2-steps 0,200,400,600,800,950] [--w1-steps 0,256,511]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import time
 
 import torch
 
@@ -27,6 +28,7 @@ from benchmarks.profile_decode import time_us
 
 HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B
 KV_BYTES_PER_TOKEN = 2 * HKV * D * 2  # one layer, K and V, bf16
+MAX_BS = 256
 
 
 def w2_contexts(t: int, n: int = 256) -> list[int]:
@@ -37,52 +39,57 @@ def w2_contexts(t: int, n: int = 256) -> list[int]:
     return [i + t for i, o in zip(ins, outs) if o > t]
 
 
-def plan(ws: torch.Tensor, lens: list[int], slots: torch.Tensor, graph: bool, tc: bool) -> object:
-    """A decode wrapper planned for one batch (each variant plans right before it runs:
-    wrappers sharing a workspace overwrite each other's plan)."""
-    import flashinfer
+def cases(w2_steps: list[int], w1_steps: list[int]) -> list[tuple[str, list[int]]]:
+    out = [(f"W2 t={t}", w2_contexts(t)) for t in w2_steps]
+    out += [(f"W1 t={t}", [512 + t] * MAX_BS) for t in w1_steps]
+    out += [(f"W3 suffix t={t}", [100 + t] * MAX_BS) for t in (0, 127)]  # what a cascade's suffix decode reads
+    out += [(f"W3 t={t}", [2100 + t] * MAX_BS) for t in (0, 127)]  # W3 without cascade: the whole context
+    return out
 
-    dev, b = slots.device, len(lens)
-    indptr = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).to(torch.int32)
-    if graph:
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            ws, "NHD", use_cuda_graph=True, use_tensor_cores=tc,
-            paged_kv_indptr_buffer=torch.empty(b + 1, dtype=torch.int32, device=dev),
-            paged_kv_indices_buffer=torch.empty(slots.numel(), dtype=torch.int32, device=dev),
-            paged_kv_last_page_len_buffer=torch.empty(b, dtype=torch.int32, device=dev), backend="fa2")
-    else:
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, backend="fa2")
-    last = torch.ones(b, dtype=torch.int32).pin_memory()
-    w.plan(indptr.pin_memory(), slots, last, HQ, HKV, D, 1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-    return w
+
+def plan_us(backend: object, bs: int, indptr: torch.Tensor, slots: torch.Tensor, reps: int = 20) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        backend.begin_graph_decode(bs, indptr, slots)  # type: ignore[attr-defined]
+    return (time.perf_counter() - t0) / reps * 1e6
 
 
 def main() -> None:
+    from sgl.kernels.attention import AttnMetadata
+    from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", default="0,200,400,600,800,950")
+    ap.add_argument("--w2-steps", default="0,200,400,600,800,950")
+    ap.add_argument("--w1-steps", default="0,256,511")
     a = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     pool = 600_000
-    k = torch.randn(pool + 1, 1, HKV, D, dtype=dt, device=dev)
-    v = torch.randn(pool + 1, 1, HKV, D, dtype=dt, device=dev)
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    k = torch.randn(pool + 1, HKV, D, dtype=dt, device=dev)
+    v = torch.randn(pool + 1, HKV, D, dtype=dt, device=dev)
+    backends = {"decode": FlashInferAttentionBackend(HQ, HKV, D, dt, dev, pool + 1, 2048, tensor_core_min_batch=10**9),
+                "tensor cores": FlashInferAttentionBackend(HQ, HKV, D, dt, dev, pool + 1, 2048,
+                                                           tensor_core_min_batch=1)}
+    for be in backends.values():
+        be.init_graph(MAX_BS, cascade=False)  # the largest first: it sizes the shared index buffers
     rows = []
-    for t in (int(s) for s in a.steps.split(",")):
-        lens = w2_contexts(t)
+    for name, lens in cases([int(s) for s in a.w2_steps.split(",")], [int(s) for s in a.w1_steps.split(",")]):
         b, total = len(lens), sum(lens)
         slots = (torch.randperm(pool, device=dev)[:total] + 1).to(torch.int32)
+        indptr = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).to(torch.int32).pin_memory()
         q = torch.randn(b, HQ, D, dtype=dt, device=dev)
-        by_len = sorted(lens, reverse=True)
-        variants = {"graph": (lens, True, False), "graph, sorted": (by_len, True, False),
-                    "eager": (lens, False, False), "tensor cores": (lens, False, True)}
-        row: dict[str, object] = {"step": t, "batch": b, "mean ctx": total // b, "max ctx": max(lens)}
-        for name, (ls, graph, tc) in variants.items():
-            w = plan(ws, ls, slots, graph, tc)
-            row[f"{name} us"] = time_us(lambda: w.run(q, (k, v)))  # type: ignore[attr-defined]  # noqa: B023
+        row: dict[str, object] = {"batch": name, "rows": b, "mean ctx": total // b, "max ctx": max(lens)}
+        for kind, be in backends.items():
+            if b not in be.graph_decode:
+                be.init_graph(b, cascade=False)
+            row[f"{kind} plan us"] = plan_us(be, b, indptr, slots)  # leaves the graph wrapper planned
+            row[f"{kind} graph us"] = time_us(lambda: be.forward(q, q, q, k, v, D**-0.5))  # noqa: B023
+            be.begin_forward(AttnMetadata(True, indptr.to(dev), indptr.to(dev), slots, [1] * b, lens, indptr, indptr))
+            row[f"{kind} eager us"] = time_us(lambda: be.forward(q, q, q, k, v, D**-0.5))  # noqa: B023
         row["us at 4 TB/s"] = total * KV_BYTES_PER_TOKEN / 4.0e12 * 1e6
         rows.append(row)
         print(row, flush=True)
-    print(f"W2's decode attention, one layer, on {machine()}")
+    print(f"Decode attention, one layer (kernel us; plan us on the host), on {machine()}")
     print(table(rows))
 
 

@@ -5,14 +5,14 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammarw2 grammarspy startup decodebal prof1 prof2 prof3 prof8b vllm vllm8b
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammarw2 grammarspy startup startupspy tcab decodebal prof1 prof2 prof3 prof8b vllm vllm8b
 #        w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
 # (w3rep: W3's three engines with 5 timed runs each, medians; w3spy: the cascade engine's
 # 5 runs under py-spy (its wheel in .whl), folded stacks in $OUT/w3spy.txt; w3old: its 5 runs
 # on the checkout in .old/, run by this checkout's benchmark script; w3oldspy: under py-spy)
 # (prof1/2/3/8b: benchmarks/profile_run.py, W1/W2/W3 (prof8b: W2 at 8B) kernels by kind and
 # batches by size; startup: benchmarks/startup.py; w7: W1 and W2 on the Qwen3-8B architecture;
-# decodebal: benchmarks/decode_balance.py, W2's decode attention at its real batches)
+# decodebal: benchmarks/decode_balance.py, decode attention at W1's, W2's and W3's real batches)
 # (vllm, vllm8b: the peer kit's bench.py, once its parts are in /tmp (../shared/peers/vllm:
 # carry .peer/vllm/c1 and kit in one call, c2 and kit in the next); vllm8b runs W1,W2 at 8B)
 # A later call on a machine still warm may carry neither .whl nor .ficache: what the first
@@ -110,7 +110,7 @@ for step in "$@"; do
   case $step in
     jit) run 420 python3 -m benchmarks.build_kernels ;;
     tests) run 400 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
-             $(grep -l "pytest.mark.gpu" tests/*.py) ;;
+             ${GPU_TESTS:-$(grep -l "pytest.mark.gpu" tests/*.py)} ;;  # GPU_TESTS: some files only
     w1) run 300 python3 -m benchmarks.w1_w2_gpu --workloads W1 --no-hf ;;
     w12ov) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --overlap-off ;;
     w1hf) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1 --overlap-off ;;
@@ -129,6 +129,17 @@ for step in "$@"; do
       fi ;;
     w7) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf ;;
     startup) run 200 python3 -m benchmarks.startup --repeat ${STARTUP_REPEAT:-3} ;;
+    # Start-up under py-spy (every process, idle included): where the seconds before ready go.
+    startupspy) run 200 py-spy record -r 200 --nonblocking --subprocesses --idle --format raw \
+                  -o "${OUT:-/tmp}/startupspy.txt" -- python3 -m benchmarks.startup --repeat 2
+                gzip -f "${OUT:-/tmp}/startupspy.txt" ;;
+    # Tensor-core decode from 48 rows (the default) against the decode kernel at every size,
+    # engines in turn: W1 and W2, then W3 without cascade (3 runs each).
+    tcab) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --variant '{}' \
+            --variant '{"tensor_core_decode_min_batch": 100000}'
+          run 200 python3 -m benchmarks.w3_shared_prefix --variants radix --repeat 3
+          run 200 python3 -m benchmarks.w3_shared_prefix --variants radix --repeat 3 \
+            --engine-kw '{"tensor_core_decode_min_batch": 100000}' ;;
     decodebal) run 120 python3 -m benchmarks.decode_balance ;;
     prof1) run 200 python3 -m benchmarks.profile_run --workload W1 ;;
     prof2) run 200 python3 -m benchmarks.profile_run --workload W2 ;;

@@ -9,11 +9,13 @@ Throughput = requested output tokens / wall time, start-up and warm-up excluded.
 
     python -m benchmarks.w1_w2_gpu [--workloads W1,W2] [--no-hf] [--requests 256]
         [--config qwen3-8b] [--tp-size 2] [--dp-size 2]   # issue 18: a bigger model over GPUs
+        [--variant '{"tensor_core_decode_min_batch": 100000}' ...]   # engine options, each run in turn
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 
@@ -84,6 +86,8 @@ def main() -> None:
     ap.add_argument("--config", default="qwen3-0.6b", help="an architecture of benchmarks/configs")
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--dp-size", type=int, default=1)
+    ap.add_argument("--variant", action="append", type=json.loads, default=None,
+                    help="engine options as JSON (repeatable): each workload runs once per variant, in turn")
     a = ap.parse_args()
     model_dir = dummy_model_dir(a.config)
     par = {k: v for k, v in (("tp_size", a.tp_size), ("dp_size", a.dp_size)) if v > 1}
@@ -91,10 +95,16 @@ def main() -> None:
     for name in a.workloads.split(","):
         prompts, outs, temp = workload(name, a.requests)
         tokens = sum(outs)
-        t = run_sgl(model_dir, prompts, outs, temp, **par)
-        engine = f"sgl {a.config} tp{a.tp_size} dp{a.dp_size}"
-        rows.append({"workload": name, "engine": engine, "seconds": t, "tok/s": tokens / t,
-                     "of W1 floor": f"{tokens / t / FLOOR_W1_TOK_S:.0%}"})
+        times = []
+        for variant in a.variant or [{}]:
+            times.append(run_sgl(model_dir, prompts, outs, temp, **par, **variant))
+            label = json.dumps(variant, separators=(",", ":")) if variant else ""
+            rows.append({"workload": name, "engine": f"sgl {a.config} tp{a.tp_size} dp{a.dp_size} {label}".strip(),
+                         "seconds": times[-1], "tok/s": tokens / times[-1],
+                         "of W1 floor": f"{tokens / times[-1] / FLOOR_W1_TOK_S:.0%}"})
+            if a.no_hf:
+                print(f"RESULT name={name} sgl_tok_s={tokens / times[-1]:.0f} {label}".strip())
+        t = times[0]
         if a.overlap_off:
             t2 = run_sgl(model_dir, prompts, outs, temp, disable_overlap_schedule=True, **par)
             rows.append({"workload": name, "engine": "sgl no-overlap", "seconds": t2, "tok/s": tokens / t2,
@@ -104,8 +114,6 @@ def main() -> None:
             rows.append({"workload": name, "engine": "hf generate", "seconds": th, "tok/s": tokens / th,
                          "of W1 floor": f"{tokens / th / FLOOR_W1_TOK_S:.0%}"})
             print(f"RESULT name={name} sgl_tok_s={tokens / t:.0f} hf_tok_s={tokens / th:.0f} ratio={th / t:.2f}")
-        else:
-            print(f"RESULT name={name} sgl_tok_s={tokens / t:.0f}")
     print(f"on {machine()}, torch {torch.__version__}")
     print(table(rows))
 

@@ -6,6 +6,7 @@ weights. Scale it down for a CPU with the flags.
 
     python -m benchmarks.w3_shared_prefix [--requests 256 --prefix 2000 --unique 100 --output 128]
         [--chunked-prefill-size N] [--variants cascade,radix,off] [--repeat 5]
+        [--engine-kw '{"tensor_core_decode_min_batch": 100000}']   # options for every engine
 
 --repeat N times the workload N times in each engine (the cache flushed before each)
 and reports the median: one W3 run is ~1 s with the cache, too short for one number
@@ -15,6 +16,7 @@ to tell a 10% change from a machine's noise.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import sgl
@@ -30,7 +32,7 @@ def w3_prompts(requests: int = 256, prefix: int = 2000, unique: int = 100) -> li
 def run(model_dir: str, prompts: list[list[int]], a: argparse.Namespace, radix: bool,
         cascade: bool | None) -> dict[str, object]:
     params = {"temperature": 0, "max_new_tokens": a.output, "ignore_eos": True}
-    kw: dict[str, object] = {} if a.device == "auto" else {"device": a.device}
+    kw: dict[str, object] = dict(a.engine_kw) if a.device == "auto" else {"device": a.device, **a.engine_kw}
     if a.chunked_prefill_size is not None:
         kw["chunked_prefill_size"] = a.chunked_prefill_size
     times = []
@@ -65,6 +67,7 @@ def main() -> None:
     ap.add_argument("--variants", default="cascade,radix,off",
                     help="which engines: radix cache with cascade (the default), radix without cascade, cache off")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per engine; the median is reported")
+    ap.add_argument("--engine-kw", type=json.loads, default={}, help="engine options as JSON, for every engine")
     a = ap.parse_args()
     model_dir = dummy_model_dir()
     prompts = w3_prompts(a.requests, a.prefix, a.unique)

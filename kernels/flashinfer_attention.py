@@ -24,7 +24,16 @@ handed to `plan` (indptrs, last-page lengths, sequence lengths) is pinned, since
 FlashInfer copies them to the device with non_blocking=True, which from pageable
 memory synchronises the stream, and reads them on the host with `.to("cpu")`,
 which for a device tensor synchronises too. (FlashInfer's eager decode plan still
-copies a pageable range buffer of its own; only CUDA-graph decode is sync-free.)"""
+copies a pageable range buffer of its own; only CUDA-graph decode is sync-free.)
+
+Two decode kernels: FlashInfer's decode kernel, and its prefill kernel run as decode
+("tensor cores"), which packs a KV head's query heads into one tile and balances
+long and short rows over the SMs. The second is used whenever four or more query
+heads share a KV head, and for any decode batch of `tensor_core_min_batch` rows or
+more: on an H200 at W2's mixed contexts it is 6-13% faster from 62 rows on and 10%
+slower at 26 (Qwen3-0.6B, 16 query / 8 KV heads; benchmarks/decode_balance.py).
+A cascade's suffix decode keeps the head-group rule alone (its suffixes are short
+and uniform, where the decode kernel is not behind)."""
 
 from __future__ import annotations
 
@@ -33,6 +42,22 @@ import torch
 from sgl.kernels.attention import AttentionBackend, AttnMetadata, CascadeMeta
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
+TENSOR_CORE_MIN_BATCH = 48
+
+
+class _HostLens(torch.Tensor):
+    """The KV lengths handed to a tensor-core decode plan. FlashInfer 0.6.5 takes their
+    maximum with Python's `max()`, a loop over 0-d tensors (about 1 ms at 256 rows, on
+    the scheduler's thread every step) whose value the fa2 kernel never reads; iterating
+    this tensor yields its maximum alone, computed in one op."""
+
+    def __iter__(self):
+        yield self.max()
+
+
+def _host_lens(indptr: torch.Tensor) -> torch.Tensor:
+    """Page size 1: a row's KV length is its indptr step."""
+    return (indptr[1:] - indptr[:-1]).as_subclass(_HostLens)
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -41,10 +66,11 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def __init__(
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-        max_kv_tokens: int, context_length: int | None = None,
+        max_kv_tokens: int, context_length: int | None = None, tensor_core_min_batch: int = TENSOR_CORE_MIN_BATCH,
     ) -> None:
         """max_kv_tokens: KV slots in the pool (slot 0 included); context_length: the most
-        slots one request reads (None: max_kv_tokens)."""
+        slots one request reads (None: max_kv_tokens); tensor_core_min_batch: decode
+        batches of at least this many rows run the tensor-core kernel."""
         import flashinfer
 
         if dtype not in (torch.bfloat16, torch.float16):
@@ -56,13 +82,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.context_length = context_length or max_kv_tokens
         self.graph_max_bs = 0  # the batch size the graph index buffers were sized for
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # Tensor-core decode pays off once several query heads share a KV head.
+        # Tensor-core decode pays off once several query heads share a KV head, or once
+        # the batch is large (then at any grouping).
         self.tensor_cores = num_qo_heads // num_kv_heads >= 4
+        self.tensor_core_min_batch = tensor_core_min_batch
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores, backend="fa2")
+        self._decode_tc: object | None = None  # the eager tensor-core wrapper, made when first needed
         self.ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self.paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.graph_decode: dict[int, object] = {}
+        self.graph_suffix: dict[int, object] = {}  # a cascade's suffix decode: graph_decode's unless they differ
         self.graph_shared: dict[int, object] = {}
         self._shared_planned: dict[int, tuple] = {}  # bs -> CascadeMeta.key its shared-block wrapper holds
         self._graph_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's, the shared block's
@@ -80,12 +110,25 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- planning --------------------------------------------------------------
 
+    def uses_tensor_cores(self, bs: int) -> bool:
+        """Whether a plain decode batch of bs rows runs the tensor-core kernel."""
+        return self.tensor_cores or bs >= self.tensor_core_min_batch
+
     def _plan_decode(self, wrapper: object, kv_indptr_host: torch.Tensor, kv_indices: torch.Tensor) -> None:
         b = kv_indptr_host.numel() - 1
+        lens = _host_lens(kv_indptr_host) if wrapper.use_tensor_cores else None  # type: ignore[attr-defined]
         wrapper.plan(  # type: ignore[attr-defined]
             kv_indptr_host, kv_indices, self._last_page_len(b), self.hq, self.hkv, self.d, 1,
-            q_data_type=self.dtype, kv_data_type=self.dtype,
+            q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=lens,
         )
+
+    def _eager_decode(self, b: int) -> object:
+        if self.uses_tensor_cores(b) == self.decode.use_tensor_cores:
+            return self.decode
+        if self._decode_tc is None:
+            self._decode_tc = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=True, backend="fa2")
+        return self._decode_tc
 
     def _last_page_len(self, b: int) -> torch.Tensor:
         if b > self._ones.numel():
@@ -108,8 +151,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._plan_cascade(meta.cascade)
         elif meta.is_decode:
             self._mode = "decode"
-            self._active_decode = self.decode
-            self._plan_decode(self.decode, meta.kv_indptr_host, meta.kv_indices)
+            self._active_decode = self._eager_decode(meta.kv_indptr_host.numel() - 1)
+            self._plan_decode(self._active_decode, meta.kv_indptr_host, meta.kv_indices)
         else:
             self._plan_extend(meta)
         self._after_plan()
@@ -148,7 +191,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def init_graph(self, bs: int, cascade: bool) -> None:
         """Graph-mode wrappers for batch size `bs` (before its capture): a decode
-        wrapper, and with `cascade` a shared-block prefill wrapper too."""
+        wrapper, and with `cascade` a shared-block prefill wrapper too (and a suffix
+        decode wrapper of its own where the plain one runs the tensor-core kernel and
+        the suffix's would not)."""
         dev = self.device
         if self._graph_indices is None:
             # Sized by the first (largest) size: e.g. 256 x 40960 x 4 B = 42 MB for a 40k
@@ -160,14 +205,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         elif bs > self.graph_max_bs:
             raise ValueError(f"init_graph({bs}) after sizing the index buffers for {self.graph_max_bs}: "
                              "initialise the largest batch size first")
-        self.graph_decode[bs] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
-            paged_kv_indices_buffer=self._graph_indices[0],
-            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=dev),
-            backend="fa2",
-        )
+        self.graph_decode[bs] = self._graph_decode_wrapper(bs, self.uses_tensor_cores(bs))
         if cascade:
+            self.graph_suffix[bs] = (self.graph_decode[bs] if self.uses_tensor_cores(bs) == self.tensor_cores
+                                     else self._graph_decode_wrapper(bs, self.tensor_cores))
             self.graph_shared[bs] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True,
                 qo_indptr_buf=torch.zeros(2, dtype=torch.int32, device=dev),
@@ -176,6 +217,17 @@ class FlashInferAttentionBackend(AttentionBackend):
                 paged_kv_last_page_len_buf=torch.ones(1, dtype=torch.int32, device=dev),
                 backend="fa2",
             )
+
+    def _graph_decode_wrapper(self, bs: int, tensor_cores: bool) -> object:
+        assert self._graph_indices is not None
+        dev = self.device
+        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=self._graph_indices[0],
+            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=dev),
+            backend="fa2",
+        )
 
     def begin_graph_decode(self, bs: int, kv_indptr_host: torch.Tensor, kv_indices: torch.Tensor) -> None:
         """Plan batch size `bs`'s decode graph (kv_indptr_host has bs + 1 entries, pinned)."""
@@ -193,7 +245,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         equal to the one this size's shared block was last planned with (CascadeMeta.key)
         skips that plan: the wrapper's buffers still hold it, as nothing else plans it."""
         self._mode = "cascade"
-        self._active_shared, self._active_decode = self.graph_shared[bs], self.graph_decode[bs]
+        self._active_shared, self._active_decode = self.graph_shared[bs], self.graph_suffix[bs]
         self._before_plan()
         if not key or self._shared_planned.get(bs) != key:
             self._plan_shared(self._active_shared, bs, shared_len, shared_indices)

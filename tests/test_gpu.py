@@ -114,10 +114,63 @@ def test_flashinfer_cascade_matches_torch_backend() -> None:
     assert _rel_err(got, plain) < 1e-2
 
 
+@pytest.mark.parametrize("bs", [8, 64])
+def test_decode_graph_replanned_after_capture_matches_torch(bs: int) -> None:
+    """A decode graph captured under one plan and replayed under others (contexts of 1 to
+    1,500 slots, so FlashInfer splits the long rows' KV), with two query heads per KV
+    head, below and above tensor_core_min_batch (32): the decode kernel at 8 rows, the
+    tensor-core kernel at 64, each against the torch reference."""
+    from sgl.kernels.attention import AttnMetadata
+    from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+    from sgl.kernels.torch_attention import TorchAttentionBackend
+
+    torch.manual_seed(0)
+    dev, dt, hq, hkv, d = torch.device("cuda"), torch.bfloat16, 16, 8, 128
+    slots = 64 * 1500
+    k_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt)
+    v_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt)
+    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, context_length=2048, tensor_core_min_batch=32)
+    fi.init_graph(bs, cascade=False)
+    assert fi.graph_decode[bs].use_tensor_cores == (bs >= 32)  # type: ignore[attr-defined]
+    q = torch.zeros(bs, hq, d, device=dev, dtype=dt)
+    fi.begin_graph_decode(bs, torch.arange(bs + 1, dtype=torch.int32).pin_memory(),
+                          torch.zeros(bs, dtype=torch.int32, device=dev))
+    for _ in range(2):
+        fi.forward(q, q[:, :hkv], q[:, :hkv], k_cache, v_cache, d**-0.5)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fi.forward(q, q[:, :hkv], q[:, :hkv], k_cache, v_cache, d**-0.5)
+    rng = random.Random(bs)
+    for _ in range(3):
+        kv_lens = [rng.choice([1, rng.randint(2, 100), rng.randint(100, 1500)]) for _ in range(bs)]
+        kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
+        kv_indices = (torch.randperm(slots, device=dev)[: sum(kv_lens)] + 1).to(torch.int32)
+        q.copy_(torch.randn(bs, hq, d, device=dev, dtype=dt))
+        fi.begin_graph_decode(bs, kv_indptr.pin_memory(), kv_indices)
+        graph.replay()
+        last = kv_indices[kv_indptr[1:].long() - 1].long()
+        ref = TorchAttentionBackend()
+        qo_indptr = torch.arange(bs + 1, dtype=torch.int32)
+        ref.begin_forward(AttnMetadata(True, qo_indptr.to(dev), kv_indptr.to(dev), kv_indices, [1] * bs, kv_lens,
+                                       kv_indptr, qo_indptr))
+        expected = ref.forward(q.float(), k_cache[last], v_cache[last], k_cache.float(), v_cache.float(), d**-0.5)
+        assert _rel_err(out, expected) < 1e-2
+
+
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_model_dir(tmp_path_factory.mktemp("gpu"), "qwen3", vocab=2048, hidden_size=256, num_hidden_layers=4,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=512)
+
+
+@pytest.fixture(scope="module")
+def qwen3_g2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Two query heads per KV head (as Qwen3-0.6B): tensor-core decode only from
+    tensor_core_decode_min_batch rows, so graphs of one engine mix both kernels."""
+    return tiny_model_dir(tmp_path_factory.mktemp("gpu-g2"), "qwen3", vocab=2048, hidden_size=256,
+                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                          intermediate_size=512)
 
 
 def _run(model_dir: str, prompts: list[list[int]], **kw: object) -> list[list[int]]:
@@ -145,9 +198,27 @@ def test_cuda_graph_replay_equals_eager(qwen3_dir: str) -> None:
     assert graphs == eager
 
 
-def test_cascade_under_cuda_graphs_equals_plain_decode(qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensor_core_decode_graphs_equal_eager(qwen3_g2_dir: str) -> None:
+    """Tensor-core decode from 4 rows on a model with two query heads per KV head: the
+    5-row batch replays the 8-row tensor-core graph, eager runs the eager tensor-core
+    wrapper, and both give the same tokens."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2000) for _ in range(rng.randint(3, 300))] for _ in range(5)]
+    kw = dict(attention_backend="flashinfer", tensor_core_decode_min_batch=4)
+    eager = _run(qwen3_g2_dir, prompts, disable_cuda_graph=True, **kw)
+    graphs = _run(qwen3_g2_dir, prompts, cuda_graph_max_bs=8, **kw)
+    assert graphs == eager
+
+
+@pytest.mark.parametrize("model", ["qwen3_dir", "qwen3_g2_dir"])
+def test_cascade_under_cuda_graphs_equals_plain_decode(model: str, request: pytest.FixtureRequest,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Cascade decode replayed from its CUDA graphs (padded sizes included), on by
-    default with flashinfer, gives the tokens of cascade run eagerly and of plain decode."""
+    default with flashinfer, gives the tokens of cascade run eagerly and of plain decode.
+    With two query heads per KV head and tensor-core decode from 4 rows, the 8-row
+    cascade graph has a suffix wrapper of its own (the decode kernel) beside the plain
+    graph's tensor-core one."""
+    qwen3_dir = request.getfixturevalue(model)
     from sgl.sched.runner import prepare
 
     monkeypatch.setattr(prepare, "CASCADE_MIN_SAVED_TOKENS", 1)
@@ -158,7 +229,8 @@ def test_cascade_under_cuda_graphs_equals_plain_decode(qwen3_dir: str, monkeypat
 
     def run(**kw: object) -> tuple[list[list[int]], int]:
         with sgl.Engine(qwen3_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
-                        attention_backend="flashinfer", max_total_tokens=20000, cuda_graph_max_bs=8, **kw) as e:
+                        attention_backend="flashinfer", max_total_tokens=20000, cuda_graph_max_bs=8,
+                        tensor_core_decode_min_batch=4, **kw) as e:
             e.generate(input_ids=prompts[0], sampling_params=params)  # caches the shared prefix first
             outs = e.generate(input_ids=prompts, sampling_params=params)
             info = e.get_server_info()

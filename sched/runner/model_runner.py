@@ -199,7 +199,8 @@ class ModelRunner:
 
         m = self.model
         return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
-                                          self.max_total_tokens + 1, context_length=self.context_length)
+                                          self.max_total_tokens + 1, context_length=self.context_length,
+                                          tensor_core_min_batch=args.tensor_core_decode_min_batch)
 
     def _load(self, args: ServerArgs, model_path: str) -> tuple[CausalLM, PretrainedConfig]:
         if args.load_format == "null":

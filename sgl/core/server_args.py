@@ -71,6 +71,10 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # radix off on an H200, benchmarks/RESULTS.md), off for the torch backend, whose
     # cascade is a reference that gathers the prefix per request anyway.
     enable_cascade_attention: bool | None = None
+    # FlashInfer's tensor-core decode kernel (its prefill kernel, which balances mixed
+    # contexts over the SMs) for decode batches of at least this many rows; models whose
+    # query heads share a KV head four or more ways use it at every size.
+    tensor_core_decode_min_batch: int = 48
     max_top_logprobs_num: int = 20  # the most top logprobs a request may ask for per token (OpenAI's bound)
     # Names (registered) or dotted paths (pkg.mod:Class) of logit processors requests may use.
     custom_logit_processors: list[str] = []
@@ -98,6 +102,7 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _positive(self, "max_total_tokens", "context_length", "max_running_requests", "cuda_graph_max_bs",
+                  "tensor_core_decode_min_batch",
                   "max_top_logprobs_num", "max_queued_requests")
         if not 1 <= self.tokenizer_threads <= 64:
             raise ValueError(f"tokenizer_threads={self.tokenizer_threads} is invalid: must be in [1, 64]")

@@ -47,6 +47,8 @@ FIELD_HELP: dict[str, str] = {
                          "chat templates",
     "cuda_graph_max_bs": "the largest decode batch captured in a CUDA graph",
     "disable_cuda_graph": "run decode without CUDA graphs",
+    "tensor_core_decode_min_batch": "decode batches of at least this many rows use FlashInfer's tensor-core "
+                                    "kernel (always when 4+ query heads share a KV head)",
     "enable_cascade_attention": "read a decode batch's shared prefix once per step (default: on with flashinfer)",
     "max_top_logprobs_num": "the most top logprobs a request may ask for per token",
     "custom_logit_processors": "logit processors requests may use: registered names or pkg.mod:Class paths",
