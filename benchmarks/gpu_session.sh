@@ -62,6 +62,11 @@ export PATH=/tmp/site/bin:$PATH
 # this every process compiles transformers' modules again (py-spy, session 10: about 8 s
 # of each start). A user's install has its .pyc files; so do these runs from the 2nd on.
 export PYTHONPYCACHEPREFIX=/tmp/pycache
+# Session 12's py-spy of two starts showed every process compiling its sources on both:
+# the cache above stayed empty. PYTHONDONTWRITEBYTECODE set by the image is one way that
+# happens; the line below says what it was and how full the cache is.
+echo "bytecode: PYTHONDONTWRITEBYTECODE='${PYTHONDONTWRITEBYTECODE-<unset>}', $(find /tmp/pycache -name '*.pyc' 2>/dev/null | wc -l) cached"
+unset PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
 ws=$FLASHINFER_WORKSPACE_BASE
@@ -128,7 +133,8 @@ for step in "$@"; do
           && run 200 "${spy[@]}" python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5)
       fi ;;
     w7) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf ;;
-    startup) run 200 python3 -m benchmarks.startup --repeat ${STARTUP_REPEAT:-3} ;;
+    startup) run 200 python3 -m benchmarks.startup --repeat ${STARTUP_REPEAT:-3}
+             echo "bytecode cache: $(find /tmp/pycache -name '*.pyc' 2>/dev/null | wc -l) files" ;;
     # Start-up under py-spy (every process, idle included): where the seconds before ready go.
     startupspy) run 200 py-spy record -r 200 --nonblocking --subprocesses --idle --format raw \
                   -o "${OUT:-/tmp}/startupspy.txt" -- python3 -m benchmarks.startup --repeat 2

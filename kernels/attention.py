@@ -52,6 +52,9 @@ class AttnMetadata:
     prefix_indices: torch.Tensor | None = None
     prefix_lens_host: torch.Tensor | None = None  # [B] int32
     cascade: CascadeMeta | None = None  # decode only
+    # Decode only: KV slots every row begins with (0 where none, or where nobody looked);
+    # a backend may pick its kernel by it.
+    shared_len: int = 0
 
 
 class AttentionBackend(ABC):
@@ -72,7 +75,16 @@ class AttentionBackend(ABC):
 
     # CUDA-graph decode: backends that can be captured plan each padded batch size into
     # buffers that a graph replays. The torch reference is never captured.
-    def begin_graph_decode(self, bs: int, kv_indptr_host: torch.Tensor, kv_indices: torch.Tensor) -> None:
+    # A backend with a second decode kernel ("tensor cores") captures each size with the
+    # kernels decode_kernels(bs) names, and picks one per batch.
+    def decode_kernels(self, bs: int) -> tuple[bool, ...]:
+        return (False,)
+
+    def picks_tensor_cores(self, bs: int, kv_indptr_host: torch.Tensor, shared_len: int) -> bool:
+        return False
+
+    def begin_graph_decode(self, bs: int, kv_indptr_host: torch.Tensor, kv_indices: torch.Tensor,
+                           tensor_cores: bool) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not run under CUDA graphs")
 
     def begin_graph_cascade(self, bs: int, shared_len: int, shared_indices: torch.Tensor,

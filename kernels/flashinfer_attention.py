@@ -27,13 +27,16 @@ which for a device tensor synchronises too. (FlashInfer's eager decode plan stil
 copies a pageable range buffer of its own; only CUDA-graph decode is sync-free.)
 
 Two decode kernels: FlashInfer's decode kernel, and its prefill kernel run as decode
-("tensor cores"), which packs a KV head's query heads into one tile and balances
-long and short rows over the SMs. The second is used whenever four or more query
-heads share a KV head, and for any decode batch of `tensor_core_min_batch` rows or
-more: on an H200 at W2's mixed contexts it is 6-13% faster from 62 rows on and 10%
-slower at 26 (Qwen3-0.6B, 16 query / 8 KV heads; benchmarks/decode_balance.py).
-A cascade's suffix decode keeps the head-group rule alone (its suffixes are short
-and uniform, where the decode kernel is not behind)."""
+("tensor cores"), which packs a KV head's query heads into one tile and splits long
+rows into balanced chunks. Where four or more query heads share a KV head the second
+always runs. Otherwise (Qwen3-0.6B: 16 query / 8 KV heads), batches of at least
+`tensor_core_min_batch` rows pick per batch (`prefers_tensor_cores`), and each such
+graph size is captured with both kernels. Measured on an H200 (benchmarks/RESULTS.md,
+session 12): the tensor-core kernel is 3-10% faster on W2's mixed contexts from 62
+rows on and 10% slower at 26 rows; 3-11% slower on W1's uniform rows (W1 end to end
+7% slower with it); W3 without cascade (2,000 of each row's 2,100-2,228 slots shared)
+24% faster end to end with it. A cascade's suffix decode keeps the decode kernel: its
+short uniform suffixes read 1.4x faster with it."""
 
 from __future__ import annotations
 
@@ -58,6 +61,16 @@ class _HostLens(torch.Tensor):
 def _host_lens(indptr: torch.Tensor) -> torch.Tensor:
     """Page size 1: a row's KV length is its indptr step."""
     return (indptr[1:] - indptr[:-1]).as_subclass(_HostLens)
+
+
+def prefers_tensor_cores(kv_indptr_host: torch.Tensor, shared_len: int) -> bool:
+    """Whether a decode batch (its KV indptr on the host; `shared_len` slots that every
+    row begins with) reads faster through the tensor-core kernel: rows of mixed lengths
+    (the longest over 1.25x the mean), or a shared prefix of at least half the mean row."""
+    b = kv_indptr_host.numel() - 1
+    total = int(kv_indptr_host[-1])
+    longest = int((kv_indptr_host[1:] - kv_indptr_host[:-1]).max())
+    return 4 * b * longest > 5 * total or 2 * b * shared_len >= total
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -89,10 +102,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores, backend="fa2")
         self._decode_tc: object | None = None  # the eager tensor-core wrapper, made when first needed
+        self.graph_decode: dict[tuple[int, bool], object] = {}  # (batch size, tensor cores) -> its wrapper
         self.ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self.paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
-        self.graph_decode: dict[int, object] = {}
-        self.graph_suffix: dict[int, object] = {}  # a cascade's suffix decode: graph_decode's unless they differ
         self.graph_shared: dict[int, object] = {}
         self._shared_planned: dict[int, tuple] = {}  # bs -> CascadeMeta.key its shared-block wrapper holds
         self._graph_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's, the shared block's
@@ -110,9 +122,16 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- planning --------------------------------------------------------------
 
-    def uses_tensor_cores(self, bs: int) -> bool:
-        """Whether a plain decode batch of bs rows runs the tensor-core kernel."""
-        return self.tensor_cores or bs >= self.tensor_core_min_batch
+    def decode_kernels(self, bs: int) -> tuple[bool, ...]:
+        """The kernels (tensor cores or not) a plain decode batch of bs rows may run."""
+        if self.tensor_cores:
+            return (True,)
+        return (False, True) if bs >= self.tensor_core_min_batch else (False,)
+
+    def picks_tensor_cores(self, bs: int, kv_indptr_host: torch.Tensor, shared_len: int) -> bool:
+        """The kernel for a plain decode batch run at size bs (its graph's, or its own)."""
+        kernels = self.decode_kernels(bs)
+        return kernels[0] if len(kernels) == 1 else prefers_tensor_cores(kv_indptr_host, shared_len)
 
     def _plan_decode(self, wrapper: object, kv_indptr_host: torch.Tensor, kv_indices: torch.Tensor) -> None:
         b = kv_indptr_host.numel() - 1
@@ -122,8 +141,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=lens,
         )
 
-    def _eager_decode(self, b: int) -> object:
-        if self.uses_tensor_cores(b) == self.decode.use_tensor_cores:
+    def _eager_decode(self, meta: AttnMetadata) -> object:
+        assert meta.kv_indptr_host is not None
+        b = meta.kv_indptr_host.numel() - 1
+        if self.picks_tensor_cores(b, meta.kv_indptr_host, meta.shared_len) == self.tensor_cores:
             return self.decode
         if self._decode_tc is None:
             self._decode_tc = self.fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -151,7 +172,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._plan_cascade(meta.cascade)
         elif meta.is_decode:
             self._mode = "decode"
-            self._active_decode = self._eager_decode(meta.kv_indptr_host.numel() - 1)
+            self._active_decode = self._eager_decode(meta)
             self._plan_decode(self._active_decode, meta.kv_indptr_host, meta.kv_indices)
         else:
             self._plan_extend(meta)
@@ -191,9 +212,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def init_graph(self, bs: int, cascade: bool) -> None:
         """Graph-mode wrappers for batch size `bs` (before its capture): a decode
-        wrapper, and with `cascade` a shared-block prefill wrapper too (and a suffix
-        decode wrapper of its own where the plain one runs the tensor-core kernel and
-        the suffix's would not)."""
+        wrapper per kernel of `decode_kernels(bs)`, and with `cascade` a shared-block
+        prefill wrapper too (the suffix decode uses the head-group rule's wrapper)."""
         dev = self.device
         if self._graph_indices is None:
             # Sized by the first (largest) size: e.g. 256 x 40960 x 4 B = 42 MB for a 40k
@@ -205,10 +225,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         elif bs > self.graph_max_bs:
             raise ValueError(f"init_graph({bs}) after sizing the index buffers for {self.graph_max_bs}: "
                              "initialise the largest batch size first")
-        self.graph_decode[bs] = self._graph_decode_wrapper(bs, self.uses_tensor_cores(bs))
-        if cascade:
-            self.graph_suffix[bs] = (self.graph_decode[bs] if self.uses_tensor_cores(bs) == self.tensor_cores
-                                     else self._graph_decode_wrapper(bs, self.tensor_cores))
+        for tc in self.decode_kernels(bs):
+            self.graph_decode[(bs, tc)] = self._graph_decode_wrapper(bs, tc)
             self.graph_shared[bs] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True,
                 qo_indptr_buf=torch.zeros(2, dtype=torch.int32, device=dev),
@@ -229,9 +247,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             backend="fa2",
         )
 
-    def begin_graph_decode(self, bs: int, kv_indptr_host: torch.Tensor, kv_indices: torch.Tensor) -> None:
-        """Plan batch size `bs`'s decode graph (kv_indptr_host has bs + 1 entries, pinned)."""
-        w = self.graph_decode[bs]
+    def begin_graph_decode(self, bs: int, kv_indptr_host: torch.Tensor, kv_indices: torch.Tensor,
+                           tensor_cores: bool) -> None:
+        """Plan batch size `bs`'s decode graph of that kernel (kv_indptr_host has bs + 1
+        entries, pinned)."""
+        w = self.graph_decode[(bs, tensor_cores)]
         self._mode = "decode"
         self._active_decode = w
         self._before_plan()
@@ -245,7 +265,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         equal to the one this size's shared block was last planned with (CascadeMeta.key)
         skips that plan: the wrapper's buffers still hold it, as nothing else plans it."""
         self._mode = "cascade"
-        self._active_shared, self._active_decode = self.graph_shared[bs], self.graph_suffix[bs]
+        self._active_shared, self._active_decode = self.graph_shared[bs], self.graph_decode[(bs, self.tensor_cores)]
         self._before_plan()
         if not key or self._shared_planned.get(bs) != key:
             self._plan_shared(self._active_shared, bs, shared_len, shared_indices)

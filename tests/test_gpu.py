@@ -114,12 +114,12 @@ def test_flashinfer_cascade_matches_torch_backend() -> None:
     assert _rel_err(got, plain) < 1e-2
 
 
-@pytest.mark.parametrize("bs", [8, 64])
-def test_decode_graph_replanned_after_capture_matches_torch(bs: int) -> None:
+@pytest.mark.parametrize(("bs", "tc"), [(8, False), (64, False), (64, True)])
+def test_decode_graph_replanned_after_capture_matches_torch(bs: int, tc: bool) -> None:
     """A decode graph captured under one plan and replayed under others (contexts of 1 to
     1,500 slots, so FlashInfer splits the long rows' KV), with two query heads per KV
-    head, below and above tensor_core_min_batch (32): the decode kernel at 8 rows, the
-    tensor-core kernel at 64, each against the torch reference."""
+    head, below and above tensor_core_min_batch (32): the decode kernel alone at 8 rows,
+    both kernels at 64, each against the torch reference."""
     from sgl.kernels.attention import AttnMetadata
     from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
     from sgl.kernels.torch_attention import TorchAttentionBackend
@@ -131,10 +131,11 @@ def test_decode_graph_replanned_after_capture_matches_torch(bs: int) -> None:
     v_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt)
     fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, context_length=2048, tensor_core_min_batch=32)
     fi.init_graph(bs, cascade=False)
-    assert fi.graph_decode[bs].use_tensor_cores == (bs >= 32)  # type: ignore[attr-defined]
+    assert fi.decode_kernels(bs) == ((False, True) if bs >= 32 else (False,))
+    assert fi.graph_decode[(bs, tc)].use_tensor_cores == tc  # type: ignore[attr-defined]
     q = torch.zeros(bs, hq, d, device=dev, dtype=dt)
     fi.begin_graph_decode(bs, torch.arange(bs + 1, dtype=torch.int32).pin_memory(),
-                          torch.zeros(bs, dtype=torch.int32, device=dev))
+                          torch.zeros(bs, dtype=torch.int32, device=dev), tc)
     for _ in range(2):
         fi.forward(q, q[:, :hkv], q[:, :hkv], k_cache, v_cache, d**-0.5)
     torch.cuda.synchronize()
@@ -147,7 +148,7 @@ def test_decode_graph_replanned_after_capture_matches_torch(bs: int) -> None:
         kv_indptr = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
         kv_indices = (torch.randperm(slots, device=dev)[: sum(kv_lens)] + 1).to(torch.int32)
         q.copy_(torch.randn(bs, hq, d, device=dev, dtype=dt))
-        fi.begin_graph_decode(bs, kv_indptr.pin_memory(), kv_indices)
+        fi.begin_graph_decode(bs, kv_indptr.pin_memory(), kv_indices, tc)
         graph.replay()
         last = kv_indices[kv_indptr[1:].long() - 1].long()
         ref = TorchAttentionBackend()
@@ -198,12 +199,19 @@ def test_cuda_graph_replay_equals_eager(qwen3_dir: str) -> None:
     assert graphs == eager
 
 
-def test_tensor_core_decode_graphs_equal_eager(qwen3_g2_dir: str) -> None:
-    """Tensor-core decode from 4 rows on a model with two query heads per KV head: the
-    5-row batch replays the 8-row tensor-core graph, eager runs the eager tensor-core
-    wrapper, and both give the same tokens."""
+@pytest.mark.parametrize("lengths", ["mixed", "uniform"])
+def test_tensor_core_decode_graphs_equal_eager(qwen3_g2_dir: str, lengths: str) -> None:
+    """Both decode kernels from 4 rows on a model with two query heads per KV head: five
+    prompts of mixed lengths pick the tensor-core kernel, of one length the decode
+    kernel; the 5-row batch replays the 8-row graph of that kernel, eager runs the
+    eager wrapper of it, and both give the same tokens."""
+    from sgl.kernels.flashinfer_attention import prefers_tensor_cores
+
     rng = random.Random(1)
-    prompts = [[rng.randrange(2000) for _ in range(rng.randint(3, 300))] for _ in range(5)]
+    sizes = [rng.randint(3, 300) for _ in range(5)] if lengths == "mixed" else [120] * 5
+    prompts = [[rng.randrange(2000) for _ in range(n)] for n in sizes]
+    indptr = torch.tensor([0, *sizes]).cumsum(0)
+    assert prefers_tensor_cores(indptr, 0) == (lengths == "mixed")
     kw = dict(attention_backend="flashinfer", tensor_core_decode_min_batch=4)
     eager = _run(qwen3_g2_dir, prompts, disable_cuda_graph=True, **kw)
     graphs = _run(qwen3_g2_dir, prompts, cuda_graph_max_bs=8, **kw)
@@ -215,9 +223,8 @@ def test_cascade_under_cuda_graphs_equals_plain_decode(model: str, request: pyte
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Cascade decode replayed from its CUDA graphs (padded sizes included), on by
     default with flashinfer, gives the tokens of cascade run eagerly and of plain decode.
-    With two query heads per KV head and tensor-core decode from 4 rows, the 8-row
-    cascade graph has a suffix wrapper of its own (the decode kernel) beside the plain
-    graph's tensor-core one."""
+    With two query heads per KV head and both decode kernels from 4 rows, the cascade
+    graphs' suffixes run the decode kernel, the plain graphs either."""
     qwen3_dir = request.getfixturevalue(model)
     from sgl.sched.runner import prepare
 

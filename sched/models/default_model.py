@@ -89,7 +89,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     config = ckpt.config
-    config.save_pretrained(str(out))
+    config.save(out)
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     ).save_pretrained(str(out))

@@ -30,12 +30,12 @@ from sgl.sched.models.parallel import TPGroup
 from sgl.sched.models.tp_layers import Embedding, Linear, local_heads, rank_slice
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from sgl.sched.models.model_config import AnyConfig
 
 _SUPPORTED_ROPE = ("default", "llama3", "linear")
 
 
-def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
+def rope_settings(config: AnyConfig) -> tuple[float, dict | None]:
     """(theta, scaling dict or None), from transformers 5's `rope_parameters` or
     the older `rope_theta` / `rope_scaling` attributes."""
     params = getattr(config, "rope_parameters", None) or {}
@@ -60,7 +60,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(
         self,
-        config: PretrainedConfig,
+        config: AnyConfig,
         layer_id: int,
         qkv_bias: bool,
         o_bias: bool,
@@ -118,7 +118,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(
         self,
-        config: PretrainedConfig,
+        config: AnyConfig,
         layer_id: int,
         qkv_bias: bool,
         o_bias: bool,
@@ -152,7 +152,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(
         self,
-        config: PretrainedConfig,
+        config: AnyConfig,
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self,
-        config: PretrainedConfig,
+        config: AnyConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         tp: TPGroup = TPGroup(),

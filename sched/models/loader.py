@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoConfig, PretrainedConfig
 
 from sgl.core.progress import progress_bar
 from sgl.sched.models.llama import LlamaForCausalLM
+from sgl.sched.models.model_config import AnyConfig, model_config, read_model_config
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.models.registry import model_class
 
@@ -66,7 +66,7 @@ def load_model(
     *,
     seed: int = 0,
     tp: TPGroup = TPGroup(),
-) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+) -> tuple[LlamaForCausalLM, AnyConfig]:
     """The model (eval mode, on `device`, in `dtype`; this rank's shard under `tp`) and its config."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
@@ -84,7 +84,7 @@ def load_model(
         )
     gguf_file = _gguf_file(path, load_format)
     gguf_ckpt = GGUFCheckpoint(gguf_file) if gguf_file is not None else None
-    config = gguf_ckpt.config if gguf_ckpt is not None else _hf_config(path)
+    config = gguf_ckpt.config if gguf_ckpt is not None else hf_config(path)
 
     cls = model_class(getattr(config, "architectures", None))
     model = cls(config, dtype=dtype, device=device, tp=tp)
@@ -119,10 +119,18 @@ def _gguf_file(path: Path, load_format: str) -> Path | None:
     return found[0]
 
 
-def _hf_config(path: Path) -> PretrainedConfig:
+def hf_config(path: Path, trust_remote_code: bool = False) -> AnyConfig:
+    """A model directory's config: read by sgl for the model types it builds (fast: no
+    transformers config class is imported, see sgl.sched.models.model_config), else
+    transformers' AutoConfig."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {str(path)!r}: pass a Hugging Face model directory or a .gguf file")
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    config = read_model_config(path)
+    if config is not None:
+        return config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
 
 
 # ---- filling weights ----
@@ -205,8 +213,8 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class GGUFCheckpoint:
-    """A GGUF file read once: `.config` (a transformers config built from the
-    metadata) and iteration over (Hugging Face name, float32 tensor)."""
+    """A GGUF file read once: `.config` (a ModelConfig built from the metadata) and
+    iteration over (Hugging Face name, float32 tensor)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         from gguf import GGUFReader
@@ -237,7 +245,7 @@ class GGUFCheckpoint:
         decoded = [bytes(v).decode() if v.dtype == np.uint8 else v.tolist()[0] for v in vals]
         return decoded[0] if len(decoded) == 1 else decoded
 
-    def _build_config(self, tie: bool) -> PretrainedConfig:
+    def _build_config(self, tie: bool) -> AnyConfig:
         a = self.arch
         model_type, arch_name = _GGUF_ARCHS[a]
         heads = int(self.field(f"{a}.attention.head_count"))
@@ -266,7 +274,9 @@ class GGUFCheckpoint:
             tok = self.field(f"tokenizer.ggml.{key}_token_id")
             if tok is not None:
                 kw[attr] = int(tok)
-        return AutoConfig.for_model(model_type, **kw)
+        config = model_config({"model_type": model_type, **kw})
+        assert config is not None, model_type  # every GGUF architecture is one model_config reads
+        return config
 
     def __len__(self) -> int:
         return len(self.reader.tensors)

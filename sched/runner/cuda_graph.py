@@ -4,8 +4,10 @@ size, replayed with fresh inputs copied into fixed buffers.
 A batch of b requests replays the smallest captured size bs >= b; the padded rows
 read token 0 at position 0, write their KV into the padding slot 0 and attend to
 it alone (and, in a cascade batch, to the shared prefix too), and their logits are
-dropped. With cascade attention on, each size is captured twice: plain decode, and
-cascade decode (shared block + per-request suffix + merge). The attention plan
+dropped. Each size is captured once per decode kernel the backend may pick for it
+(FlashInfer: the decode kernel, and from some batch size its tensor-core kernel too,
+chosen per batch by `picks_tensor_cores`), and with cascade attention on once more
+for cascade decode (shared block + per-request suffix + merge). The attention plan
 runs before each replay, outside the graph. Capture happens once, at start-up."""
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ class CudaGraphRunner:
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=dev)
-        # (cascade?, bs) -> the graph and its output buffer
-        self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (kind, bs) -> the graph and its output buffer; kind: "cascade", or plain decode's
+        # kernel ("tc" tensor cores, "decode")
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None  # the graphs' shared memory pool (torch's handle), set by the first capture
-        kinds = [False, True] if self.cascade else [False]
+        kinds = {bs: [_kind(tc) for tc in backend.decode_kernels(bs)] + (["cascade"] if self.cascade else [])
+                 for bs in self.sizes}
         runner.kv_pool.one_launch_write = True  # warm-ups compile it, captures record it
-        with progress_bar(total=len(self.sizes) * len(kinds), desc="Capturing CUDA graphs", unit="graph") as bar:
+        with progress_bar(total=sum(map(len, kinds.values())), desc="Capturing CUDA graphs", unit="graph") as bar:
             for bs in sorted(self.sizes, reverse=True):
                 backend.init_graph(bs, self.cascade)
                 indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev)
@@ -55,12 +59,12 @@ class CudaGraphRunner:
                 # (in a cascade, to a shared prefix of that one slot and a suffix of it).
                 slot0 = torch.zeros(bs, dtype=torch.int32, device=dev)
                 one_each = torch.arange(bs + 1, dtype=torch.int32).pin_memory()
-                for cascade in kinds:
-                    if cascade:
+                for kind in kinds[bs]:
+                    if kind == "cascade":
                         backend.begin_graph_cascade(bs, 1, slot0[:1], one_each, slot0)
                     else:
-                        backend.begin_graph_decode(bs, one_each, slot0)
-                    self.graphs[(cascade, bs)] = self._capture(runner, fb)
+                        backend.begin_graph_decode(bs, one_each, slot0, kind == "tc")
+                    self.graphs[(kind, bs)] = self._capture(runner, fb)
                     bar.update()
         runner.kv_pool.one_launch_write = False  # eager forwards: the indexed copies
         torch.cuda.synchronize(dev)
@@ -91,14 +95,21 @@ class CudaGraphRunner:
         c = p.attn.cascade
         if c is None:
             assert p.attn.kv_indptr_host is not None
+            tc = self.backend.picks_tensor_cores(bs, p.attn.kv_indptr_host, p.attn.shared_len)
             indptr, indices = _pad(p.attn.kv_indptr_host, p.attn.kv_indices, bs)
-            self.backend.begin_graph_decode(bs, indptr, indices)
+            self.backend.begin_graph_decode(bs, indptr, indices, tc)
+            kind = _kind(tc)
         else:
             indptr, indices = _pad(c.suffix_indptr_host, c.suffix_indices, bs)
             self.backend.begin_graph_cascade(bs, c.shared_len, c.shared_indices, indptr, indices, c.key)
-        graph, out = self.graphs[(c is not None, bs)]
+            kind = "cascade"
+        graph, out = self.graphs[(kind, bs)]
         graph.replay()
         return out[:b]
+
+
+def _kind(tensor_cores: bool) -> str:
+    return "tc" if tensor_cores else "decode"
 
 
 def _pad(indptr: torch.Tensor, indices: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,13 +8,15 @@ scheduler's job."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
 
 from sgl.cache.pools import build_kv_pools, default_kv_tokens
 from sgl.core.log import get_logger
@@ -35,6 +37,7 @@ from sgl.sched.runner.sampler import process_logits, sample
 from sgl.sched.runner.step import CudaLaunched, Deferred, Launched, Ready, StepResult
 
 if TYPE_CHECKING:
+    from sgl.sched.models.model_config import AnyConfig
     from sgl.sched.runner.cuda_graph import CudaGraphRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,12 +88,13 @@ def eos_ids_of(config: Any, model_path: str) -> set[int]:
 
 
 def _generation_config(model_path: str) -> Any:
+    """generation_config.json's keys (no transformers import: it costs seconds of a start)."""
+    path = Path(model_path) / "generation_config.json"
     try:
-        from transformers import GenerationConfig
-
-        return GenerationConfig.from_pretrained(model_path)
+        values = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return SimpleNamespace(**values) if isinstance(values, dict) else None
 
 
 def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
@@ -202,11 +206,12 @@ class ModelRunner:
                                           self.max_total_tokens + 1, context_length=self.context_length,
                                           tensor_core_min_batch=args.tensor_core_decode_min_batch)
 
-    def _load(self, args: ServerArgs, model_path: str) -> tuple[CausalLM, PretrainedConfig]:
+    def _load(self, args: ServerArgs, model_path: str) -> tuple[CausalLM, AnyConfig]:
         if args.load_format == "null":
+            from sgl.sched.models.loader import hf_config
             from sgl.sched.models.null import NullModel
 
-            config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+            config = hf_config(Path(model_path), args.trust_remote_code)
             return NullModel(config.vocab_size, self.device), config
         from sgl.sched.models.loader import load_model
 

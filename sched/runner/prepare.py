@@ -79,7 +79,8 @@ class BatchPreparer:
         rows_dev, kv_lens_dev = self._dev(rows), self._dev(kv_lens)
         zeros = torch.zeros_like(rows_dev)
         key = (tuple(batch.rows), tuple(q.rid for q in batch.reqs), tuple(batch.epochs)) if batch.is_decode else ()
-        cascade = self._cascade(batch, key, rows, rows_dev, kv_lens, kv_lens_dev) if key and r.cascade else None
+        shared = self._shared_len(batch, key, rows, kv_lens) if key and len(batch.rows) > 1 else 0
+        cascade = self._cascade(batch, shared, key, rows_dev, kv_lens, kv_lens_dev) if shared and r.cascade else None
         table = r.req_to_token_pool.mirror
         meta = AttnMetadata(
             is_decode=batch.is_decode,
@@ -92,6 +93,7 @@ class BatchPreparer:
             kv_indptr_host=kv_indptr,
             qo_indptr_host=qo_indptr,
             cascade=cascade,
+            shared_len=shared,
         )
         prefix_lens = [k - q for k, q in zip(batch.kv_lens, batch.qo_lens)]
         if not batch.is_decode and any(prefix_lens):
@@ -165,24 +167,24 @@ class BatchPreparer:
                          max(r.top_logprobs_num for r in reqs), id_rows)
         return logits_rows, sample_rows, lp
 
-    def _cascade(self, batch: ScheduleBatch, key: tuple, rows: torch.Tensor, rows_dev: torch.Tensor,
-                 kv_lens: torch.Tensor, kv_lens_dev: torch.Tensor) -> CascadeMeta | None:
-        """The shared-prefix split of a decode batch when reading the prefix once saves
-        enough (see CASCADE_MIN_SAVED_TOKENS), else None. The prefix length is cached per
-        batch identity: a running request's first slots never change while it decodes."""
-        b = len(batch.rows)
-        if b < 2:
-            return None
-        pool = self.runner.req_to_token_pool
+    def _shared_len(self, batch: ScheduleBatch, key: tuple, rows: torch.Tensor, kv_lens: torch.Tensor) -> int:
+        """The KV slots every row of a decode batch (two rows or more) begins with, short
+        of each row's last. Cached per batch identity: a running request's first slots
+        never change while it decodes."""
         if self._shared[0] != key:
             limit = int(kv_lens.min()) - 1
             # Past its prompt a beam's host row may lag its device row (beams move on the device).
             limit = min([limit, *(len(q.origin_input_ids) for q in batch.reqs if q.beam is not None)])
-            self._shared = (key, shared_prefix_len(pool.req_to_token, rows, limit))
-        p = self._shared[1]
-        if p * (b - 1) < CASCADE_MIN_SAVED_TOKENS:
+            self._shared = (key, shared_prefix_len(self.runner.req_to_token_pool.req_to_token, rows, limit))
+        return self._shared[1]
+
+    def _cascade(self, batch: ScheduleBatch, p: int, key: tuple, rows_dev: torch.Tensor,
+                 kv_lens: torch.Tensor, kv_lens_dev: torch.Tensor) -> CascadeMeta | None:
+        """The split of a decode batch over its p shared slots when reading them once
+        saves enough (see CASCADE_MIN_SAVED_TOKENS), else None."""
+        if p * (len(batch.rows) - 1) < CASCADE_MIN_SAVED_TOKENS:
             return None
-        table = pool.mirror
+        table = self.runner.req_to_token_pool.mirror
         self.runner.cascade_steps += 1
         own = kv_lens - p
         indptr = self._host(indptr_of(own.tolist()))
