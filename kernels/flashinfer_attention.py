@@ -83,7 +83,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     ) -> None:
         """max_kv_tokens: KV slots in the pool (slot 0 included); context_length: the most
         slots one request reads (None: max_kv_tokens); tensor_core_min_batch: decode
-        batches of at least this many rows run the tensor-core kernel."""
+        batches of at least this many rows may run the tensor-core kernel."""
         import flashinfer
 
         if dtype not in (torch.bfloat16, torch.float16):
@@ -95,8 +95,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.context_length = context_length or max_kv_tokens
         self.graph_max_bs = 0  # the batch size the graph index buffers were sized for
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # Tensor-core decode pays off once several query heads share a KV head, or once
-        # the batch is large (then at any grouping).
+        # Tensor-core decode always pays off once four query heads share a KV head;
+        # below that, only for some large batches (decode_kernels, picks_tensor_cores).
         self.tensor_cores = num_qo_heads // num_kv_heads >= 4
         self.tensor_core_min_batch = tensor_core_min_batch
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(

@@ -40,8 +40,9 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
         "intermediate_size": draw(st.integers(4, 48)), "num_hidden_layers": draw(st.integers(1, 2)),
         "num_attention_heads": heads,
     }
+    kv_heads = [k for k in (1, 2, 4, 8) if heads % k == 0]
     drawn = {
-        "num_key_value_heads": optional(st.one_of(st.none(), st.sampled_from([k for k in (1, 2, 4, 8) if heads % k == 0]))),
+        "num_key_value_heads": optional(st.one_of(st.none(), st.sampled_from(kv_heads))),
         "head_dim": optional(st.one_of(st.none(), st.sampled_from([4, 8]))),
         "max_position_embeddings": optional(st.sampled_from([64, 300, 1024])),
         "tie_word_embeddings": optional(st.booleans()),
