@@ -85,14 +85,29 @@ before=$(built)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 # run LIMIT CMD...: CMD under the smaller of LIMIT and the budget left, output unfiltered but for info logs.
+# A step still running 10 s before its limit first has the stacks of every Python process
+# printed (py-spy dump, threads included), so a step that hangs says where (session 12's
+# grammar06 timed out after 231 s with no output at all, and no clue).
 run() {
   local cap=$1 left=$((budget - SECONDS)); shift
   if [ "$left" -lt 20 ]; then echo "skipped: ${left}s of the budget left"; return; fi
   [ "$cap" -lt "$left" ] || cap=$left
+  stacks_after $((cap - 10)) &
+  local spy=$!
   timeout -k 5 "$cap" "$@" 2>&1 | grep --line-buffered -v "info \|USDT"
   local rc=${PIPESTATUS[0]}
+  kill "$spy" 2>/dev/null
   [ "$rc" = 124 ] && echo "timed out after ${cap}s"
   return "$rc"  # never the status of the test above: `run A && run B` skipped B when A passed
+}
+stacks_after() {
+  sleep "$1"
+  echo "--- still running after ${1}s: every Python process's stacks"
+  command -v py-spy >/dev/null || { echo "(no py-spy: carry .whl)"; return; }
+  for p in $(pgrep -f "^[^ ]*python[0-9.]* "); do
+    echo "--- pid $p: $(tr '\0' ' ' < /proc/"$p"/cmdline 2>/dev/null | cut -c1-120)"
+    timeout 10 py-spy dump --pid "$p" 2>&1 | head -80
+  done
 }
 # Carried model parts (benchmarks/model_parts.sh) go to /tmp, which outlives the call
 # while the machine stays warm; carried folders do not.
