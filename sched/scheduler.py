@@ -58,6 +58,10 @@ from sgl.sched.trie_store import TrieStore, constrain
 from sgl.transports.channel import Receiver, Sender
 
 IDLE_POLL_S = 0.5
+# With nothing to run but grammars compiling, the loop waits this long on its input per
+# turn: polling instead held the GIL against the compile thread, whose tokenizer loading
+# and imports are Python (a spinning turn per few microseconds, each raising zmq.Again).
+GRAMMAR_POLL_S = 0.001
 
 
 class Scheduler:
@@ -148,11 +152,13 @@ class Scheduler:
         filled only after the previous results are processed (its forward runs
         meanwhile), on a thread while the next batch is built, and its sampling queued
         before the next forward. False once a ShutdownReq was handled."""
-        if self.waiting or self.running or self.chunked_req or self.pending or self.grammars.pending:
+        if self.waiting or self.running or self.chunked_req or self.pending:
             msgs = self.recv.recv_all_nowait()
         else:
-            self._on_idle()
-            first = self.recv.recv(IDLE_POLL_S if block else 0)
+            compiling = bool(self.grammars.pending)
+            if not compiling:
+                self._on_idle()
+            first = self.recv.recv((GRAMMAR_POLL_S if compiling else IDLE_POLL_S) if block else 0)
             msgs = [first, *self.recv.recv_all_nowait()] if first is not None else []
         for msg in msgs:
             if isinstance(msg, ShutdownReq):

@@ -268,6 +268,37 @@ def test_one_grammar_for_many_requests_compiles_once(tmp_path: Any) -> None:
     d.balanced()
 
 
+def test_a_compile_alone_has_the_loop_wait_on_its_input(tmp_path: Any) -> None:
+    """With nothing to run but a grammar compiling, the blocking loop waits on its input
+    (GRAMMAR_POLL_S a turn) rather than polling it: a polling loop holds the GIL
+    against the compile thread, whose tokenizer loading and imports are Python."""
+    import threading
+
+    from sgl.sched.scheduler import GRAMMAR_POLL_S
+    from tests.test_scheduler_trust import Driver
+
+    d = Driver(_null_with_tokenizer(tmp_path), load_format="null", skip_tokenizer_init=False)
+    gate = threading.Event()
+    compile_ = d.s.grammars._compile
+    d.s.grammars._compile = lambda kind, text: gate.wait(30) and compile_(kind, text)  # type: ignore[method-assign]
+    timeouts: list[float | None] = []
+    recv = d.inbox.recv
+    d.inbox.recv = lambda timeout=None: timeouts.append(timeout) or recv(timeout)  # type: ignore[method-assign]
+    d.submit("r", [10, 20, 30], 4, regex=r"[a-z]{4}")
+    d.s.step(block=True)  # takes the request: its compile starts and waits at the gate
+    assert d.s.grammars.pending
+    timeouts.clear()
+    for _ in range(5):
+        d.s.step(block=True)
+    assert timeouts == [GRAMMAR_POLL_S] * 5
+    gate.set()
+    while d.s.grammars.pending:
+        d.s.step(block=True)
+    d.run(max_steps=200)
+    assert d.reasons["r"]["type"] in ("length", "stop")
+    d.balanced()
+
+
 @pytest.mark.parametrize("where", ["start", "finish"])
 def test_a_failing_mask_step_ends_its_batch_not_the_loop(tmp_path: Any, monkeypatch: Any, where: str) -> None:
     """Giving the matchers their tokens (`start`, on the scheduler's thread) or filling
