@@ -21,13 +21,17 @@ def specs() -> list:
     from flashinfer.jit.rope import gen_rope_module
     from flashinfer.jit.sampling import gen_sampling_module
 
-    bf16, i32 = torch.bfloat16, torch.int32
+    bf16, fp8, i32 = torch.bfloat16, torch.float8_e4m3fn, torch.int32
     out = [gen_norm_module(), gen_rope_module(), jit.gen_act_and_mul_module("silu"), gen_sampling_module(),
            gen_cascade_module()]
     for d in (128, 64):  # Qwen3-0.6B's head_dim; the GPU tests' tiny Qwen3
         out.append(jit.gen_batch_decode_module(bf16, bf16, bf16, i32, d, d, 0, False, False))
         for backend in ("fa2", "fa3"):  # paged prefill runs fa2; ragged prefill picks fa3 on an H200
             out.append(jit.gen_batch_prefill_module(backend, bf16, bf16, bf16, i32, d, d, 0, False, False, False))
+        # kv_cache_dtype="fp8_e4m3": decode and the paged prefill (prefix, cascade, tensor-core
+        # decode) read the FP8 pool; the ragged prefill still reads bf16 K/V.
+        out.append(jit.gen_batch_decode_module(bf16, fp8, bf16, i32, d, d, 0, False, False))
+        out.append(jit.gen_batch_prefill_module("fa2", bf16, fp8, bf16, i32, d, d, 0, False, False, False))
     return out
 
 

@@ -38,6 +38,15 @@ def _triton_kernel() -> Any:
     return write_kv
 
 
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the pool's dtype; into FP8 clamped to its range first (a cast past it may give
+    NaN, which attention would spread over the whole row)."""
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        limit = torch.finfo(dtype).max
+        return x.clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -52,8 +61,8 @@ def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     kernel = _triton_kernel() if one_launch and k.is_cuda else None
     if (kernel is None or n == 0 or k.dtype != k_buf.dtype or v.dtype != v_buf.dtype
             or k.stride(-1) != 1 or v.stride(-1) != 1 or not (k_buf.is_contiguous() and v_buf.is_contiguous())):
-        k_buf[loc] = k.to(k_buf.dtype)
-        v_buf[loc] = v.to(v_buf.dtype)
+        k_buf[loc] = _cast(k, k_buf.dtype)
+        v_buf[loc] = _cast(v, v_buf.dtype)
         return
     kernel[(n,)](k, v, k_buf, v_buf, loc, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                  H=h, D=d, BLOCK_H=_next_pow2(h), BLOCK_D=_next_pow2(d))

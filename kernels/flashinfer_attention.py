@@ -80,10 +80,12 @@ class FlashInferAttentionBackend(AttentionBackend):
     def __init__(
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
         max_kv_tokens: int, context_length: int | None = None, tensor_core_min_batch: int = TENSOR_CORE_MIN_BATCH,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """max_kv_tokens: KV slots in the pool (slot 0 included); context_length: the most
         slots one request reads (None: max_kv_tokens); tensor_core_min_batch: decode
-        batches of at least this many rows may run the tensor-core kernel."""
+        batches of at least this many rows may run the tensor-core kernel; kv_dtype: the
+        pool's element type (None: dtype; FP8 pools are read unscaled)."""
         import flashinfer
 
         if dtype not in (torch.bfloat16, torch.float16):
@@ -91,6 +93,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                              "pass dtype='bfloat16' or attention_backend='torch'")
         self.fi = flashinfer
         self.hq, self.hkv, self.d, self.dtype, self.device = num_qo_heads, num_kv_heads, head_dim, dtype, device
+        self.kv_dtype = kv_dtype or dtype
         self.max_kv_tokens = max_kv_tokens
         self.context_length = context_length or max_kv_tokens
         self.graph_max_bs = 0  # the batch size the graph index buffers were sized for
@@ -138,7 +141,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         lens = _host_lens(kv_indptr_host) if wrapper.use_tensor_cores else None  # type: ignore[attr-defined]
         wrapper.plan(  # type: ignore[attr-defined]
             kv_indptr_host, kv_indices, self._last_page_len(b), self.hq, self.hkv, self.d, 1,
-            q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=lens,
+            q_data_type=self.dtype, kv_data_type=self.kv_dtype, seq_lens=lens,
         )
 
     def _eager_decode(self, meta: AttnMetadata) -> object:
@@ -192,7 +195,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._shared_len[0] = p
         wrapper.plan(self._shared_qo, self._shared_kv, shared_indices,  # type: ignore[attr-defined]
                      self._last_page_len(1), self.hq, self.hkv, self.d, 1, causal=False, q_data_type=self.dtype,
-                     kv_data_type=self.dtype, seq_lens=self._shared_len)
+                     kv_data_type=self.kv_dtype, seq_lens=self._shared_len)
 
     def _plan_extend(self, meta: AttnMetadata) -> None:
         qo = meta.qo_indptr_host
@@ -205,7 +208,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._mode = "extend_prefix"
         b = qo.numel() - 1
         self.paged.plan(qo, meta.prefix_indptr_host, meta.prefix_indices, self._last_page_len(b), self.hq,
-                        self.hkv, self.d, 1, causal=False, q_data_type=self.dtype, kv_data_type=self.dtype,
+                        self.hkv, self.d, 1, causal=False, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                         seq_lens=meta.prefix_lens_host)
 
     # ---- CUDA graphs -------------------------------------------------------------

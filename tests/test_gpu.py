@@ -23,8 +23,14 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
 @pytest.mark.parametrize("mode", ["decode", "extend", "extend_prefix"])
-def test_flashinfer_matches_torch_backend(mode: str) -> None:
+def test_flashinfer_matches_torch_backend(mode: str, kv: str) -> None:
+    """Each mode against the reference, over a bf16 pool and an FP8 one (the reference
+    reads the same FP8 values; new tokens' K/V reach the ragged kernel in bf16)."""
     from sgl.kernels.attention import AttnMetadata
     from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
     from sgl.kernels.torch_attention import TorchAttentionBackend
@@ -32,8 +38,8 @@ def test_flashinfer_matches_torch_backend(mode: str) -> None:
     torch.manual_seed(0)
     dev, dt, hq, hkv, d = torch.device("cuda"), torch.bfloat16, 16, 8, 128
     slots = 4096
-    k_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt)
-    v_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt)
+    k_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt).to(KV_DTYPES[kv])
+    v_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt).to(KV_DTYPES[kv])
     rng = random.Random(0)
     b = 7
     prefix = [0] * b if mode == "extend" else [rng.randint(1, 300) for _ in range(b)]
@@ -54,11 +60,11 @@ def test_flashinfer_matches_torch_backend(mode: str) -> None:
         meta.prefix_indptr_host = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int32)
         meta.prefix_indices = torch.cat(pre_idx)
     q = torch.randn(sum(new), hq, d, device=dev, dtype=dt)
-    k, v = k_cache[new_slots], v_cache[new_slots]
+    k, v = k_cache[new_slots].to(dt), v_cache[new_slots].to(dt)
     ref = TorchAttentionBackend()
     ref.begin_forward(meta)
     expected = ref.forward(q.float(), k, v, k_cache.float(), v_cache.float(), d**-0.5)
-    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1)
+    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, kv_dtype=KV_DTYPES[kv])
     fi.begin_forward(meta)
     got = fi.forward(q, k, v, k_cache, v_cache, d**-0.5)
     assert got.shape == expected.shape
@@ -114,8 +120,9 @@ def test_flashinfer_cascade_matches_torch_backend() -> None:
     assert _rel_err(got, plain) < 1e-2
 
 
+@pytest.mark.parametrize("kv", sorted(KV_DTYPES))
 @pytest.mark.parametrize(("bs", "tc"), [(8, False), (64, False), (64, True)])
-def test_decode_graph_replanned_after_capture_matches_torch(bs: int, tc: bool) -> None:
+def test_decode_graph_replanned_after_capture_matches_torch(bs: int, tc: bool, kv: str) -> None:
     """A decode graph captured under one plan and replayed under others (contexts of 1 to
     1,500 slots, so FlashInfer splits the long rows' KV), with two query heads per KV
     head, below and above tensor_core_min_batch (32): the decode kernel alone at 8 rows,
@@ -127,9 +134,10 @@ def test_decode_graph_replanned_after_capture_matches_torch(bs: int, tc: bool) -
     torch.manual_seed(0)
     dev, dt, hq, hkv, d = torch.device("cuda"), torch.bfloat16, 16, 8, 128
     slots = 64 * 1500
-    k_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt)
-    v_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt)
-    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, context_length=2048, tensor_core_min_batch=32)
+    k_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt).to(KV_DTYPES[kv])
+    v_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt).to(KV_DTYPES[kv])
+    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, context_length=2048, tensor_core_min_batch=32,
+                                    kv_dtype=KV_DTYPES[kv])
     fi.init_graph(bs, cascade=False)
     assert fi.decode_kernels(bs) == ((False, True) if bs >= 32 else (False,))
     assert fi.graph_decode[(bs, tc)].use_tensor_cores == tc  # type: ignore[attr-defined]
@@ -155,7 +163,8 @@ def test_decode_graph_replanned_after_capture_matches_torch(bs: int, tc: bool) -
         qo_indptr = torch.arange(bs + 1, dtype=torch.int32)
         ref.begin_forward(AttnMetadata(True, qo_indptr.to(dev), kv_indptr.to(dev), kv_indices, [1] * bs, kv_lens,
                                        kv_indptr, qo_indptr))
-        expected = ref.forward(q.float(), k_cache[last], v_cache[last], k_cache.float(), v_cache.float(), d**-0.5)
+        expected = ref.forward(q.float(), k_cache[last].float(), v_cache[last].float(), k_cache.float(),
+                               v_cache.float(), d**-0.5)
         assert _rel_err(out, expected) < 1e-2
 
 
@@ -191,11 +200,12 @@ def _run(model_dir: str, prompts: list[list[int]], **kw: object) -> list[list[in
     return [o["output_ids"] for o in outs]
 
 
-def test_cuda_graph_replay_equals_eager(qwen3_dir: str) -> None:
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_cuda_graph_replay_equals_eager(qwen3_dir: str, kv: str) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(2000) for _ in range(rng.randint(3, 80))] for _ in range(5)]
-    eager = _run(qwen3_dir, prompts, attention_backend="flashinfer", disable_cuda_graph=True)
-    graphs = _run(qwen3_dir, prompts, attention_backend="flashinfer", cuda_graph_max_bs=8)
+    eager = _run(qwen3_dir, prompts, attention_backend="flashinfer", disable_cuda_graph=True, kv_cache_dtype=kv)
+    graphs = _run(qwen3_dir, prompts, attention_backend="flashinfer", cuda_graph_max_bs=8, kv_cache_dtype=kv)
     assert graphs == eager
 
 

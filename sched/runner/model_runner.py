@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from sgl.sched.runner.cuda_graph import CudaGraphRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # chunked_prefill_size=None: by GPU memory (GiB, exclusive bound -> tokens), SGLang's
 # defaults below 90 GiB; an H200 (141 GB) or larger gets 16384 (vLLM's offline default
 # there; SGLang gives an H200 8192): W3 without the prefix cache (537,600 prefill tokens)
@@ -131,13 +132,14 @@ class ModelRunner:
         self.context_length = args.context_length or limit or int(getattr(self.config, "max_position_embeddings", 4096))
         self.chunked_prefill_size = chunked_prefill_size(args, self.device)
         m = self.model
+        self.kv_dtype = _KV_DTYPES.get(args.kv_cache_dtype, self.dtype)
         slots = args.max_total_tokens
         if slots is None and tp.size > 1:  # every rank must hold the same slots: the smallest pool fits all
-            slots = tp.min_int(default_kv_tokens(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device,
-                                                 args.mem_fraction_static))
+            slots = tp.min_int(default_kv_tokens(m.num_layers, m.num_kv_heads, m.head_dim, self.kv_dtype,
+                                                 self.device, args.mem_fraction_static))
         t0 = time.perf_counter()
-        pools = build_kv_pools(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device, self.context_length,
-                               slots, args.max_running_requests, args.mem_fraction_static)
+        pools = build_kv_pools(m.num_layers, m.num_kv_heads, m.head_dim, self.kv_dtype, self.device,
+                               self.context_length, slots, args.max_running_requests, args.mem_fraction_static)
         self.startup["kv_pool_s"] = time.perf_counter() - t0
         self.max_total_tokens = pools.max_total_tokens
         self.max_running_requests = pools.max_running_requests
@@ -204,7 +206,8 @@ class ModelRunner:
         m = self.model
         return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
                                           self.max_total_tokens + 1, context_length=self.context_length,
-                                          tensor_core_min_batch=args.tensor_core_decode_min_batch)
+                                          tensor_core_min_batch=args.tensor_core_decode_min_batch,
+                                          kv_dtype=self.kv_dtype)
 
     def _load(self, args: ServerArgs, model_path: str) -> tuple[CausalLM, AnyConfig]:
         if args.load_format == "null":

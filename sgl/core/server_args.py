@@ -75,6 +75,10 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # contexts over the SMs) for decode batches of at least this many rows; models whose
     # query heads share a KV head four or more ways use it at every size.
     tensor_core_decode_min_batch: int = 48
+    # The KV cache's element type: "auto" (the model's dtype), or FP8 (SGLang's names), which
+    # halves the bytes a decode step reads against bf16 and doubles the tokens that fit;
+    # stored unscaled (values past the type's range are clamped to it).
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
     max_top_logprobs_num: int = 20  # the most top logprobs a request may ask for per token (OpenAI's bound)
     # Names (registered) or dotted paths (pkg.mod:Class) of logit processors requests may use.
     custom_logit_processors: list[str] = []
