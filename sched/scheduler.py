@@ -58,9 +58,8 @@ from sgl.sched.trie_store import TrieStore, constrain
 from sgl.transports.channel import Receiver, Sender
 
 IDLE_POLL_S = 0.5
-# With nothing to run but grammars compiling, the loop waits this long on its input per
-# turn: polling instead held the GIL against the compile thread, whose tokenizer loading
-# and imports are Python (a spinning turn per few microseconds, each raising zmq.Again).
+# With only grammars compiling, the loop waits this long on its input per turn: polling held
+# the GIL against the compile thread, whose tokenizer loading and imports are Python.
 GRAMMAR_POLL_S = 0.001
 
 
