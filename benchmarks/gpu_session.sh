@@ -5,7 +5,7 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammarw2 grammarspy startup startupspy tcab fp8 vllmfp8 decodebal prof1 prof2 prof3 prof8b vllm vllm8b
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammarw2 grammarspy startup startupspy tcab fp8 fp8acc vllmfp8 decodebal prof1 prof2 prof3 prof8b vllm vllm8b
 #        w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
 # (w3rep: W3's three engines with 5 timed runs each, medians; w3spy: the cascade engine's
 # 5 runs under py-spy (its wheel in .whl), folded stacks in $OUT/w3spy.txt; w3old: its 5 runs
@@ -217,14 +217,17 @@ for step in "$@"; do
           && run 300 python3 -m benchmarks.w1_w2_gpu --workloads ${OLD_WORKLOADS:-W1,W2} --no-hf \
           ; run 300 python3 -m benchmarks.w3_shared_prefix)
       fi ;;
-    model)
+    model|fp8acc)  # fp8acc: the FP8 cache's greedy outputs against bf16's, real weights, FlashInfer
       stash_parts
       gguf=/tmp/$(cut -d' ' -f3 /tmp/sgl-parts/SHA256 2>/dev/null)
       cat /tmp/sgl-parts/part.* > "$gguf" 2>/dev/null
-      if (cd /tmp && sha256sum -c --quiet /tmp/sgl-parts/SHA256); then
+      if ! (cd /tmp && sha256sum -c --quiet /tmp/sgl-parts/SHA256); then
+        echo "model parts missing or damaged: $(ls /tmp/sgl-parts | tr '\n' ' ')(the device went cold between calls?)"
+      elif [ "$step" = model ]; then
         run 400 python3 -m benchmarks.backend_equality --model "$gguf"
       else
-        echo "model parts missing or damaged: $(ls /tmp/sgl-parts | tr '\n' ' ')(the device went cold between calls?)"
+        run 300 python3 -m benchmarks.kv_dtype_accuracy --model "$gguf" --dtype bfloat16 --reference-dtype bfloat16
+        run 300 python3 -m benchmarks.kv_dtype_accuracy --model "$gguf" --kv auto --dtype bfloat16
       fi ;;
     *) echo "unknown step $step" ;;
   esac
