@@ -230,6 +230,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                              "initialise the largest batch size first")
         for tc in self.decode_kernels(bs):
             self.graph_decode[(bs, tc)] = self._graph_decode_wrapper(bs, tc)
+        if cascade:
             self.graph_shared[bs] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True,
                 qo_indptr_buf=torch.zeros(2, dtype=torch.int32, device=dev),
