@@ -79,7 +79,9 @@ class BatchPreparer:
         rows_dev, kv_lens_dev = self._dev(rows), self._dev(kv_lens)
         zeros = torch.zeros_like(rows_dev)
         key = (tuple(batch.rows), tuple(q.rid for q in batch.reqs), tuple(batch.epochs)) if batch.is_decode else ()
-        shared = self._shared_len(batch, key, rows, kv_lens) if key and len(batch.rows) > 1 else 0
+        # The shared prefix matters to cascade attention and to a backend's choice of decode kernel.
+        wanted = r.cascade or len(r.attn_backend.decode_kernels(len(batch.rows))) > 1
+        shared = self._shared_len(batch, key, rows, kv_lens) if key and len(batch.rows) > 1 and wanted else 0
         cascade = self._cascade(batch, shared, key, rows_dev, kv_lens, kv_lens_dev) if shared and r.cascade else None
         table = r.req_to_token_pool.mirror
         meta = AttnMetadata(
