@@ -28,6 +28,16 @@ def greedy(model: str | None, new_tokens: int, **kw: Any) -> list[dict[str, Any]
                           return_logprob=True)
 
 
+def agreement(ref: dict[str, Any], got: dict[str, Any]) -> tuple[int, float]:
+    """Two greedy outputs of one prompt: how many tokens agree before the first difference,
+    and up to there the largest difference of the chosen tokens' log-probabilities."""
+    a, b = ref["output_ids"], got["output_ids"]
+    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    d = max((abs(x[0] - y[0]) for x, y in zip(ref["meta_info"]["output_token_logprobs"][:k],
+                                               got["meta_info"]["output_token_logprobs"][:k])), default=0.0)
+    return k, d
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="a model directory or .gguf (default: the default model)")
@@ -40,9 +50,7 @@ def main() -> None:
     got = greedy(a.model, a.new_tokens, dtype=a.dtype, kv_cache_dtype=a.kv)
     agree, worst = [], 0.0
     for r, g in zip(ref, got):
-        k = next((i for i, (x, y) in enumerate(zip(r["output_ids"], g["output_ids"])) if x != y), a.new_tokens)
-        d = max((abs(x[0] - y[0]) for x, y in zip(r["meta_info"]["output_token_logprobs"][:k],
-                                                   g["meta_info"]["output_token_logprobs"][:k])), default=0.0)
+        k, d = agreement(r, g)
         agree.append(k)
         worst = max(worst, d)
         print(f"agree for {k:3d}/{a.new_tokens} tokens, max |dlogprob| before the first difference {d:.3f}")
