@@ -189,7 +189,7 @@ for step in "$@"; do
                --requests 256 --new-tokens 256 ;;
     # W2-like (issue 16): the Qwen3-0.6B architecture (dummy bf16) with the default model's
     # tokenizer (carry .lt), 256 requests under a JSON schema against plain, same lengths.
-    grammar06) run 300 python3 -m benchmarks.grammar_cost --model .lt --config qwen3-0.6b --load-format dummy \
+    grammar06) run 200 python3 -m benchmarks.grammar_cost --model .lt --config qwen3-0.6b --load-format dummy \
                  --dtype bfloat16 --requests 256 --new-tokens 256 ;;
     # The same on W2's prompts, output caps and temperature (the schema closes each output).
     grammarw2) run 300 python3 -m benchmarks.grammar_cost --model .lt --config qwen3-0.6b --load-format dummy \

@@ -100,8 +100,12 @@ async def engine_runs(a: argparse.Namespace, model: str) -> None:
         prompts = [f"Describe river number {i} as JSON:" for i in range(a.requests)]
         caps, temp = [a.new_tokens] * a.requests, 0.0
     schema = json.dumps(SCHEMA)
+    t0 = time.perf_counter()
     async with sgl.AsyncEngine(model, dtype=a.dtype, transport="ipc", load_format=a.load_format) as e:
-        await run(e, prompts[:2], [{"max_new_tokens": 16, "json_schema": schema}] * 2)  # warm-up: the compile, cached
+        # Each phase says when it ends: a run that stalls shows where (session 12's printed nothing).
+        print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        secs, _ = await run(e, prompts[:2], [{"max_new_tokens": 16, "json_schema": schema}] * 2)
+        print(f"warm-up with the schema (its compile, then cached) in {secs:.1f} s", flush=True)
         await run(e, prompts[:2], [{"max_new_tokens": 4}] * 2)
         rows = []
         lens: list[int] = []
