@@ -16,7 +16,7 @@ Prints:
 The profiler costs host time (it records each launch), so this run's wall time is
 not the benchmark's: use w1_w2_gpu / w3_shared_prefix for throughput.
 
-    python -m benchmarks.profile_run --workload W2 [--top 25] [--no-trace] [--config qwen3-8b]
+    python -m benchmarks.profile_run --workload W2 [--top 40] [--no-trace] [--config qwen3-8b]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--workload", default="W2", choices=["W1", "W2", "W3"])
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--config", default="qwen3-0.6b")
-    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--no-trace", action="store_true", help="only the per-batch table (no torch.profiler)")
     a = ap.parse_args()
     if a.workload == "W3":
