@@ -10,9 +10,13 @@ engine can run it:
   (`tensor_core_decode_min_batch` picks between them by batch size);
 - graph / eager: the CUDA-graph wrapper of the batch's size, or the eager one;
 - plan us: the host time of the graph wrapper's plan, which the scheduler's thread
-  pays each step.
+  pays each step;
+- with `--others`: the kernels the engine does not run yet, each captured in a CUDA
+  graph: sgl's Triton decode (kernels/triton_decode.py) on the bf16 pool and on an FP8
+  (e4m3) copy of it, FlashInfer's decode and tensor-core kernels reading that FP8 copy,
+  and FlashInfer's tensor-core decode on its FA3 backend.
 
-    python -m benchmarks.decode_balance [--w2-steps 0,200,400,600,800,950] [--w1-steps 0,256,511]
+    python -m benchmarks.decode_balance [--w2-steps 0,200,400,600,800,950] [--w1-steps 0,256,511] [--others]
 """
 
 from __future__ import annotations
@@ -55,6 +59,49 @@ def plan_us(backend: object, bs: int, indptr: torch.Tensor, slots: torch.Tensor,
     return (time.perf_counter() - t0) / reps * 1e6
 
 
+def graph_us(fn: object, reps: int = 20) -> float:
+    """GPU microseconds per call of fn, replayed from a CUDA graph (no launch cost)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()  # type: ignore[operator]
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()  # type: ignore[operator]
+    return time_us(g.replay, reps)
+
+
+def others(row: dict[str, object], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k8: torch.Tensor,
+           v8: torch.Tensor, indptr: torch.Tensor, slots: torch.Tensor) -> None:
+    """The kernels the engine does not run (yet), on the same batch."""
+    import flashinfer
+
+    from sgl.kernels.triton_decode import decode_attention
+
+    dev_indptr = indptr.to(q.device)
+    scale = D**-0.5
+    for name, kc, vc in (("triton", k, v), ("triton fp8", k8, v8)):
+        row[f"{name} us"] = graph_us(lambda: decode_attention(q, kc, vc, dev_indptr, slots, scale))  # noqa: B023
+    for sp in (1, 2, 4):
+        row[f"triton s{sp} us"] = graph_us(lambda: decode_attention(q, k, v, dev_indptr, slots, scale, splits=sp))  # noqa: B023
+    b = q.shape[0]
+    lens = (indptr[1:] - indptr[:-1]).pin_memory()
+    ones = torch.ones(b, dtype=torch.int32).pin_memory()
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
+    for name, tc, backend, kc, vc in (("fi fp8 decode", False, "fa2", k8, v8), ("fi fp8 tc", True, "fa2", k8, v8),
+                                      ("fa3 tc", True, "fa3", k, v)):
+        try:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, backend=backend)
+            w.plan(indptr, slots, ones, HQ, HKV, D, 1, q_data_type=q.dtype, kv_data_type=kc.dtype,
+                   seq_lens=lens if tc else None)
+            kv = (kc.unsqueeze(1), vc.unsqueeze(1))
+            row[f"{name} us"] = time_us(lambda: w.run(q, kv))  # noqa: B023
+        except Exception as e:  # noqa: BLE001 - a kernel this FlashInfer lacks: say so, go on
+            row[f"{name} us"] = f"n/a: {type(e).__name__}"
+
+
 def main() -> None:
     from sgl.kernels.attention import AttnMetadata
     from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
@@ -62,11 +109,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--w2-steps", default="0,200,400,600,800,950")
     ap.add_argument("--w1-steps", default="0,256,511")
+    ap.add_argument("--others", action="store_true", help="also the kernels the engine does not run (see above)")
     a = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     pool = 600_000
     k = torch.randn(pool + 1, HKV, D, dtype=dt, device=dev)
     v = torch.randn(pool + 1, HKV, D, dtype=dt, device=dev)
+    k8, v8 = (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) if a.others else (k, v)
     backends = {"decode": FlashInferAttentionBackend(HQ, HKV, D, dt, dev, pool + 1, 4096, tensor_core_min_batch=10**9),
                 "tensor cores": FlashInferAttentionBackend(HQ, HKV, D, dt, dev, pool + 1, 4096,
                                                            tensor_core_min_batch=1)}
@@ -88,6 +137,8 @@ def main() -> None:
             be.begin_forward(AttnMetadata(True, indptr.to(dev), indptr.to(dev), slots, [1] * b, lens, indptr, indptr,
                                           shared_len=total))
             row[f"{kind} eager us"] = time_us(lambda: be.forward(q, q, q, k, v, D**-0.5))  # noqa: B023
+        if a.others:
+            others(row, q, k, v, k8, v8, indptr, slots)
         row["us at 4 TB/s"] = total * KV_BYTES_PER_TOKEN / 4.0e12 * 1e6
         rows.append(row)
         print(row, flush=True)

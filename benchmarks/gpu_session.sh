@@ -168,7 +168,7 @@ for step in "$@"; do
           run 200 python3 -m benchmarks.w3_shared_prefix --variants radix --repeat 3
           run 200 python3 -m benchmarks.w3_shared_prefix --variants radix --repeat 3 \
             --engine-kw '{"tensor_core_decode_min_batch": 100000}' ;;
-    decodebal) run 120 python3 -m benchmarks.decode_balance ;;
+    decodebal) run 200 python3 -m benchmarks.decode_balance ${DECODEBAL_ARGS:-} ;;  # DECODEBAL_ARGS=--others: the kernels not in the engine too
     prof1) run 200 python3 -m benchmarks.profile_run --workload W1 ;;
     prof2) run 200 python3 -m benchmarks.profile_run --workload W2 ;;
     prof3) run 200 python3 -m benchmarks.profile_run --workload W3 ;;
