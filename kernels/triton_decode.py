@@ -58,7 +58,7 @@ def _kernels() -> tuple[Any, Any]:
         heads = h * G + g
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([G_PAD], tl.float32)
+        den = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
         for off in range(lo, hi, BLOCK):
             j = off + tl.arange(0, BLOCK)
@@ -71,12 +71,12 @@ def _kernels() -> tuple[Any, Any]:
             m_new = tl.maximum(m, tl.max(qk, 1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(qk - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
+            den = den * alpha + tl.sum(p, 1)
             vv = tl.load(v_ptr + row, mask=valid[:, None], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vv)
             m = m_new
-        live = l > 0.0  # an empty chunk (a short row cut into many) has no slot
-        out = acc / tl.where(live, l, 1.0)[:, None]
+        live = den > 0.0  # an empty chunk (a short row cut into many) has no slot
+        out = acc / tl.where(live, den, 1.0)[:, None]
         if SPLITS == 1:
             tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                      mask=(g < G)[:, None])
@@ -84,7 +84,7 @@ def _kernels() -> tuple[Any, Any]:
             hq = HKV * G
             at = (b * hq + heads) * SPLITS + s  # mid buffers: [B, HQ, SPLITS(, D)]
             tl.store(mid_o_ptr + at[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
-            lse = tl.where(live, m + tl.log2(tl.where(live, l, 1.0)), float("-inf"))
+            lse = tl.where(live, m + tl.log2(tl.where(live, den, 1.0)), float("-inf"))
             tl.store(mid_lse_ptr + at, lse, mask=g < G)
 
     @triton.jit
