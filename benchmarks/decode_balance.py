@@ -102,6 +102,37 @@ def others(row: dict[str, object], q: torch.Tensor, k: torch.Tensor, v: torch.Te
             row[f"{name} us"] = f"n/a: {type(e).__name__}"
 
 
+def sweep(cases: list[tuple[str, list[int]]], k: torch.Tensor, v: torch.Tensor, k8: torch.Tensor,
+          v8: torch.Tensor, pool: int) -> None:
+    """The Triton kernel's settings on a few batches: pool type, products in fp16, slots per
+    iteration, warps, pipeline stages (us per call from a CUDA graph)."""
+    from sgl.kernels.triton_decode import decode_attention
+
+    dev = k.device
+    rows = []
+    for name, lens in cases:
+        b, total = len(lens), sum(lens)
+        slots = (torch.randperm(pool, device=dev)[:total] + 1).to(torch.int32)
+        indptr = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
+        q = torch.randn(b, HQ, D, dtype=k.dtype, device=dev)
+        for kv, kc, vc in (("bf16", k, v), ("fp8", k8, v8)):
+            for fp16 in ((False,) if kv == "bf16" else (False, True)):
+                for block in (32, 64, 128):
+                    for warps in (4, 8):
+                        for stages in (2, 3, 4):
+                            us = graph_us(lambda: decode_attention(
+                                q, kc, vc, indptr, slots, D**-0.5, num_warps=warps, num_stages=stages,  # noqa: B023
+                                block_n=block, fp16=fp16))  # noqa: B023
+                            rows.append({"batch": name, "kv": kv, "fp16": fp16, "block": block, "warps": warps,
+                                         "stages": stages, "us": us})
+        best = sorted((r for r in rows if r["batch"] == name), key=lambda r: (r["kv"], r["us"]))
+        print(name, [(r["kv"], r["fp16"], r["block"], r["warps"], r["stages"], round(r["us"], 1))
+                     for r in best if r["kv"] == "bf16"][:4],
+              [(r["kv"], r["fp16"], r["block"], r["warps"], r["stages"], round(r["us"], 1))
+               for r in best if r["kv"] == "fp8"][:6], flush=True)
+    print(table(rows))
+
+
 def main() -> None:
     from sgl.kernels.attention import AttnMetadata
     from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
@@ -110,12 +141,16 @@ def main() -> None:
     ap.add_argument("--w2-steps", default="0,200,400,600,800,950")
     ap.add_argument("--w1-steps", default="0,256,511")
     ap.add_argument("--others", action="store_true", help="also the kernels the engine does not run (see above)")
+    ap.add_argument("--sweep", action="store_true", help="the Triton kernel's settings alone")
     a = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     pool = 600_000
     k = torch.randn(pool + 1, HKV, D, dtype=dt, device=dev)
     v = torch.randn(pool + 1, HKV, D, dtype=dt, device=dev)
-    k8, v8 = (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) if a.others else (k, v)
+    k8, v8 = (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) if a.others or a.sweep else (k, v)
+    if a.sweep:
+        sweep(cases([0, 400], [256])[:3], k, v, k8, v8, pool)
+        return
     backends = {"decode": FlashInferAttentionBackend(HQ, HKV, D, dt, dev, pool + 1, 4096, tensor_core_min_batch=10**9),
                 "tensor cores": FlashInferAttentionBackend(HQ, HKV, D, dt, dev, pool + 1, 4096,
                                                            tensor_core_min_batch=1)}

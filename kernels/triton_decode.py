@@ -44,7 +44,7 @@ def _kernels() -> tuple[Any, Any]:
     def partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, o_ptr, mid_o_ptr, mid_lse_ptr, scale_log2,
                 stride_qb, stride_qh, stride_ob, stride_oh,
                 HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                BLOCK: tl.constexpr):
+                BLOCK: tl.constexpr, FP16: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -57,6 +57,8 @@ def _kernels() -> tuple[Any, Any]:
         d = tl.arange(0, D)
         heads = h * G + g
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+        if FP16:  # the products in fp16: FP8 widens to it in one instruction, to bf16 not
+            q = q.to(tl.float16)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         den = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
@@ -114,12 +116,13 @@ def available() -> bool:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, scale: float, splits: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2, block_n: int = BLOCK_N,
+                     fp16: bool | None = None) -> torch.Tensor:
     """q: [B, HQ, D]; k_cache, v_cache: [slots, HKV, D] contiguous (bf16/fp16, or FP8
     read unscaled); kv_indptr: [B + 1] int32 and kv_indices: [total] int32, on q's
     device, every row at least one slot. Returns [B, HQ, D] in q's dtype. `splits`:
     chunks per row (None: splits_for(B, HKV)); fixed for a given batch size, so a CUDA
-    graph can capture the call."""
+    graph can capture the call. `fp16`: the products in fp16 (None: for FP8 pools)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
@@ -135,8 +138,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     partial[(b, hkv, splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, o, mid_o, mid_lse, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-        HKV=hkv, G=g, G_PAD=max(16, triton_next_pow2(g)), D=d, SPLITS=splits, BLOCK=BLOCK_N,
-        num_warps=num_warps, num_stages=num_stages)
+        HKV=hkv, G=g, G_PAD=max(16, triton_next_pow2(g)), D=d, SPLITS=splits, BLOCK=block_n,
+        FP16=k_cache.element_size() == 1 if fp16 is None else fp16, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         merge[(b, hq)](mid_o, mid_lse, o, o.stride(0), o.stride(1), HQ=hq, D=d, SPLITS=splits, num_warps=4)
     return o
