@@ -119,7 +119,7 @@ def sweep(cases: list[tuple[str, list[int]]], k: torch.Tensor, v: torch.Tensor, 
             for fp16 in ((False,) if kv == "bf16" else (False, True)):
                 for block in (32, 64, 128):
                     for warps in (4, 8):
-                        for stages in (2, 3, 4):
+                        for stages in (2, 3):
                             us = graph_us(lambda: decode_attention(
                                 q, kc, vc, indptr, slots, D**-0.5, num_warps=warps, num_stages=stages,  # noqa: B023
                                 block_n=block, fp16=fp16))  # noqa: B023
