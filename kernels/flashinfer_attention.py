@@ -36,13 +36,22 @@ session 12): the tensor-core kernel is 3-10% faster on W2's mixed contexts from 
 rows on and 10% slower at 26 rows; 3-11% slower on W1's uniform rows (W1 end to end
 7% slower with it); W3 without cascade (2,000 of each row's 2,100-2,228 slots shared)
 24% faster end to end with it. A cascade's suffix decode keeps the decode kernel: its
-short uniform suffixes read 1.4x faster with it."""
+short uniform suffixes read 1.4x faster with it.
+
+With `triton_decode` (the engine's default where Triton is installed), plain decode runs
+sgl's Triton kernel instead (sgl.kernels.triton_decode): one kernel at every batch size,
+as fast as the faster of FlashInfer's two on bf16 pools and faster on FP8 ones, and no
+plan on the host (session 13: FlashInfer's decode plans took 100-400 us of the
+scheduler's thread a step). Its graphs read the batch's indptr from a buffer per size
+and its indices from the shared index buffer, both written in stream order before the
+replay. Prefill and cascade decode stay FlashInfer's."""
 
 from __future__ import annotations
 
 import torch
 
 from sgl.kernels.attention import AttentionBackend, AttnMetadata, CascadeMeta
+from sgl.kernels.triton_decode import decode_attention as triton_decode_attention
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 TENSOR_CORE_MIN_BATCH = 48
@@ -80,12 +89,13 @@ class FlashInferAttentionBackend(AttentionBackend):
     def __init__(
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
         max_kv_tokens: int, context_length: int | None = None, tensor_core_min_batch: int = TENSOR_CORE_MIN_BATCH,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None, triton_decode: bool = False,
     ) -> None:
         """max_kv_tokens: KV slots in the pool (slot 0 included); context_length: the most
         slots one request reads (None: max_kv_tokens); tensor_core_min_batch: decode
         batches of at least this many rows may run the tensor-core kernel; kv_dtype: the
-        pool's element type (None: dtype; FP8 pools are read unscaled)."""
+        pool's element type (None: dtype; FP8 pools are read unscaled); triton_decode:
+        plain decode through sgl's Triton kernel (see the module's docstring)."""
         import flashinfer
 
         if dtype not in (torch.bfloat16, torch.float16):
@@ -102,6 +112,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         # below that, only for some large batches (decode_kernels, picks_tensor_cores).
         self.tensor_cores = num_qo_heads // num_kv_heads >= 4
         self.tensor_core_min_batch = tensor_core_min_batch
+        self.triton_decode = triton_decode
+        self._graph_indptr: dict[int, torch.Tensor] = {}  # triton: batch size -> its graph's indptr buffer
+        self._triton_args: tuple[torch.Tensor, torch.Tensor] | None = None  # triton: (kv_indptr, kv_indices)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores, backend="fa2")
         self._decode_tc: object | None = None  # the eager tensor-core wrapper, made when first needed
@@ -127,6 +140,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def decode_kernels(self, bs: int) -> tuple[bool, ...]:
         """The kernels (tensor cores or not) a plain decode batch of bs rows may run."""
+        if self.tensor_cores or self.triton_decode:  # triton: one kernel, named by the head-group rule's
+            return (self.tensor_cores,)
         if self.tensor_cores:
             return (True,)
         return (False, True) if bs >= self.tensor_core_min_batch else (False,)
@@ -173,6 +188,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._before_plan()
         if meta.cascade is not None:
             self._plan_cascade(meta.cascade)
+        elif meta.is_decode and self.triton_decode:
+            self._mode = "triton"
+            self._triton_args = (meta.kv_indptr, meta.kv_indices)
         elif meta.is_decode:
             self._mode = "decode"
             self._active_decode = self._eager_decode(meta)
@@ -228,7 +246,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         elif bs > self.graph_max_bs:
             raise ValueError(f"init_graph({bs}) after sizing the index buffers for {self.graph_max_bs}: "
                              "initialise the largest batch size first")
-        for tc in self.decode_kernels(bs):
+        if self.triton_decode:
+            self._graph_indptr[bs] = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
+        for tc in self.decode_kernels(bs) if not self.triton_decode or cascade else ():  # triton: a cascade's suffix
             self.graph_decode[(bs, tc)] = self._graph_decode_wrapper(bs, tc)
         if cascade:
             self.graph_shared[bs] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
@@ -255,6 +275,14 @@ class FlashInferAttentionBackend(AttentionBackend):
                            tensor_cores: bool) -> None:
         """Plan batch size `bs`'s decode graph of that kernel (kv_indptr_host has bs + 1
         entries, pinned)."""
+        if self.triton_decode:
+            assert self._graph_indices is not None
+            indptr, buf = self._graph_indptr[bs], self._graph_indices[0]
+            indptr.copy_(kv_indptr_host, non_blocking=True)  # pinned: queued, never a wait
+            buf[: kv_indices.numel()].copy_(kv_indices)
+            self._mode = "triton"
+            self._triton_args = (indptr, buf)
+            return
         w = self.graph_decode[(bs, tensor_cores)]
         self._mode = "decode"
         self._active_decode = w
@@ -283,6 +311,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
+        if self._mode == "triton":
+            assert self._triton_args is not None
+            return triton_decode_attention(q, k_cache, v_cache, *self._triton_args, scale)
         kv = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # [slots, page=1, Hkv, D]
         if self._mode == "decode":
             return self._active_decode.run(q, kv)  # type: ignore[attr-defined]

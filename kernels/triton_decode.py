@@ -12,7 +12,9 @@ Work split: one program per (row, KV head, split). It gathers BLOCK_N slots at a
 heads with one small tensor-core product (G rows padded to 16), and keeps an online
 softmax. Rows are cut into `splits` equal chunks, chosen from the batch size alone, so a
 CUDA graph of one size always launches the same grid; with more than one split a
-second kernel merges the chunks by their log-sum-exp.
+second kernel merges the chunks by their log-sum-exp. The split count is an argument,
+not a compile-time constant, so a process compiles three kernels (one chunk, several,
+the merge) per head shape and element type, not one per batch size.
 
 It computes attention only: which slots a row reads is the caller's (kv_indptr and
 kv_indices, as FlashInfer takes them, on the device)."""
@@ -24,15 +26,18 @@ from typing import Any
 
 import torch
 
-BLOCK_N = 64  # slots per iteration
+# Settings measured on an H200 (decode_balance --sweep, RESULTS.md session 13): 128 slots per
+# iteration, 4 warps, 3 stages were the fastest or within 2% at W1's and W2's batches, bf16 and FP8.
+BLOCK_N = 128  # slots per iteration
+NUM_WARPS = 4
+NUM_STAGES = 3
 TARGET_PROGRAMS = 1024  # (rows x KV heads x splits) a launch aims at: ~8 per SM of an H200
 MAX_SPLITS = 16
 
 
 def splits_for(batch: int, kv_heads: int) -> int:
-    """Chunks per row for a batch of this many rows (a power of two): enough programs to fill the GPU."""
-    want = -(-TARGET_PROGRAMS // (batch * kv_heads))
-    return min(MAX_SPLITS, triton_next_pow2(want))
+    """Chunks per row for a batch of this many rows: enough programs to fill the GPU."""
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // (batch * kv_heads))))
 
 
 @functools.cache
@@ -40,17 +45,17 @@ def _kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["splits"])  # one compile for every split count
     def partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, o_ptr, mid_o_ptr, mid_lse_ptr, scale_log2,
-                stride_qb, stride_qh, stride_ob, stride_oh,
-                HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                stride_qb, stride_qh, stride_ob, stride_oh, splits,
+                HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, ONE: tl.constexpr,
                 BLOCK: tl.constexpr, FP16: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
         start = tl.load(indptr_ptr + b)
         n = tl.load(indptr_ptr + b + 1) - start
-        chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
+        chunk = tl.cdiv(tl.cdiv(n, splits), BLOCK) * BLOCK
         lo = s * chunk
         hi = tl.minimum(lo + chunk, n)
         g = tl.arange(0, G_PAD)
@@ -79,27 +84,27 @@ def _kernels() -> tuple[Any, Any]:
             m = m_new
         live = den > 0.0  # an empty chunk (a short row cut into many) has no slot
         out = acc / tl.where(live, den, 1.0)[:, None]
-        if SPLITS == 1:
+        if ONE:  # one chunk per row: the output itself
             tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                      mask=(g < G)[:, None])
         else:
             hq = HKV * G
-            at = (b * hq + heads) * SPLITS + s  # mid buffers: [B, HQ, SPLITS(, D)]
+            at = (b * hq + heads) * splits + s  # mid buffers: [B, HQ, splits(, D)]
             tl.store(mid_o_ptr + at[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
             lse = tl.where(live, m + tl.log2(tl.where(live, den, 1.0)), float("-inf"))
             tl.store(mid_lse_ptr + at, lse, mask=g < G)
 
-    @triton.jit
-    def merge(mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
-              SPLITS: tl.constexpr):
+    @triton.jit(do_not_specialize=["splits"])
+    def merge(mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh, splits, HQ: tl.constexpr, D: tl.constexpr,
+              MAX: tl.constexpr):
         b = tl.program_id(0)
         hd = tl.program_id(1)
-        s = tl.arange(0, SPLITS)
+        s = tl.arange(0, MAX)
         d = tl.arange(0, D)
-        at = (b * HQ + hd) * SPLITS + s
-        lse = tl.load(mid_lse_ptr + at)
+        at = (b * HQ + hd) * splits + s
+        lse = tl.load(mid_lse_ptr + at, mask=s < splits, other=float("-inf"))
         w = tl.exp2(lse - tl.max(lse, 0))  # every row has a slot, so one chunk at least is live
-        o = tl.load(mid_o_ptr + at[:, None] * D + d[None, :])
+        o = tl.load(mid_o_ptr + at[:, None] * D + d[None, :], mask=(s < splits)[:, None], other=0.0)
         out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
         tl.store(o_ptr + b * stride_ob + hd * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
@@ -116,7 +121,7 @@ def available() -> bool:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, scale: float, splits: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2, block_n: int = BLOCK_N,
+                     num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, block_n: int = BLOCK_N,
                      fp16: bool | None = None) -> torch.Tensor:
     """q: [B, HQ, D]; k_cache, v_cache: [slots, HKV, D] contiguous (bf16/fp16, or FP8
     read unscaled); kv_indptr: [B + 1] int32 and kv_indices: [total] int32, on q's
@@ -127,7 +132,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     hkv = k_cache.shape[1]
     g = hq // hkv
     splits = splits or splits_for(b, hkv)
-    assert splits & (splits - 1) == 0, "splits: a power of two (the merge reads them as one block)"
+    assert 1 <= splits <= MAX_SPLITS
     partial, merge = _kernels()
     o = torch.empty_like(q)
     if splits > 1:
@@ -137,11 +142,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o = mid_lse = o  # not read
     partial[(b, hkv, splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, o, mid_o, mid_lse, scale * 1.4426950408889634,
-        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-        HKV=hkv, G=g, G_PAD=max(16, triton_next_pow2(g)), D=d, SPLITS=splits, BLOCK=block_n,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1), splits,
+        HKV=hkv, G=g, G_PAD=max(16, triton_next_pow2(g)), D=d, ONE=splits == 1, BLOCK=block_n,
         FP16=k_cache.element_size() == 1 if fp16 is None else fp16, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        merge[(b, hq)](mid_o, mid_lse, o, o.stride(0), o.stride(1), HQ=hq, D=d, SPLITS=splits, num_warps=4)
+        merge[(b, hq)](mid_o, mid_lse, o, o.stride(0), o.stride(1), splits, HQ=hq, D=d, MAX=MAX_SPLITS, num_warps=4)
     return o
 
 

@@ -120,7 +120,7 @@ class Scheduler:
         r = self.runner
         return {
             "model_path": self.args.model_path, "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch."),
-            "kv_dtype": str(r.kv_dtype).removeprefix("torch."),
+            "kv_dtype": str(r.kv_dtype).removeprefix("torch."), "decode_attention": r.decode_attention,
             "vocab_size": r.vocab_size, "context_length": r.context_length, "max_total_tokens": r.max_total_tokens,
             "max_running_requests": r.max_running_requests, "eos_token_ids": sorted(self.eos_ids),
             "chunked_prefill_size": self.chunk_size, "max_queued_requests": self.args.max_queued_requests,

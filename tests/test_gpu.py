@@ -121,12 +121,15 @@ def test_flashinfer_cascade_matches_torch_backend() -> None:
 
 
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))
-@pytest.mark.parametrize(("bs", "tc"), [(8, False), (64, False), (64, True)])
-def test_decode_graph_replanned_after_capture_matches_torch(bs: int, tc: bool, kv: str) -> None:
+@pytest.mark.parametrize(("bs", "tc", "triton"), [(8, False, False), (64, False, False), (64, True, False),
+                                                  (8, False, True), (64, False, True)])
+def test_decode_graph_replanned_after_capture_matches_torch(bs: int, tc: bool, triton: bool, kv: str) -> None:
     """A decode graph captured under one plan and replayed under others (contexts of 1 to
     1,500 slots, so FlashInfer splits the long rows' KV), with two query heads per KV
     head, below and above tensor_core_min_batch (32): the decode kernel alone at 8 rows,
-    both kernels at 64, each against the torch reference."""
+    both kernels at 64, each against the torch reference; and sgl's Triton kernel
+    (triton_decode) at both sizes, whose graph reads the indptr and indices written
+    before each replay."""
     from sgl.kernels.attention import AttnMetadata
     from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
     from sgl.kernels.torch_attention import TorchAttentionBackend
@@ -137,10 +140,13 @@ def test_decode_graph_replanned_after_capture_matches_torch(bs: int, tc: bool, k
     k_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt).to(KV_DTYPES[kv])
     v_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt).to(KV_DTYPES[kv])
     fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, context_length=2048, tensor_core_min_batch=32,
-                                    kv_dtype=KV_DTYPES[kv])
+                                    kv_dtype=KV_DTYPES[kv], triton_decode=triton)
     fi.init_graph(bs, cascade=False)
-    assert fi.decode_kernels(bs) == ((False, True) if bs >= 32 else (False,))
-    assert fi.graph_decode[(bs, tc)].use_tensor_cores == tc  # type: ignore[attr-defined]
+    if triton:
+        assert fi.decode_kernels(bs) == (False,) and not fi.graph_decode  # no FlashInfer wrapper without cascade
+    else:
+        assert fi.decode_kernels(bs) == ((False, True) if bs >= 32 else (False,))
+        assert fi.graph_decode[(bs, tc)].use_tensor_cores == tc  # type: ignore[attr-defined]
     q = torch.zeros(bs, hq, d, device=dev, dtype=dt)
     fi.begin_graph_decode(bs, torch.arange(bs + 1, dtype=torch.int32).pin_memory(),
                           torch.zeros(bs, dtype=torch.int32, device=dev), tc)
@@ -200,13 +206,43 @@ def _run(model_dir: str, prompts: list[list[int]], **kw: object) -> list[list[in
     return [o["output_ids"] for o in outs]
 
 
+@pytest.mark.parametrize("decode", ["triton", "flashinfer"])
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
-def test_cuda_graph_replay_equals_eager(qwen3_dir: str, kv: str) -> None:
+def test_cuda_graph_replay_equals_eager(qwen3_dir: str, kv: str, decode: str) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(2000) for _ in range(rng.randint(3, 80))] for _ in range(5)]
-    eager = _run(qwen3_dir, prompts, attention_backend="flashinfer", disable_cuda_graph=True, kv_cache_dtype=kv)
-    graphs = _run(qwen3_dir, prompts, attention_backend="flashinfer", cuda_graph_max_bs=8, kv_cache_dtype=kv)
+    kw = dict(attention_backend="flashinfer", kv_cache_dtype=kv, decode_attention_backend=decode)
+    eager = _run(qwen3_dir, prompts, disable_cuda_graph=True, **kw)
+    graphs = _run(qwen3_dir, prompts, cuda_graph_max_bs=8, **kw)
     assert graphs == eager
+
+
+def test_triton_decode_agrees_with_flashinfer_decode(qwen3_g2_dir: str) -> None:
+    """The same engine with either decode kernel, under CUDA graphs: the engine reports
+    its kernel, and up to the first token where bf16 near-ties flip the two runs' top
+    logprobs agree (the kernels sum in different orders)."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2000) for _ in range(rng.randint(3, 400))] for _ in range(12)]
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+
+    def run(decode: str) -> list[dict]:
+        with sgl.Engine(qwen3_g2_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
+                        attention_backend="flashinfer", max_total_tokens=20000, cuda_graph_max_bs=16,
+                        decode_attention_backend=decode) as e:
+            assert e.get_server_info()["decode_attention"] == decode
+            outs = e.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+            assert_kv_balanced(e.get_server_info())
+        return outs
+
+    flips = 0
+    for t, f in zip(run("triton"), run("flashinfer")):
+        for j, (a, b) in enumerate(zip(t["output_ids"], f["output_ids"])):
+            tt, ft = ([v for v, _, _ in o["meta_info"]["output_top_logprobs"][j]] for o in (t, f))
+            assert max(abs(x - y) for x, y in zip(tt, ft)) < 0.02, (j, tt, ft)
+            if a != b:
+                flips += 1
+                break
+    assert flips <= 3  # most rows agree token for token
 
 
 @pytest.mark.parametrize("lengths", ["mixed", "uniform"])
@@ -222,19 +258,21 @@ def test_tensor_core_decode_graphs_equal_eager(qwen3_g2_dir: str, lengths: str) 
     prompts = [[rng.randrange(2000) for _ in range(n)] for n in sizes]
     indptr = torch.tensor([0, *sizes]).cumsum(0)
     assert prefers_tensor_cores(indptr, 0) == (lengths == "mixed")
-    kw = dict(attention_backend="flashinfer", tensor_core_decode_min_batch=4)
+    kw = dict(attention_backend="flashinfer", decode_attention_backend="flashinfer", tensor_core_decode_min_batch=4)
     eager = _run(qwen3_g2_dir, prompts, disable_cuda_graph=True, **kw)
     graphs = _run(qwen3_g2_dir, prompts, cuda_graph_max_bs=8, **kw)
     assert graphs == eager
 
 
-@pytest.mark.parametrize("model", ["qwen3_dir", "qwen3_g2_dir"])
-def test_cascade_under_cuda_graphs_equals_plain_decode(model: str, request: pytest.FixtureRequest,
+@pytest.mark.parametrize(("model", "decode"), [("qwen3_dir", "triton"), ("qwen3_g2_dir", "triton"),
+                                               ("qwen3_g2_dir", "flashinfer")])
+def test_cascade_under_cuda_graphs_equals_plain_decode(model: str, decode: str, request: pytest.FixtureRequest,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Cascade decode replayed from its CUDA graphs (padded sizes included), on by
     default with flashinfer, gives the tokens of cascade run eagerly and of plain decode.
-    With two query heads per KV head and both decode kernels from 4 rows, the cascade
-    graphs' suffixes run the decode kernel, the plain graphs either."""
+    The cascade graphs' suffixes run FlashInfer's decode kernel; plain decode runs the
+    Triton kernel, or (two query heads per KV head, both FlashInfer kernels from 4 rows)
+    either of FlashInfer's."""
     qwen3_dir = request.getfixturevalue(model)
     from sgl.sched.runner import prepare
 
@@ -247,7 +285,7 @@ def test_cascade_under_cuda_graphs_equals_plain_decode(model: str, request: pyte
     def run(**kw: object) -> tuple[list[list[int]], int]:
         with sgl.Engine(qwen3_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
                         attention_backend="flashinfer", max_total_tokens=20000, cuda_graph_max_bs=8,
-                        tensor_core_decode_min_batch=4, **kw) as e:
+                        tensor_core_decode_min_batch=4, decode_attention_backend=decode, **kw) as e:
             e.generate(input_ids=prompts[0], sampling_params=params)  # caches the shared prefix first
             outs = e.generate(input_ids=prompts, sampling_params=params)
             info = e.get_server_info()

@@ -178,10 +178,17 @@ class ModelRunner:
         self.log.info(
             "model ready", device=str(self.device), dtype=str(self.dtype), kv_tokens=self.max_total_tokens,
             kv_gib=round(self.kv_pool.nbytes() / 2**30, 2), attention=type(self.attn_backend).__name__,
+            decode_attention=self.decode_attention,
             context_length=self.context_length, max_running_requests=self.max_running_requests,
             cuda_graph_sizes=self.graphs.sizes if self.graphs else None,
             **{k: round(v, 2) for k, v in self.startup.items()},
         )
+
+    @property
+    def decode_attention(self) -> str:
+        """Plain decode's kernel: "triton", "flashinfer", or "torch"."""
+        b = self.attn_backend
+        return "torch" if not hasattr(b, "triton_decode") else "triton" if b.triton_decode else "flashinfer"
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -202,12 +209,18 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' needs a CUDA device: pass attention_backend='torch'")
         from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+        from sgl.kernels.triton_decode import available as triton_available
 
+        triton = args.decode_attention_backend == "triton" or (
+            args.decode_attention_backend == "auto" and triton_available())
+        if triton and not triton_available():
+            raise ValueError("decode_attention_backend='triton' needs the triton package (pip install triton), "
+                             "or pass decode_attention_backend='flashinfer'")
         m = self.model
         return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
                                           self.max_total_tokens + 1, context_length=self.context_length,
                                           tensor_core_min_batch=args.tensor_core_decode_min_batch,
-                                          kv_dtype=self.kv_dtype)
+                                          kv_dtype=self.kv_dtype, triton_decode=triton)
 
     def _load(self, args: ServerArgs, model_path: str) -> tuple[CausalLM, AnyConfig]:
         if args.load_format == "null":

@@ -75,6 +75,11 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # contexts over the SMs) for decode batches of at least this many rows; models whose
     # query heads share a KV head four or more ways use it at every size.
     tensor_core_decode_min_batch: int = 48
+    # The kernel of plain decode batches under attention_backend="flashinfer": sgl's Triton
+    # kernel (sgl.kernels.triton_decode: as fast as FlashInfer's best pick on a bf16 cache,
+    # 15-20% faster on an FP8 one, and no plan on the host), or FlashInfer's own (its two
+    # kernels, tensor_core_decode_min_batch). auto: triton where Triton is installed.
+    decode_attention_backend: Literal["auto", "triton", "flashinfer"] = "auto"
     # The KV cache's element type: "auto" (the model's dtype), or FP8 (SGLang's names), which
     # halves the bytes a decode step reads against bf16 and doubles the tokens that fit;
     # stored unscaled (values past the type's range are clamped to it).

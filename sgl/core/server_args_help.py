@@ -49,6 +49,8 @@ FIELD_HELP: dict[str, str] = {
     "disable_cuda_graph": "run decode without CUDA graphs",
     "tensor_core_decode_min_batch": "decode batches of at least this many rows use FlashInfer's tensor-core "
                                     "kernel (always when 4+ query heads share a KV head)",
+    "decode_attention_backend": "plain decode's kernel with flashinfer: triton (sgl's) or flashinfer; auto: "
+                                "triton where Triton is installed",
     "kv_cache_dtype": "the KV cache's element type: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (half the "
                       "bytes of bf16: twice the tokens, faster decode; unscaled, so slightly less exact)",
     "enable_cascade_attention": "read a decode batch's shared prefix once per step (default: on with flashinfer)",
