@@ -5,7 +5,7 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammarw2 grammarspy startup startupspy tcab fp8 fp8acc vllmfp8 decodebal prof1 prof2 prof3 prof8b vllm vllm8b
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammarw2 grammarspy startup startupspy tcab tritonab fp8 fp8acc vllmfp8 decodebal prof1 prof2 prof3 prof8b vllm vllm8b
 #        w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
 # (w3rep: W3's three engines with 5 timed runs each, medians; w3spy: the cascade engine's
 # 5 runs under py-spy (its wheel in .whl), folded stacks in $OUT/w3spy.txt; w3old: its 5 runs
@@ -163,6 +163,10 @@ for step in "$@"; do
            --variant '{"kv_cache_dtype": "fp8_e4m3"}' ;;
     vllmfp8) run 540 bash .peer/vllm/kit/unpack.sh .peer/vllm -- --workloads W1,W2 --timeout 520 \
                --llm-kwargs '{"kv_cache_dtype": "fp8"}' --json "${OUT:-/tmp}/vllmfp8.json" ;;
+    # Plain decode's kernel (decode_attention_backend): sgl's Triton kernel (the default) against
+    # FlashInfer's pick, then the Triton kernel on an FP8 cache; W1 and W2, engines in turn.
+    tritonab) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --variant '{}' \
+                --variant '{"decode_attention_backend": "flashinfer"}' --variant '{"kv_cache_dtype": "fp8_e4m3"}' ;;
     tcab) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --variant '{}' \
             --variant '{"tensor_core_decode_min_batch": 100000}'
           run 200 python3 -m benchmarks.w3_shared_prefix --variants radix --repeat 3
