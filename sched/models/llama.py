@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgl.kernels.layers import RopeTables, add_rms_norm, apply_rope, rms_norm, rope_tables, silu_and_mul
+from sgl.kernels.norm_rope_store import available as fused_available
+from sgl.kernels.norm_rope_store import norm_rope_store
 from sgl.sched.models.forward_batch import ForwardBatch
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.models.tp_layers import Embedding, Linear, local_heads, rank_slice
@@ -33,6 +35,10 @@ if TYPE_CHECKING:
     from sgl.sched.models.model_config import AnyConfig
 
 _SUPPORTED_ROPE = ("default", "llama3", "linear")
+# Eager forwards of fewer tokens keep the separate kernels: there the step is bound by
+# host-side launches, where Triton's launcher is the slower one (sgl.cache.kv_write);
+# CUDA graphs (the pool's one_launch_write) and prefills take the fused kernel.
+FUSED_MIN_TOKENS = 64
 
 
 def rope_settings(config: AnyConfig) -> tuple[float, dict | None]:
@@ -87,10 +93,23 @@ class Attention(nn.Module):
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
+        self.fused = fused_available(device, dtype)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: RopeTables) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        pool = fb.kv_pool
+        if self.fused and (pool.one_launch_write or t >= FUSED_MIN_TOKENS):
+            # Norms, rotary and the KV write in one launch (sgl.kernels.norm_rope_store).
+            qn, kn = self.q_norm, self.k_norm
+            q, k, v = norm_rope_store(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn else None,
+                kn.weight if kn else None, qn.eps if qn else 0.0, fb.positions, rope.cos_sin,
+                pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id], fb.out_cache_loc)
+            o = fb.attn_backend.forward(q, k, v, pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id],
+                                        self.scale)
+            return self.o_proj(o.reshape(t, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
