@@ -35,10 +35,6 @@ if TYPE_CHECKING:
     from sgl.sched.models.model_config import AnyConfig
 
 _SUPPORTED_ROPE = ("default", "llama3", "linear")
-# Eager forwards of fewer tokens keep the separate kernels: there the step is bound by
-# host-side launches, where Triton's launcher is the slower one (sgl.cache.kv_write);
-# CUDA graphs (the pool's one_launch_write) and prefills take the fused kernel.
-FUSED_MIN_TOKENS = 64
 
 
 def rope_settings(config: AnyConfig) -> tuple[float, dict | None]:
@@ -99,8 +95,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         pool = fb.kv_pool
-        if self.fused and (pool.one_launch_write or t >= FUSED_MIN_TOKENS):
-            # Norms, rotary and the KV write in one launch (sgl.kernels.norm_rope_store).
+        if self.fused:
+            # Norms, rotary and the KV write in one launch (sgl.kernels.norm_rope_store), eager
+            # and under CUDA graphs alike, so the two give the same numbers.
             qn, kn = self.q_norm, self.k_norm
             q, k, v = norm_rope_store(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn else None,
