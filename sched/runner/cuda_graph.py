@@ -74,7 +74,11 @@ class CudaGraphRunner:
             runner.model(fb)
         torch.cuda.synchronize(runner.device)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool):
+        # thread_local: only this thread's calls can break the capture. Under "global" (torch's
+        # default) any thread's unsafe CUDA call does, and an inproc engine shares its process
+        # with the caller's threads and with other engines (a GPU test's second engine failed
+        # to start: "operation failed due to a previous error during capture").
+        with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
             out = runner.model(fb)
         self._pool = g.pool()
         return g, out
