@@ -27,9 +27,6 @@ class MHATokenToKVPool:
         shape = (size + 1, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        # Set by the CUDA graph runner while it warms up and captures: writes go through
-        # one kernel launch per layer (sgl.cache.kv_write says why only then).
-        self.one_launch_write = False
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k_buffer, *self.v_buffer))
@@ -40,4 +37,4 @@ class MHATokenToKVPool:
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v of shape [n, kv_heads, head_dim] at slots `loc` ([n])."""
-        write_kv(self.k_buffer[layer], self.v_buffer[layer], loc, k, v, self.one_launch_write)
+        write_kv(self.k_buffer[layer], self.v_buffer[layer], loc, k, v)

@@ -86,15 +86,13 @@ def _kernel() -> Any:
     return norm_rope_store
 
 
-def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernel runs for a model's activations (CUDA, 16-bit, Triton installed)."""
-    if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def available(device: torch.device, dtype: torch.dtype, pool_dtype: torch.dtype) -> bool:
+    """Whether the kernel runs for a model's activations and KV pool: CUDA, 16-bit
+    activations, Triton installed, and for an FP8 pool a GPU that converts to FP8
+    (compute capability 8.9+; sgl.kernels.triton_decode.handles)."""
+    from sgl.kernels.triton_decode import handles
+
+    return dtype in (torch.bfloat16, torch.float16) and handles(torch.device(device), pool_dtype)
 
 
 def norm_rope_store(qkv: torch.Tensor, hq: int, hkv: int, head_dim: int, q_weight: torch.Tensor | None,

@@ -111,11 +111,23 @@ def _kernels() -> tuple[Any, Any]:
     return partial, merge
 
 
-def available() -> bool:
+@functools.cache
+def installed() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
+    return True
+
+
+def handles(device: torch.device, pool_dtype: torch.dtype) -> bool:
+    """Whether sgl's Triton kernels run on `device` over a pool of `pool_dtype`: a CUDA
+    device, Triton installed, and for FP8 compute capability 8.9+ (where the GPU converts
+    FP8; Triton refuses FP8 below it)."""
+    if device.type != "cuda" or not installed():
+        return False
+    if pool_dtype.itemsize == 1 and pool_dtype.is_floating_point:
+        return torch.cuda.get_device_capability(device) >= (8, 9)
     return True
 
 

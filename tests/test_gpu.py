@@ -367,50 +367,25 @@ def test_flashinfer_layer_kernels_match_torch() -> None:
 
 
 @pytest.mark.parametrize("pool", ["bf16", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("n,h,d", [(256, 8, 128), (3000, 8, 128), (5, 3, 64), (17, 2, 80)])
-def test_triton_kv_write_equals_indexed_copy(n: int, h: int, d: int, pool: str) -> None:
-    """One Triton launch writes K and V read in place from the strided qkv row, as the
-    two indexed copies it replaces do, element for element, and touches no other slot;
-    into an FP8 pool clamped and rounded as `_cast` does (values past the type's range
-    included)."""
-    from sgl.cache.kv_write import _triton_kernel, write_kv
-
-    assert _triton_kernel() is not None, "the GPU path needs Triton"
-    torch.manual_seed(0)
-    dev, dt, hq = torch.device("cuda"), torch.bfloat16, 2 * h
-    pool_dt = {"bf16": dt, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[pool]
-    qkv = torch.randn(n, (hq + 2 * h) * d, device=dev, dtype=dt) * 300  # e4m3 tops out at 448
-    _, k, v = qkv.split([hq * d, h * d, h * d], dim=-1)
-    k, v = k.view(n, h, d), v.view(n, h, d)
-    slots = 2 * n + 1
-    loc = torch.randperm(slots - 1, device=dev)[:n] + 1
-    k_buf = torch.randn(slots, h, d, device=dev, dtype=dt).to(pool_dt)
-    v_buf = torch.randn(slots, h, d, device=dev, dtype=dt).to(pool_dt)
-    k_ref, v_ref = k_buf.clone(), v_buf.clone()
-    write_kv(k_ref, v_ref, loc, k, v, one_launch=False)  # the indexed copies
-    write_kv(k_buf, v_buf, loc, k, v, one_launch=True)
-    assert torch.equal(k_buf.view(torch.uint8), k_ref.view(torch.uint8))
-    assert torch.equal(v_buf.view(torch.uint8), v_ref.view(torch.uint8))
-    assert not k_buf.float().isnan().any()
-
-
-@pytest.mark.parametrize("pool", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize(("hq", "hkv", "d", "norm"), [(16, 8, 128, True), (32, 8, 128, True), (6, 2, 80, True),
                                                       (8, 2, 64, False)])
 def test_norm_rope_store_equals_the_separate_kernels(hq: int, hkv: int, d: int, norm: bool, pool: str) -> None:
     """The fused norm + rotary + KV write against the separate ops it replaces, in
     float32 (the torch reference path): q and k within a bf16 rounding, the pool holding
-    exactly the returned k (cast into the pool) and v, and no other slot touched. (The
-    reference is not FlashInfer's kernels: its rotary for head_dim 80 differed.)"""
+    exactly the returned k (cast into the pool, FP8 clamped first: inputs reach past
+    e4m3's 448) and v, and no other slot touched. (Not FlashInfer's kernels as reference:
+    at head_dim 80 they and this kernel gave values 7.6 apart on an H200, session 13,
+    while on the CPU, Triton's interpreter, this kernel matched the float32 path.)"""
     from sgl.cache.kv_write import write_kv
     from sgl.kernels.layers import apply_rope, rms_norm, rope_tables
     from sgl.kernels.norm_rope_store import norm_rope_store
 
     torch.manual_seed(0)
     dev, dt, t = torch.device("cuda"), torch.bfloat16, 300
-    pool_dt = {"bf16": dt, "fp8_e4m3": torch.float8_e4m3fn}[pool]
+    pool_dt = {"bf16": dt, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[pool]
     rope = rope_tables(d, 8192, 1e6, None, dev)
     qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, dtype=dt) * 4
+    qkv[:, (hq + hkv) * d:] *= 200  # v past e4m3's range
     qw = (torch.rand(d, device=dev) + 0.5).to(dt) if norm else None
     kw = (torch.rand(d, device=dev) + 0.5).to(dt) if norm else None
     pos = torch.randint(0, 8000, (t,), device=dev)

@@ -89,12 +89,14 @@ class Attention(nn.Module):
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
-        self.fused = fused_available(device, dtype)
+        self.fused: bool | None = None  # the fused kernel's, decided at the first forward (it needs the pool)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: RopeTables) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         pool = fb.kv_pool
+        if self.fused is None:
+            self.fused = fused_available(x.device, x.dtype, pool.dtype)
         if self.fused:
             # Norms, rotary and the KV write in one launch (sgl.kernels.norm_rope_store), eager
             # and under CUDA graphs alike, so the two give the same numbers.

@@ -46,7 +46,6 @@ class CudaGraphRunner:
         self._pool: Any = None  # the graphs' shared memory pool (torch's handle), set by the first capture
         kinds = {bs: [_kind(tc) for tc in backend.decode_kernels(bs)] + (["cascade"] if self.cascade else [])
                  for bs in self.sizes}
-        runner.kv_pool.one_launch_write = True  # warm-ups compile it, captures record it
         with progress_bar(total=sum(map(len, kinds.values())), desc="Capturing CUDA graphs", unit="graph") as bar:
             for bs in sorted(self.sizes, reverse=True):
                 backend.init_graph(bs, self.cascade)
@@ -66,7 +65,6 @@ class CudaGraphRunner:
                         backend.begin_graph_decode(bs, one_each, slot0, kind == "tc")
                     self.graphs[(kind, bs)] = self._capture(runner, fb)
                     bar.update()
-        runner.kv_pool.one_launch_write = False  # eager forwards: the indexed copies
         torch.cuda.synchronize(dev)
 
     def _capture(self, runner: ModelRunner, fb: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

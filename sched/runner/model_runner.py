@@ -209,13 +209,14 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' needs a CUDA device: pass attention_backend='torch'")
         from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
-        from sgl.kernels.triton_decode import available as triton_available
+        from sgl.kernels.triton_decode import handles
 
-        triton = args.decode_attention_backend == "triton" or (
-            args.decode_attention_backend == "auto" and triton_available())
-        if triton and not triton_available():
-            raise ValueError("decode_attention_backend='triton' needs the triton package (pip install triton), "
-                             "or pass decode_attention_backend='flashinfer'")
+        ok = handles(self.device, self.kv_dtype)
+        triton = args.decode_attention_backend == "triton" or (args.decode_attention_backend == "auto" and ok)
+        if triton and not ok:
+            raise ValueError("decode_attention_backend='triton' needs the triton package (pip install triton), and "
+                             "for an FP8 kv_cache_dtype a GPU of compute capability 8.9+; or pass "
+                             "decode_attention_backend='flashinfer'")
         m = self.model
         return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
                                           self.max_total_tokens + 1, context_length=self.context_length,
