@@ -48,8 +48,8 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit(do_not_specialize=["splits"])  # one compile for every split count
     def partial(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, o_ptr, mid_o_ptr, mid_lse_ptr, scale_log2,
                 stride_qb, stride_qh, stride_ob, stride_oh, splits,
-                HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, ONE: tl.constexpr,
-                BLOCK: tl.constexpr, FP16: tl.constexpr):
+                HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                ONE: tl.constexpr, BLOCK: tl.constexpr, FP16: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -59,54 +59,66 @@ def _kernels() -> tuple[Any, Any]:
         lo = s * chunk
         hi = tl.minimum(lo + chunk, n)
         g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D)
+        d = tl.arange(0, D_PAD)  # head sizes that are not a power of two: padded with zeros
         heads = h * G + g
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0)
+        qm = (g < G)[:, None]
+        if D_PAD != D:  # only then a mask along d (one there would cost the loads their vector width)
+            qm = qm & (d < D)[None, :]
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qm, other=0.0)
         if FP16:  # the products in fp16: FP8 widens to it in one instruction, to bf16 not
             q = q.to(tl.float16)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         den = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         for off in range(lo, hi, BLOCK):
             j = off + tl.arange(0, BLOCK)
             valid = j < hi
             slot = tl.load(indices_ptr + start + j, mask=valid, other=0).to(tl.int64)
             row = slot[:, None] * (HKV * D) + h * D + d[None, :]  # the pool is contiguous [slots, HKV, D]
-            kk = tl.load(k_ptr + row, mask=valid[:, None], other=0.0).to(q.dtype)
+            km = valid[:, None]
+            if D_PAD != D:
+                km = km & (d < D)[None, :]
+            kk = tl.load(k_ptr + row, mask=km, other=0.0).to(q.dtype)
             qk = tl.dot(q, tl.trans(kk)) * scale_log2  # [G_PAD, BLOCK], log2 units
             qk = tl.where(valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m, tl.max(qk, 1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(qk - m_new[:, None])
             den = den * alpha + tl.sum(p, 1)
-            vv = tl.load(v_ptr + row, mask=valid[:, None], other=0.0).to(q.dtype)
+            vv = tl.load(v_ptr + row, mask=km, other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vv)
             m = m_new
         live = den > 0.0  # an empty chunk (a short row cut into many) has no slot
         out = acc / tl.where(live, den, 1.0)[:, None]
         if ONE:  # one chunk per row: the output itself
             tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
-                     mask=(g < G)[:, None])
+                     mask=qm)
         else:
             hq = HKV * G
             at = (b * hq + heads) * splits + s  # mid buffers: [B, HQ, splits(, D)]
-            tl.store(mid_o_ptr + at[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
+            tl.store(mid_o_ptr + at[:, None] * D + d[None, :], out, mask=qm)
             lse = tl.where(live, m + tl.log2(tl.where(live, den, 1.0)), float("-inf"))
             tl.store(mid_lse_ptr + at, lse, mask=g < G)
 
     @triton.jit(do_not_specialize=["splits"])
     def merge(mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh, splits, HQ: tl.constexpr, D: tl.constexpr,
-              MAX: tl.constexpr):
+              D_PAD: tl.constexpr, MAX: tl.constexpr):
         b = tl.program_id(0)
         hd = tl.program_id(1)
         s = tl.arange(0, MAX)
-        d = tl.arange(0, D)
+        d = tl.arange(0, D_PAD)
         at = (b * HQ + hd) * splits + s
         lse = tl.load(mid_lse_ptr + at, mask=s < splits, other=float("-inf"))
         w = tl.exp2(lse - tl.max(lse, 0))  # every row has a slot, so one chunk at least is live
-        o = tl.load(mid_o_ptr + at[:, None] * D + d[None, :], mask=(s < splits)[:, None], other=0.0)
-        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(o_ptr + b * stride_ob + hd * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+        om = (s < splits)[:, None]
+        if D_PAD != D:
+            om = om & (d < D)[None, :]
+        o = tl.load(mid_o_ptr + at[:, None] * D + d[None, :], mask=om, other=0.0)
+        out = (tl.sum(o * w[:, None], 0) / tl.sum(w, 0)).to(o_ptr.dtype.element_ty)
+        if D_PAD != D:
+            tl.store(o_ptr + b * stride_ob + hd * stride_oh + d, out, mask=d < D)
+        else:
+            tl.store(o_ptr + b * stride_ob + hd * stride_oh + d, out)
 
     return partial, merge
 
@@ -155,10 +167,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     partial[(b, hkv, splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, o, mid_o, mid_lse, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), splits,
-        HKV=hkv, G=g, G_PAD=max(16, triton_next_pow2(g)), D=d, ONE=splits == 1, BLOCK=block_n,
+        HKV=hkv, G=g, G_PAD=max(16, triton_next_pow2(g)), D=d, D_PAD=max(16, triton_next_pow2(d)), ONE=splits == 1,
+        BLOCK=block_n,
         FP16=k_cache.element_size() == 1 if fp16 is None else fp16, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        merge[(b, hq)](mid_o, mid_lse, o, o.stride(0), o.stride(1), splits, HQ=hq, D=d, MAX=MAX_SPLITS, num_warps=4)
+        merge[(b, hq)](mid_o, mid_lse, o, o.stride(0), o.stride(1), splits, HQ=hq, D=d,
+                       D_PAD=max(16, triton_next_pow2(d)), MAX=MAX_SPLITS, num_warps=4)
     return o
 
 

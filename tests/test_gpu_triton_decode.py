@@ -1,6 +1,8 @@
 """sgl's Triton decode attention (kernels/triton_decode.py) against the torch reference
-backend, on bf16 and FP8 pools, for the head shapes of the engine's models, rows from one
-slot to several thousand, and every split count (marked gpu; skipped without CUDA)."""
+backend, on bf16 and FP8 pools, for the head shapes of the engine's models and a head size
+that is not a power of two, rows from one slot to several thousand, and every split count
+(marked gpu; skipped without CUDA). Without a GPU, tests/test_triton_kernels_interpreted.py
+runs the same kernel in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, le
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(16, 8, 128), (32, 8, 128), (14, 2, 64)])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(16, 8, 128), (32, 8, 128), (14, 2, 64), (6, 2, 80)])
 @pytest.mark.parametrize("splits", [None, 1, 3, 16])
 def test_triton_decode_matches_reference(kv: str, hq: int, hkv: int, d: int, splits: int | None) -> None:
     from sgl.kernels.triton_decode import decode_attention

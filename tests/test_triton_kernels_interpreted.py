@@ -1,0 +1,93 @@
+"""sgl's Triton kernels run by Triton's interpreter on the CPU (TRITON_INTERPRET=1), so
+CI, which has no GPU, checks their indexing: the decode kernel's chunks, masks and
+head-group padding for any lengths, split counts and head shapes, and the fused
+norm + rotary + KV write for head sizes that are and are not powers of two, against the
+torch reference path. Interpreted, products run in numpy at full precision; the GPU
+tests (tests/test_gpu_triton_decode.py, tests/test_gpu.py) check the compiled kernels,
+FP8 pools included (numpy has no FP8)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.hypothesis_profiles import PROFILE
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton's interpreter is on only without a GPU (tests/conftest.py)")
+
+
+def _reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                      indices: torch.Tensor, scale: float) -> torch.Tensor:
+    from sgl.kernels.attention import AttnMetadata
+    from sgl.kernels.torch_attention import TorchAttentionBackend
+
+    b = len(lens)
+    qo = torch.arange(b + 1, dtype=torch.int32)
+    kv = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    ref = TorchAttentionBackend()
+    ref.begin_forward(AttnMetadata(True, qo, kv, indices, [1] * b, lens, kv, qo))
+    return ref.forward(q, q, q, k, v, scale)
+
+
+@settings(PROFILE, max_examples=12)
+@given(heads=st.sampled_from([(4, 2), (6, 2), (2, 2), (8, 1)]), d=st.sampled_from([16, 32, 48]),
+       lens=st.lists(st.integers(1, 300), min_size=1, max_size=4), splits=st.none() | st.integers(1, 16),
+       seed=st.integers(0, 2**16))
+def test_decode_kernel_matches_the_reference(heads: tuple[int, int], d: int, lens: list[int], splits: int | None,
+                                             seed: int) -> None:
+    from sgl.kernels.triton_decode import decode_attention
+
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    slots = sum(lens) + 50
+    k = torch.randn(slots + 1, hkv, d, generator=g)
+    v = torch.randn(slots + 1, hkv, d, generator=g)
+    q = torch.randn(len(lens), hq, d, generator=g)
+    indices = (torch.randperm(slots, generator=g)[: sum(lens)] + 1).to(torch.int32)
+    indptr = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    got = decode_attention(q, k, v, indptr, indices, d**-0.5, splits=splits, block_n=32)
+    expected = _reference_decode(q, k, v, lens, indices, d**-0.5)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hkv", "d", "norm"), [(4, 2, 64, True), (6, 2, 80, True), (2, 1, 16, False),
+                                                      (8, 8, 128, True)])
+def test_norm_rope_store_matches_the_reference(hq: int, hkv: int, d: int, norm: bool, dtype: torch.dtype) -> None:
+    """Against the torch path in float32 (norms, rotary, the indexed write): q and k
+    within one rounding of `dtype`, the pool holding exactly the returned k and v, no
+    other slot written."""
+    from sgl.cache.kv_write import write_kv
+    from sgl.kernels.layers import apply_rope, rms_norm, rope_tables
+    from sgl.kernels.norm_rope_store import norm_rope_store
+
+    g = torch.Generator().manual_seed(hq * d)
+    t = 9
+    rope = rope_tables(d, 4096, 1e6, None, "cpu")
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 3).to(dtype)
+    qw = (torch.rand(d, generator=g) + 0.5).to(dtype) if norm else None
+    kw = (torch.rand(d, generator=g) + 0.5).to(dtype) if norm else None
+    pos = torch.randint(0, 4000, (t,), generator=g)
+    loc = torch.randperm(2 * t, generator=g)[:t] + 1
+    k_buf = torch.randn(2 * t + 1, hkv, d, generator=g).to(dtype)
+    v_buf = torch.randn(2 * t + 1, hkv, d, generator=g).to(dtype)
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+    q0, k0, v0 = qkv.float().split([hq * d, hkv * d, hkv * d], -1)
+    q0, k0 = q0.view(t, hq, d), k0.view(t, hkv, d)
+    if norm:
+        q0, k0 = rms_norm(q0, qw.float(), 1e-6), rms_norm(k0, kw.float(), 1e-6)  # type: ignore[union-attr]
+    q0, k0 = apply_rope(q0, k0, pos, rope)
+    q, k, v = norm_rope_store(qkv, hq, hkv, d, qw, kw, 1e-6, pos, rope.cos_sin, k_buf, v_buf, loc)
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    for got, want in ((q, q0), (k, k0)):
+        assert got.dtype == dtype and got.is_contiguous()
+        assert torch.allclose(got.float(), want, rtol=tol, atol=tol), (got.float() - want).abs().max()
+    assert torch.equal(v.float(), v0.view(t, hkv, d))
+    write_kv(k_ref, v_ref, loc, k, v)
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
