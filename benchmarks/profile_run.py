@@ -40,7 +40,9 @@ from sgl.transports.inproc import InprocReceiver, InprocSender
 
 # (kind, substrings of a kernel's name, lower case), first match wins.
 KINDS = [
-    ("decode attention", ("batchdecode", "mergestate", "merge_state", "variablelengthmerge")),
+    # sgl's Triton kernels by their function names (kernels/triton_decode.py, norm_rope_store.py)
+    ("decode attention", ("batchdecode", "mergestate", "merge_state", "variablelengthmerge", "partial", "merge")),
+    ("norm, rotary, kv write", ("norm_rope_store",)),
     ("prefill attention", ("batchprefill", "prefillwith", "ragged")),
     ("sampling", ("sampling", "topk", "top_k", "softmax", "argmax", "gumbel", "exponential", "multinomial")),
     ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "cublas", "splitk")),

@@ -142,8 +142,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         """The kernels (tensor cores or not) a plain decode batch of bs rows may run."""
         if self.tensor_cores or self.triton_decode:  # triton: one kernel, named by the head-group rule's
             return (self.tensor_cores,)
-        if self.tensor_cores:
-            return (True,)
         return (False, True) if bs >= self.tensor_core_min_batch else (False,)
 
     def picks_tensor_cores(self, bs: int, kv_indptr_host: torch.Tensor, shared_len: int) -> bool:
