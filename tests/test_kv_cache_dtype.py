@@ -1,8 +1,10 @@
 """An FP8 KV cache (`kv_cache_dtype`), on the CPU: the pool stores FP8 and holds twice the
 tokens a bf16 pool does in the same bytes, writes past FP8's range are clamped (never
 NaN), and on the default model (real weights, float32 compute) greedy outputs follow the
-full-precision cache's closely: the check on accuracy the issue asks for. The FlashInfer
-kernels over an FP8 pool are compared with the torch reference in test_gpu.py."""
+full-precision cache's closely: the check on accuracy the issue asks for. The GPU kernels
+over an FP8 pool are compared with the torch reference in test_gpu.py and
+test_gpu_triton_decode.py. Also here: the other attention setting of the same kind, a decode
+kernel (`decode_attention_backend`) named where FlashInfer does not run, is refused."""
 
 from __future__ import annotations
 
@@ -57,3 +59,13 @@ def test_an_fp8_cache_follows_the_full_precision_one_on_the_default_model() -> N
     pairs = [agreement(r, g) for r, g in zip(ref, got)]
     assert all(d < 0.5 for _, d in pairs), pairs
     assert sum(k for k, _ in pairs) / len(pairs) >= 12, pairs
+
+
+def test_a_decode_kernel_choice_without_flashinfer_is_refused() -> None:
+    """decode_attention_backend picks among FlashInfer's backend's kernels: on the torch
+    backend (this CPU) naming one is the caller's mistake, said at start-up by its field;
+    'auto' runs, and the engine reports the kernel it decodes with."""
+    with pytest.raises(ValueError, match="decode_attention_backend='triton'"):
+        sgl.Engine(transport="inproc", decode_attention_backend="triton", max_total_tokens=256)
+    with sgl.Engine(transport="inproc", max_total_tokens=256, max_running_requests=2) as e:
+        assert e.get_server_info()["decode_attention"] == "torch"

@@ -205,6 +205,10 @@ class ModelRunner:
         if choice == "auto":
             choice = "flashinfer" if self.device.type == "cuda" and self.dtype != torch.float32 else "torch"
         if choice == "torch" or args.load_format == "null":
+            if args.decode_attention_backend != "auto" and args.load_format != "null":
+                raise ValueError(f"decode_attention_backend={args.decode_attention_backend!r} picks a kernel of "
+                                 "attention_backend='flashinfer' (a CUDA device, bf16 or fp16), and this engine runs "
+                                 "the torch backend: leave decode_attention_backend='auto'")
             return TorchAttentionBackend()
         if self.device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' needs a CUDA device: pass attention_backend='torch'")
