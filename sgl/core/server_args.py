@@ -71,9 +71,10 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # radix off on an H200, benchmarks/RESULTS.md), off for the torch backend, whose
     # cascade is a reference that gathers the prefix per request anyway.
     enable_cascade_attention: bool | None = None
-    # FlashInfer's tensor-core decode kernel (its prefill kernel, which balances mixed
-    # contexts over the SMs) for decode batches of at least this many rows; models whose
-    # query heads share a KV head four or more ways use it at every size.
+    # With decode_attention_backend="flashinfer": FlashInfer's tensor-core decode kernel (its
+    # prefill kernel, which balances mixed contexts over the SMs) for decode batches of at
+    # least this many rows; models whose query heads share a KV head four or more ways use it
+    # at every size.
     tensor_core_decode_min_batch: int = 48
     # The kernel of plain decode batches under attention_backend="flashinfer": sgl's Triton
     # kernel (sgl.kernels.triton_decode: as fast as FlashInfer's best pick on a bf16 cache,

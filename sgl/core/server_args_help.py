@@ -47,8 +47,8 @@ FIELD_HELP: dict[str, str] = {
                          "chat templates",
     "cuda_graph_max_bs": "the largest decode batch captured in a CUDA graph",
     "disable_cuda_graph": "run decode without CUDA graphs",
-    "tensor_core_decode_min_batch": "decode batches of at least this many rows use FlashInfer's tensor-core "
-                                    "kernel (always when 4+ query heads share a KV head)",
+    "tensor_core_decode_min_batch": "with FlashInfer's decode: batches of at least this many rows may use its "
+                                    "tensor-core kernel (always when 4+ query heads share a KV head)",
     "decode_attention_backend": "plain decode's kernel with flashinfer: triton (sgl's) or flashinfer; auto: "
                                 "triton where Triton is installed",
     "kv_cache_dtype": "the KV cache's element type: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (half the "
