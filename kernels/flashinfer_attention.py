@@ -183,12 +183,13 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def begin_forward(self, meta: AttnMetadata) -> None:
         assert meta.kv_indptr_host is not None and meta.qo_indptr_host is not None
+        if meta.is_decode and meta.cascade is None and self.triton_decode:  # no plan: the kernel reads these
+            self._mode = "triton"
+            self._triton_args = (meta.kv_indptr, meta.kv_indices)
+            return
         self._before_plan()
         if meta.cascade is not None:
             self._plan_cascade(meta.cascade)
-        elif meta.is_decode and self.triton_decode:
-            self._mode = "triton"
-            self._triton_args = (meta.kv_indptr, meta.kv_indices)
         elif meta.is_decode:
             self._mode = "decode"
             self._active_decode = self._eager_decode(meta)

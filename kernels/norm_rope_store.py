@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from sgl.kernels.triton_decode import handles, is_fp8
+
 BLOCK_H = 8  # heads per program
 
 
@@ -90,8 +92,6 @@ def available(device: torch.device, dtype: torch.dtype, pool_dtype: torch.dtype)
     """Whether the kernel runs for a model's activations and KV pool: CUDA, 16-bit
     activations, Triton installed, and for an FP8 pool a GPU that converts to FP8
     (compute capability 8.9+; sgl.kernels.triton_decode.handles)."""
-    from sgl.kernels.triton_decode import handles
-
     return dtype in (torch.bfloat16, torch.float16) and handles(torch.device(device), pool_dtype)
 
 
@@ -114,7 +114,7 @@ def norm_rope_store(qkv: torch.Tensor, hq: int, hkv: int, head_dim: int, q_weigh
         return q, k, v
     norm = q_weight is not None and k_weight is not None
     pool = k_buf.dtype
-    limit = torch.finfo(pool).max if pool.itemsize == 1 and pool.is_floating_point else 0.0
+    limit = torch.finfo(pool).max if is_fp8(pool) else 0.0
     _kernel()[(t, -(-(hq + hkv) // BLOCK_H))](
         qkv, q, k, k_buf, v_buf, loc, positions, cos_sin, q_weight if norm else qkv, k_weight if norm else qkv,
         eps, qkv.stride(0), HQ=hq, HKV=hkv, HALF=head_dim // 2, HALF_PAD=1 << (head_dim // 2 - 1).bit_length(),

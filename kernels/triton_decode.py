@@ -134,13 +134,17 @@ def installed() -> bool:
     return True
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.itemsize == 1 and dtype.is_floating_point
+
+
 def handles(device: torch.device, pool_dtype: torch.dtype) -> bool:
     """Whether sgl's Triton kernels run on `device` over a pool of `pool_dtype`: a CUDA
     device, Triton installed, and for FP8 compute capability 8.9+ (where the GPU converts
     FP8; Triton refuses FP8 below it)."""
     if device.type != "cuda" or not installed():
         return False
-    if pool_dtype.itemsize == 1 and pool_dtype.is_floating_point:
+    if is_fp8(pool_dtype):
         return torch.cuda.get_device_capability(device) >= (8, 9)
     return True
 
@@ -171,7 +175,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), splits,
         HKV=hkv, G=g, G_PAD=max(16, triton_next_pow2(g)), D=d, D_PAD=max(16, triton_next_pow2(d)), ONE=splits == 1,
         BLOCK=block_n,
-        FP16=k_cache.element_size() == 1 if fp16 is None else fp16, num_warps=num_warps, num_stages=num_stages)
+        FP16=is_fp8(k_cache.dtype) if fp16 is None else fp16, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         merge[(b, hq)](mid_o, mid_lse, o, o.stride(0), o.stride(1), splits, HQ=hq, D=d,
                        D_PAD=max(16, triton_next_pow2(d)), MAX=MAX_SPLITS, num_warps=4)

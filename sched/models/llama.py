@@ -97,6 +97,7 @@ class Attention(nn.Module):
         pool = fb.kv_pool
         if self.fused is None:
             self.fused = fused_available(x.device, x.dtype, pool.dtype)
+        layer_k, layer_v = pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id]
         if self.fused:
             # Norms, rotary and the KV write in one launch (sgl.kernels.norm_rope_store), eager
             # and under CUDA graphs alike, so the two give the same numbers.
@@ -104,21 +105,17 @@ class Attention(nn.Module):
             q, k, v = norm_rope_store(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn else None,
                 kn.weight if kn else None, qn.eps if qn else 0.0, fb.positions, rope.cos_sin,
-                pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id], fb.out_cache_loc)
-            o = fb.attn_backend.forward(q, k, v, pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id],
-                                        self.scale)
-            return self.o_proj(o.reshape(t, self.q_size))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, fb.positions, rope)
-        fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
-        o = fb.attn_backend.forward(
-            q, k, v, fb.kv_pool.k_buffer[self.layer_id], fb.kv_pool.v_buffer[self.layer_id], self.scale
-        )
+                layer_k, layer_v, fb.out_cache_loc)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, k, fb.positions, rope)
+            pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
+        o = fb.attn_backend.forward(q, k, v, layer_k, layer_v, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
