@@ -377,8 +377,9 @@ def test_norm_rope_store_equals_the_separate_kernels(hq: int, hkv: int, d: int, 
     at head_dim 80 they and this kernel gave values 7.6 apart on an H200, session 13,
     while on the CPU, Triton's interpreter, this kernel matched the float32 path.)"""
     from sgl.cache.kv_write import write_kv
-    from sgl.kernels.layers import apply_rope, rms_norm, rope_tables
+    from sgl.kernels.layers import rope_tables
     from sgl.kernels.norm_rope_store import norm_rope_store
+    from tests.kernel_refs import norm_rope_reference
 
     torch.manual_seed(0)
     dev, dt, t = torch.device("cuda"), torch.bfloat16, 300
@@ -393,17 +394,12 @@ def test_norm_rope_store_equals_the_separate_kernels(hq: int, hkv: int, d: int, 
     k_buf = torch.randn(2 * t + 1, hkv, d, device=dev, dtype=dt).to(pool_dt)
     v_buf = torch.randn(2 * t + 1, hkv, d, device=dev, dtype=dt).to(pool_dt)
     k_ref, v_ref = k_buf.clone(), v_buf.clone()
-    q0, k0, v0 = qkv.split([hq * d, hkv * d, hkv * d], -1)
-    q0, k0, v0 = q0.view(t, hq, d), k0.view(t, hkv, d), v0.view(t, hkv, d)
-    q0, k0 = q0.float(), k0.float()  # float32 on the GPU: the torch path, not FlashInfer's
-    if norm:
-        q0, k0 = rms_norm(q0, qw.float(), 1e-6), rms_norm(k0, kw.float(), 1e-6)  # type: ignore[union-attr]
-    q0, k0 = apply_rope(q0, k0, pos, rope)
+    q0, k0, v0 = norm_rope_reference(qkv, hq, hkv, d, qw, kw, 1e-6, pos, rope)
     q, k, v = norm_rope_store(qkv, hq, hkv, d, qw, kw, 1e-6, pos, rope.cos_sin, k_buf, v_buf, loc)
     for got, want in ((q, q0), (k, k0)):
         assert got.shape == want.shape and got.is_contiguous()
         assert torch.allclose(got.float(), want, rtol=2**-7, atol=2**-6), (got.float() - want).abs().max()
-    assert torch.equal(v, v0)
+    assert torch.equal(v.float(), v0)
     write_kv(k_ref, v_ref, loc, k, v)  # what the pool must hold: the returned k and v, cast into it
     assert torch.equal(k_buf.view(torch.uint8), k_ref.view(torch.uint8))
     assert torch.equal(v_buf.view(torch.uint8), v_ref.view(torch.uint8))

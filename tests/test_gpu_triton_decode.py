@@ -11,23 +11,12 @@ import random
 import pytest
 import torch
 
+from tests.kernel_refs import decode_reference
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-
-
-def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: list[int],
-               indptr: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
-    from sgl.kernels.attention import AttnMetadata
-    from sgl.kernels.torch_attention import TorchAttentionBackend
-
-    b = len(lens)
-    qo = torch.arange(b + 1, dtype=torch.int32)
-    meta = AttnMetadata(True, qo.to(q.device), indptr.to(q.device), indices, [1] * b, lens, indptr, qo)
-    ref = TorchAttentionBackend()
-    ref.begin_forward(meta)
-    return ref.forward(q.float(), q, q, k_cache.float(), v_cache.float(), scale)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
@@ -49,7 +38,7 @@ def test_triton_decode_matches_reference(kv: str, hq: int, hkv: int, d: int, spl
     indices = (torch.randperm(slots, device=dev)[: sum(lens)] + 1).to(torch.int32)
     q = torch.randn(len(lens), hq, d, device=dev, dtype=dt)
     got = decode_attention(q, k_cache, v_cache, indptr.to(dev), indices, d**-0.5, splits=splits)
-    expected = _reference(q, k_cache, v_cache, lens, indptr, indices, d**-0.5)
+    expected = decode_reference(q, k_cache, v_cache, lens, indices, d**-0.5)
     assert got.shape == expected.shape and got.dtype == dt
     err = float((got.float() - expected).norm() / expected.norm())
     assert err < 1e-2, err
@@ -82,5 +71,5 @@ def test_triton_decode_replays_in_a_cuda_graph_with_new_lengths() -> None:
         indices[: sum(lens)] = new
         q.copy_(torch.randn(b, hq, d, device=dev, dtype=dt))
         g.replay()
-        expected = _reference(q, k_cache, v_cache, lens, host, new, d**-0.5)
+        expected = decode_reference(q, k_cache, v_cache, lens, new, d**-0.5)
         assert float((out.float() - expected).norm() / expected.norm()) < 1e-2

@@ -16,23 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.hypothesis_profiles import PROFILE
+from tests.kernel_refs import decode_reference, norm_rope_reference
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton's interpreter is on only without a GPU (tests/conftest.py)")
-
-
-def _reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
-                      indices: torch.Tensor, scale: float) -> torch.Tensor:
-    from sgl.kernels.attention import AttnMetadata
-    from sgl.kernels.torch_attention import TorchAttentionBackend
-
-    b = len(lens)
-    qo = torch.arange(b + 1, dtype=torch.int32)
-    kv = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
-    ref = TorchAttentionBackend()
-    ref.begin_forward(AttnMetadata(True, qo, kv, indices, [1] * b, lens, kv, qo))
-    return ref.forward(q, q, q, k, v, scale)
 
 
 @settings(PROFILE, max_examples=12)
@@ -52,7 +40,7 @@ def test_decode_kernel_matches_the_reference(heads: tuple[int, int], d: int, len
     indices = (torch.randperm(slots, generator=g)[: sum(lens)] + 1).to(torch.int32)
     indptr = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
     got = decode_attention(q, k, v, indptr, indices, d**-0.5, splits=splits, block_n=32)
-    expected = _reference_decode(q, k, v, lens, indices, d**-0.5)
+    expected = decode_reference(q, k, v, lens, indices, d**-0.5)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4), (got - expected).abs().max()
 
 
@@ -64,7 +52,7 @@ def test_norm_rope_store_matches_the_reference(hq: int, hkv: int, d: int, norm: 
     within one rounding of `dtype`, the pool holding exactly the returned k and v, no
     other slot written."""
     from sgl.cache.kv_write import write_kv
-    from sgl.kernels.layers import apply_rope, rms_norm, rope_tables
+    from sgl.kernels.layers import rope_tables
     from sgl.kernels.norm_rope_store import norm_rope_store
 
     g = torch.Generator().manual_seed(hq * d)
@@ -78,16 +66,12 @@ def test_norm_rope_store_matches_the_reference(hq: int, hkv: int, d: int, norm: 
     k_buf = torch.randn(2 * t + 1, hkv, d, generator=g).to(dtype)
     v_buf = torch.randn(2 * t + 1, hkv, d, generator=g).to(dtype)
     k_ref, v_ref = k_buf.clone(), v_buf.clone()
-    q0, k0, v0 = qkv.float().split([hq * d, hkv * d, hkv * d], -1)
-    q0, k0 = q0.view(t, hq, d), k0.view(t, hkv, d)
-    if norm:
-        q0, k0 = rms_norm(q0, qw.float(), 1e-6), rms_norm(k0, kw.float(), 1e-6)  # type: ignore[union-attr]
-    q0, k0 = apply_rope(q0, k0, pos, rope)
+    q0, k0, v0 = norm_rope_reference(qkv, hq, hkv, d, qw, kw, 1e-6, pos, rope)
     q, k, v = norm_rope_store(qkv, hq, hkv, d, qw, kw, 1e-6, pos, rope.cos_sin, k_buf, v_buf, loc)
     tol = 1e-5 if dtype == torch.float32 else 2**-6
     for got, want in ((q, q0), (k, k0)):
         assert got.dtype == dtype and got.is_contiguous()
         assert torch.allclose(got.float(), want, rtol=tol, atol=tol), (got.float() - want).abs().max()
-    assert torch.equal(v.float(), v0.view(t, hkv, d))
+    assert torch.equal(v.float(), v0)
     write_kv(k_ref, v_ref, loc, k, v)
     assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
