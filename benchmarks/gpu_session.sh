@@ -5,7 +5,7 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammarw2 grammarspy startup startupspy tcab tritonab fp8 fp8acc vllmfp8 decodebal prof1 prof2 prof3 prof8b vllm vllm8b
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammarw2 grammarspy startup startupspy tcab tritonab fp8 fp8acc vllmfp8 drawcost decodebal prof1 prof2 prof3 prof8b vllm vllm8b
 #        w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
 # (w3rep: W3's three engines with 5 timed runs each, medians; w3spy: the cascade engine's
 # 5 runs under py-spy (its wheel in .whl), folded stacks in $OUT/w3spy.txt; w3old: its 5 runs
@@ -172,6 +172,7 @@ for step in "$@"; do
           run 200 python3 -m benchmarks.w3_shared_prefix --variants radix --repeat 3
           run 200 python3 -m benchmarks.w3_shared_prefix --variants radix --repeat 3 \
             --engine-kw '{"tensor_core_decode_min_batch": 100000}' ;;
+    drawcost) run 120 python3 -m benchmarks.draw_cost ;;  # the sampler's one-pass draw against what it replaced
     decodebal) run 200 python3 -m benchmarks.decode_balance ${DECODEBAL_ARGS:-} ;;  # DECODEBAL_ARGS=--others: the kernels not in the engine too
     prof1) run 200 python3 -m benchmarks.profile_run --workload W1 ;;
     prof2) run 200 python3 -m benchmarks.profile_run --workload W2 ;;

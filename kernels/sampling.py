@@ -1,11 +1,11 @@
 """Top-k / top-p filtering of a batch of probabilities, the one dispatch point for
 it: FlashInfer's renormalisation kernels (no sort) for CUDA tensors when FlashInfer
 is installed, a sort in pure torch otherwise (CPU, and the reference the tests
-compare with). And `FusedDraw`: one draw per row by FlashInfer's sampling kernels,
-which read a [B, V] row once (from logits: Gumbel-max; from filtered probabilities:
-inverse CDF), where the sampler's own exponential race makes four passes over it;
-their Philox stream is one per batch (a seed array is read at its first entry
-only), so rows with a seed of their own keep the sampler's race.
+compare with). And `FusedDraw`: one draw per row that reads a [B, V] row once
+(unfiltered: sgl's Gumbel-max kernel, greedy rows included; filtered probabilities:
+FlashInfer's inverse CDF), where the sampler's own exponential race makes four passes
+over it; their Philox stream is one per batch, so rows with a seed of their own keep
+the sampler's race.
 
 Semantics, both paths: order a row by descending probability; a token stays when
 its rank is < top_k and the mass strictly before it is < top_p, both measured on
@@ -33,15 +33,19 @@ from __future__ import annotations
 
 import torch
 
+from sgl.kernels.gumbel_draw import gumbel_draw
 from sgl.kernels.layers import flashinfer_module
+from sgl.kernels.triton_decode import installed as triton_installed
 
 
 class FusedDraw:
-    """FlashInfer's fused sampling kernels on one engine's own Philox stream. The seed
-    and the offset live in device tensors: the offset advances in place after each draw
-    (by what FlashInfer's own generator path advances it), so a draw never reads the
-    host, and FlashInfer's cache of (seed, offset) arguments keeps one entry per batch
-    size instead of a new one per call. Only where `available` (CUDA and FlashInfer)."""
+    """The sampler's draw on a GPU, on one engine's own Philox stream: unfiltered rows
+    (temperature only) by sgl's one-pass Gumbel-max kernel (kernels/gumbel_draw.py),
+    filtered rows by FlashInfer's top-k/top-p renormalisation and its inverse-CDF draw.
+    The seed and the offset live in device tensors, the offset advanced in place after
+    each draw, so a draw never reads the host, and FlashInfer's cache of (seed, offset)
+    arguments keeps one entry per batch size instead of a new one per call. Only where
+    `available` (CUDA, FlashInfer and Triton)."""
 
     def __init__(self, device: torch.device, seed: int) -> None:
         self.fi = flashinfer_module()
@@ -51,23 +55,20 @@ class FusedDraw:
 
     @staticmethod
     def available(device: torch.device) -> bool:
-        return device.type == "cuda" and flashinfer_module() is not None
+        return device.type == "cuda" and flashinfer_module() is not None and triton_installed()
 
-    def __call__(self, scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, need_top_k: bool,
-                 need_top_p: bool) -> torch.Tensor:
-        """scaled: [B, V] float32 logits already divided by temperature. One token id per
-        row ([B] int64) drawn from softmax(scaled) filtered as top_k_top_p keeps it."""
-        b, v = scaled.shape
-        sampling = self.fi.sampling
+    def __call__(self, logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor | None,
+                 top_k: torch.Tensor, top_p: torch.Tensor, need_top_k: bool, need_top_p: bool) -> torch.Tensor:
+        """logits: [B, V] raw (any float dtype); temperature: [B, 1] float32 (1.0 on greedy
+        rows); greedy: [B] bool, or None when no row is greedy. One token id per row ([B]
+        int64): greedy rows the argmax, the others drawn from softmax(logits / T) filtered
+        as top_k_top_p keeps it."""
         if not (need_top_k or need_top_p):
-            ids = sampling.sampling_from_logits(scaled, seed=self.seed, offset=self.offset)
-            used = b * v  # Philox counters: one per logit (Gumbel noise)
-        else:
-            probs = top_k_top_p(torch.softmax(scaled, dim=-1), top_k, top_p, need_top_k, need_top_p)
-            ids = sampling.sampling_from_probs(probs, seed=self.seed, offset=self.offset)
-            used = b  # one uniform per row (inverse CDF)
-        self.offset.add_((used + 3) // 4 * 4)
-        return ids.long()
+            return gumbel_draw(logits, temperature, greedy, self.seed, self.offset)
+        probs = top_k_top_p(torch.softmax(logits / temperature, dim=-1), top_k, top_p, need_top_k, need_top_p)
+        ids = self.fi.sampling.sampling_from_probs(probs, seed=self.seed, offset=self.offset).long()
+        self.offset.add_((logits.shape[0] + 3) // 4 * 4)  # one uniform per row (inverse CDF), as FlashInfer counts
+        return ids if greedy is None else torch.where(greedy, logits.argmax(dim=-1), ids)
 
 
 def top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -455,31 +455,61 @@ def test_flashinfer_top_k_top_p_keeps_boundary_ties() -> None:
 
 
 @pytest.mark.parametrize("filtered", [False, True])
-def test_fused_draw_samples_the_sampler_distribution(filtered: bool) -> None:
-    """FlashInfer's fused draw (kernels/sampling.FusedDraw), which the sampler takes on
-    a GPU for rows without their own seed, draws from softmax(logits / T) filtered as
-    top_k_top_p keeps it: 20,000 draws of one distribution over 8 tokens (a 32,000-token
-    row with mass on 8) against the exact probabilities, within 5 standard errors each; a
-    filtered-out token is never drawn; its stream moves on (a second draw differs) and
-    restarts with its seed (a new FusedDraw of the same seed draws the same)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_draw_samples_the_sampler_distribution(filtered: bool, dtype: torch.dtype) -> None:
+    """The fused draw (kernels/sampling.FusedDraw: sgl's Gumbel-max kernel unfiltered,
+    FlashInfer's filtered), which the sampler takes on a GPU for rows without their own
+    seed, draws from softmax(logits / T) filtered as top_k_top_p keeps it: 20,000 draws of
+    one distribution over 8 tokens (a 40,000-id row, five of the kernel's chunks, with mass on 8, T = 0.7) against
+    the exact probabilities, within 5 standard errors each; a filtered-out token is never
+    drawn; greedy rows in the same batch take the argmax; its stream moves on (a second
+    draw differs) and restarts with its seed (a new FusedDraw of the same seed draws the
+    same)."""
     from sgl.kernels.sampling import FusedDraw, top_k_top_p
 
     draw = FusedDraw(torch.device("cuda"), 0)
-    v, draws = 32_000, 20_000
+    v, draws, t = 40_000, 20_000, 0.7
     base = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
-    logits = torch.full((draws, v), -1e9)
-    logits[:, :8] = base
+    logits = torch.full((draws + 2, v), -1e9, dtype=dtype)
+    logits[:, 30_000:30_008] = base.to(dtype)  # in the middle of a row: not the first chunk's ids
+    logits[draws:, 30_003] = 9.0  # two greedy rows, whose argmax is not the most likely draw
     logits = logits.cuda()
-    top_k = torch.full((draws,), 5 if filtered else v, dtype=torch.int64, device="cuda")
-    top_p = torch.full((draws,), 0.9 if filtered else 1.0, device="cuda")
-    ids = draw(logits, top_k, top_p, filtered, filtered)
+    temperature = torch.full((draws + 2, 1), t, device="cuda")
+    greedy = torch.zeros(draws + 2, dtype=torch.bool, device="cuda")
+    greedy[draws:] = True
+    top_k = torch.full((draws + 2,), 5 if filtered else v, dtype=torch.int64, device="cuda")
+    top_p = torch.full((draws + 2,), 0.9 if filtered else 1.0, device="cuda")
+    args = (temperature, greedy, top_k, top_p, filtered, filtered)
+    ids = draw(logits, *args)
     assert ids.dtype == torch.int64
-    assert not torch.equal(draw(logits, top_k, top_p, filtered, filtered), ids)
-    assert torch.equal(FusedDraw(torch.device("cuda"), 0)(logits, top_k, top_p, filtered, filtered), ids)
-    want = top_k_top_p(torch.softmax(logits[:1].cpu(), -1), top_k[:1].cpu(), top_p[:1].cpu(), filtered, filtered)[0]
-    want = (want / want.sum())[:8].double()
-    got = torch.bincount(ids.cpu(), minlength=v)[:8].double() / draws
-    assert int(torch.bincount(ids.cpu(), minlength=v)[8:].sum()) == 0
+    assert ids[draws:].tolist() == [30_003, 30_003]
+    ids = ids[:draws]
+    assert not torch.equal(draw(logits, *args)[:draws], ids)
+    assert torch.equal(FusedDraw(torch.device("cuda"), 0)(logits, *args)[:draws], ids)
+    row = logits[:1].float().cpu() / t
+    want = top_k_top_p(torch.softmax(row, -1), top_k[:1].cpu(), top_p[:1].cpu(), filtered, filtered)[0]
+    want = (want / want.sum())[30_000:30_008].double()
+    counts = torch.bincount(ids.cpu(), minlength=v)
+    got = counts[30_000:30_008].double() / draws
+    assert int(counts.sum() - counts[30_000:30_008].sum()) == 0
     assert bool((got[want == 0] == 0).all())
     se = (want * (1 - want) / draws).sqrt()
     assert bool(((got - want).abs() <= 5 * se + 1e-9).all()), (got, want)
+
+
+def test_gumbel_draw_greedy_rows_are_torch_argmax() -> None:
+    """Greedy rows of the one-pass kernel equal torch.argmax exactly, ties included (the
+    first index of the maximum), wherever the maximum falls among chunks and lanes."""
+    from sgl.kernels.gumbel_draw import gumbel_draw
+
+    g = torch.Generator().manual_seed(0)
+    b, v = 64, 151_936
+    logits = torch.randn(b, v, generator=g).to(torch.bfloat16)
+    for i in range(b):  # ties at random ids, some in one chunk, some across chunks
+        at = torch.randint(0, v, (1 + i % 4,), generator=g)
+        logits[i, at] = 8.0
+    logits = logits.cuda()
+    zero = torch.zeros(1, dtype=torch.int64, device="cuda")
+    ids = gumbel_draw(logits, torch.ones(b, device="cuda"), torch.ones(b, dtype=torch.bool, device="cuda"), zero,
+                      zero.clone())
+    assert torch.equal(ids, logits.argmax(dim=-1))

@@ -75,3 +75,57 @@ def test_norm_rope_store_matches_the_reference(hq: int, hkv: int, d: int, norm: 
     assert torch.equal(v.float(), v0)
     write_kv(k_ref, v_ref, loc, k, v)
     assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+
+
+@settings(PROFILE, max_examples=15)
+@given(v=st.integers(1, 200), rows=st.lists(st.tuples(st.booleans(), st.integers(0, 2**16)), min_size=1, max_size=4),
+       lanes=st.sampled_from([4, 8, 32]), tiles=st.integers(1, 2))
+def test_gumbel_draw_greedy_rows_are_argmax_and_masked_ids_never_drawn(
+        v: int, rows: list[tuple[bool, int]], lanes: int, tiles: int) -> None:
+    """The one-pass draw (kernels/gumbel_draw.py), cut into many small chunks: a greedy
+    row gets torch.argmax's id exactly (ties included: few distinct values), a sampled
+    row an id whose logit is finite (a grammar's -inf mask is never drawn), bf16 rows as
+    float32 ones; the offset moves on by what the draw used."""
+    from sgl.kernels.gumbel_draw import gumbel_draw
+
+    logits = torch.empty(len(rows), v)
+    for i, (_, seed) in enumerate(rows):
+        g = torch.Generator().manual_seed(seed)
+        logits[i] = torch.randint(-2, 3, (v,), generator=g).float()
+        logits[i, torch.rand(v, generator=g) < 0.5] = float("-inf")
+        logits[i, torch.randint(0, v, (1,), generator=g)] = 1.0  # one finite id at least
+    greedy = torch.tensor([gr for gr, _ in rows])
+    offset = torch.tensor([5], dtype=torch.int64)
+    for dtype in (torch.float32, torch.bfloat16):
+        ids = gumbel_draw(logits.to(dtype), torch.full((len(rows), 1), 0.8), greedy, torch.tensor([7]), offset,
+                          lanes=lanes, tiles=tiles)
+        assert ids.dtype == torch.int64 and ids.shape == (len(rows),)
+        argmax = logits.argmax(dim=-1)
+        for i, (gr, _) in enumerate(rows):
+            assert ids[i] == argmax[i] if gr else bool(torch.isfinite(logits[i, ids[i]]))
+    chunk = 4 * lanes * tiles
+    assert int(offset) == 5 + 2 * len(rows) * (-(-v // chunk) * chunk // 4)
+
+
+def test_gumbel_draw_samples_softmax_of_logits_over_temperature() -> None:
+    """300 draws of one 8-id distribution at T = 0.5 (ids spread over two chunks) against
+    softmax(logits / T), within 5 standard errors each (T = 1 would put the first id 7.7
+    off); the same seed and offset draw the same ids, the next draw others. The GPU
+    test (tests/test_gpu.py) takes 20,000 draws."""
+    from sgl.kernels.gumbel_draw import gumbel_draw
+
+    draws, t = 300, 0.5
+    base = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
+    logits = torch.full((draws, 12), float("-inf"))
+    logits[:, 2:10] = base
+    seed, offset = torch.tensor([11]), torch.zeros(1, dtype=torch.int64)
+    ids = gumbel_draw(logits, torch.full((draws,), t), None, seed, offset, lanes=1, tiles=2)
+    few = torch.full((40,), t)
+    assert torch.equal(gumbel_draw(logits[:40], few, None, seed, torch.zeros(1, dtype=torch.int64), lanes=1, tiles=2),
+                       ids[:40])  # a row's noise depends on its index and the offset, not on the batch size
+    assert not torch.equal(gumbel_draw(logits[:40], few, None, seed, offset, lanes=1, tiles=2), ids[:40])
+    want = torch.softmax(base.double() / t, -1)
+    got = torch.bincount(ids, minlength=12).double() / draws
+    assert got[:2].sum() == 0 and got[10:].sum() == 0
+    se = (want * (1 - want) / draws).sqrt()
+    assert bool(((got[2:10] - want).abs() <= 5 * se).all()), (got, want)

@@ -10,9 +10,9 @@ exponential race (argmax p / E, E ~ Exp(1)), which samples exactly from p and
 ignores p's scale. A request with a seed draws the noise of its k-th output
 token from a generator seeded by (seed, k): its tokens depend neither on what
 else is in the batch nor on chunked prefill, prefix-cache hits or retraction.
-On a GPU a batch with no such row and no min-p draws by FlashInfer's fused
-kernels instead (sgl.kernels.sampling.FusedDraw: the same distribution, one
-read of each row, on the engine's own Philox stream).
+On a GPU a batch with no such row and no min-p draws by fused kernels instead
+(sgl.kernels.sampling.FusedDraw: the same distribution, one read of each row, on
+the engine's own Philox stream).
 Nothing here loops over the vocabulary in Python."""
 
 from __future__ import annotations
@@ -201,26 +201,24 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator 
            fused: FusedDraw | None = None) -> torch.Tensor:
     """logits: [B, V], already through process_logits -> [B] int64 token ids. The argmax
     runs in the logits' own dtype (upcasting is exact, so it picks the same token);
-    sampling in float32: by `fused` (FlashInfer's kernels, the engine's stream) when
-    given, unless a row has a seed of its own or min_p; else by the exponential race
-    on `global_gen`."""
-    greedy_ids = logits.argmax(dim=-1) if sb.any_greedy else None
+    sampling in float32: by `fused` (one pass over the logits, the engine's stream)
+    when given, unless a row has a seed of its own or min_p; else by the exponential
+    race on `global_gen`."""
     if sb.all_greedy:
-        assert greedy_ids is not None
-        return greedy_ids
-    scaled = logits / sb.temperature  # float32 (the temperatures are), in one pass
+        return logits.argmax(dim=-1)
     if fused is not None and not sb.need_min_p and not sb.seeded:
-        sampled = fused(scaled, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
-    else:
-        probs = torch.softmax(scaled, dim=-1)
-        probs = top_k_top_p(probs, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
-        if sb.need_min_p:
-            probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=global_gen)
-        for i, g in enumerate(sb.generators if sb.seeded else ()):
-            if g is not None:
-                row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=probs.device)
-                noise[i] = row.exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
-    return sampled if greedy_ids is None else torch.where(sb.greedy, greedy_ids, sampled)
+        return fused(logits, sb.temperature, sb.greedy if sb.any_greedy else None, sb.top_k, sb.top_p,
+                     sb.need_top_k, sb.need_top_p)
+    scaled = logits / sb.temperature  # float32 (the temperatures are), in one pass
+    probs = torch.softmax(scaled, dim=-1)
+    probs = top_k_top_p(probs, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
+    if sb.need_min_p:
+        probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    noise = torch.empty_like(probs)
+    noise.exponential_(generator=global_gen)
+    for i, g in enumerate(sb.generators if sb.seeded else ()):
+        if g is not None:
+            row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=probs.device)
+            noise[i] = row.exponential_(generator=g)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(sb.greedy, logits.argmax(dim=-1), sampled) if sb.any_greedy else sampled
