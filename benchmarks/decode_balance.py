@@ -17,6 +17,7 @@ engine can run it:
   and FlashInfer's tensor-core decode on its FA3 backend.
 
     python -m benchmarks.decode_balance [--w2-steps 0,200,400,600,800,950] [--w1-steps 0,256,511] [--others]
+    python -m benchmarks.decode_balance --sweep [--sweep-heads 32,8]   # the Triton kernel's settings
 """
 
 from __future__ import annotations
@@ -102,10 +103,11 @@ def others(row: dict[str, object], q: torch.Tensor, k: torch.Tensor, v: torch.Te
             row[f"{name} us"] = f"n/a: {type(e).__name__}"
 
 
-def sweep(cases: list[tuple[str, list[int]]], k: torch.Tensor, v: torch.Tensor, k8: torch.Tensor,
-          v8: torch.Tensor, pool: int) -> None:
-    """The Triton kernel's settings on a few batches: pool type, products in fp16, slots per
-    iteration, warps, pipeline stages (us per call from a CUDA graph)."""
+def sweep(cases: list[tuple[str, list[int]]], k: torch.Tensor, v: torch.Tensor, k8: torch.Tensor | None,
+          v8: torch.Tensor | None, pool: int, hq: int) -> None:
+    """The Triton kernel's settings on a few batches: pool type (FP8 unless k8 is None),
+    products in fp16, slots per iteration, warps, pipeline stages (us per call from a CUDA
+    graph, and the KV read rate)."""
     from sgl.kernels.triton_decode import decode_attention
 
     dev = k.device
@@ -114,8 +116,10 @@ def sweep(cases: list[tuple[str, list[int]]], k: torch.Tensor, v: torch.Tensor, 
         b, total = len(lens), sum(lens)
         slots = (torch.randperm(pool, device=dev)[:total] + 1).to(torch.int32)
         indptr = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
-        q = torch.randn(b, HQ, D, dtype=k.dtype, device=dev)
+        q = torch.randn(b, hq, D, dtype=k.dtype, device=dev)
         for kv, kc, vc in (("bf16", k, v), ("fp8", k8, v8)):
+            if kc is None:
+                continue
             for fp16 in ((False,) if kv == "bf16" else (False, True)):
                 for block in (32, 64, 128):
                     for warps in (4, 8):
@@ -123,8 +127,9 @@ def sweep(cases: list[tuple[str, list[int]]], k: torch.Tensor, v: torch.Tensor, 
                             us = graph_us(lambda: decode_attention(
                                 q, kc, vc, indptr, slots, D**-0.5, num_warps=warps, num_stages=stages,  # noqa: B023
                                 block_n=block, fp16=fp16))  # noqa: B023
+                            read = total * k.shape[1] * D * 2 * kc.element_size()
                             rows.append({"batch": name, "kv": kv, "fp16": fp16, "block": block, "warps": warps,
-                                         "stages": stages, "us": us})
+                                         "stages": stages, "us": us, "TB/s": read / us / 1e6})
         best = sorted((r for r in rows if r["batch"] == name), key=lambda r: (r["kv"], r["us"]))
         print(name, [(r["kv"], r["fp16"], r["block"], r["warps"], r["stages"], round(r["us"], 1))
                      for r in best if r["kv"] == "bf16"][:4],
@@ -142,15 +147,22 @@ def main() -> None:
     ap.add_argument("--w1-steps", default="0,256,511")
     ap.add_argument("--others", action="store_true", help="also the kernels the engine does not run (see above)")
     ap.add_argument("--sweep", action="store_true", help="the Triton kernel's settings alone")
+    ap.add_argument("--sweep-heads", default=f"{HQ},{HKV}",
+                    help="query,KV heads for --sweep (32,8: Qwen3-8B's, bf16 pool only)")
     a = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     pool = 600_000
+    if a.sweep:
+        hq, hkv = map(int, a.sweep_heads.split(","))
+        k = torch.randn(pool + 1, hkv, D, dtype=dt, device=dev)
+        v = torch.randn(pool + 1, hkv, D, dtype=dt, device=dev)
+        fp8 = (hq, hkv) == (HQ, HKV)
+        k8, v8 = (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) if fp8 else (None, None)
+        sweep(cases([0, 400], [256])[:3], k, v, k8, v8, pool, hq)
+        return
     k = torch.randn(pool + 1, HKV, D, dtype=dt, device=dev)
     v = torch.randn(pool + 1, HKV, D, dtype=dt, device=dev)
-    k8, v8 = (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) if a.others or a.sweep else (k, v)
-    if a.sweep:
-        sweep(cases([0, 400], [256])[:3], k, v, k8, v8, pool)
-        return
+    k8, v8 = (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) if a.others else (k, v)
     backends = {"decode": FlashInferAttentionBackend(HQ, HKV, D, dt, dev, pool + 1, 4096, tensor_core_min_batch=10**9),
                 "tensor cores": FlashInferAttentionBackend(HQ, HKV, D, dt, dev, pool + 1, 4096,
                                                            tensor_core_min_batch=1)}
