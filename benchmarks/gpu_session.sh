@@ -42,6 +42,11 @@
 #   (`bash .peer/vllm/kit/unpack.sh .peer/vllm` carrying c1 and kit, then c2 and kit with
 #   `-- --timeout 400 --json $OUT/vllm.json`), then this script's steps with GPU_BUDGET_S
 #   set from the budget `status` reports, most important step first.
+# - A call that pipes this script's output (`... | tail`) returns only when every process
+#   holding the pipe has ended: session 14 lost 550 s of device time to the watchdog's
+#   sleep (fixed in stacks_after). Send the next call at once: a machine idle for 30 s goes
+#   back, and the next call then starts a fresh one with no wheels, no /tmp/site and no
+#   kernels (carry .whl and .ficache again).
 # - Built kernels are installed as FlashInfer AOT modules. Restored as a JIT cache
 #   they are not enough: FlashInfer runs ninja on every load, and the fresh wheel
 #   install makes its headers newer than the cached objects, so ninja rebuilds
@@ -101,7 +106,12 @@ run() {
   return "$rc"  # never the status of the test above: `run A && run B` skipped B when A passed
 }
 stacks_after() {
-  sleep "$1"
+  # The sleep is a child of its own: `kill` of this subshell alone left it running, holding
+  # the call's output open until it ended (session 14: two calls whose steps were done in
+  # 19 s and 45 s returned after 407 s and 216 s, each step's whole cap, all of it charged).
+  sleep "$1" & local nap=$!
+  trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+  wait "$nap" || return 0
   echo "--- still running after ${1}s: every Python process's stacks"
   command -v py-spy >/dev/null || { echo "(no py-spy: carry .whl)"; return; }
   for p in $(pgrep -f "^[^ ]*python[0-9.]* "); do
