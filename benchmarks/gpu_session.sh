@@ -5,7 +5,7 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammarw2 grammarspy startup startupspy tcab tritonab fp8 fp8acc vllmfp8 drawcost decodebal prof1 prof2 prof3 prof8b vllm vllm8b
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammar06old grammarw2 grammarspy startup startupspy tcab tritonab fp8 fp8acc vllmfp8 drawcost decodebal prof1 prof2 prof3 prof8b vllm vllm8b
 #        w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
 # (w3rep: W3's three engines with 5 timed runs each, medians; w3spy: the cascade engine's
 # 5 runs under py-spy (its wheel in .whl), folded stacks in $OUT/w3spy.txt; w3old: its 5 runs
@@ -206,6 +206,13 @@ for step in "$@"; do
     # tokenizer (carry .lt), 256 requests under a JSON schema against plain, same lengths.
     grammar06) run 200 python3 -m benchmarks.grammar_cost --model .lt --config qwen3-0.6b --load-format dummy \
                  --dtype bfloat16 --requests 256 --new-tokens 256 ;;
+    # grammar06 on the checkout carried in .old/ (see `old`), for an A/B of a grammar change in one lease.
+    grammar06old)
+      if old_site benchmarks; then
+        (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
+          && run 200 python3 -m benchmarks.grammar_cost --model "$OLDPWD/.lt" --config qwen3-0.6b --load-format dummy \
+            --dtype bfloat16 --requests 256 --new-tokens 256)
+      fi ;;
     # The same on W2's prompts, output caps and temperature (the schema closes each output).
     grammarw2) run 300 python3 -m benchmarks.grammar_cost --model .lt --config qwen3-0.6b --load-format dummy \
                  --dtype bfloat16 --requests 256 --w2 ;;

@@ -2,17 +2,19 @@
 
 At build time `grammar_rows` notes which sampled rows have a grammar. Once the previous
 step's results are processed (they only append tokens to `output_ids`), `MaskFiller.start`
-on the scheduler's thread gives each row's matcher the tokens sampled since its last mask
-(one native call for the batch) and hands the fill to the fill thread, which is one more
-native call: xgrammar's batch fill over FILL_THREADS native threads. The scheduler then
-builds the next batch; `finish` waits for the fill and queues the mask's copy to the device.
+on the scheduler's thread notes each row's tokens sampled since its last mask and hands
+the rest to the fill thread: two native calls, the matchers' accepts (xgrammar's batch
+accept) and the fill (its batch fill over FILL_THREADS native threads), with a few lines
+of Python between them. The scheduler meanwhile builds the next batch; `finish` waits
+for both and queues the mask's copy to the device.
 
-Why the work is split so (measured on the H200's host, 256 rows of a JSON schema): the
-accepts take ~1 ms and the fill ~1.3 ms, both GIL-free. Any Python on a helper thread
-waits for the GIL while the scheduler's thread builds a batch (up to the interpreter's
-5 ms switch interval at each turn), so a helper that did the bookkeeping, or the
-accepts and then the fill, finished later than the scheduler doing them itself. The fill
-thread only enters the fill: `start` waits until it has (a hand-off of microseconds).
+Why so (the H200's host, 256 rows of a JSON schema): the accepts take ~1 ms and the fill
+~1.3 ms, both GIL-free, and the scheduler's thread waits for them only at `finish`,
+after building the next batch. Python on the fill thread waits for the GIL while the
+scheduler's thread runs Python, up to the interpreter's switch interval at each turn:
+at the default 5 ms the accepts did better on the scheduler's thread (session 11), so
+the scheduler's own process runs with a 0.2 ms interval (sgl.runtime.child); a scheduler
+in the caller's process (the in-process transport) keeps the caller's setting.
 
 The bitmasks cover the tokenizer's ids (`GrammarRows.width`), not the model's padded
 vocabulary: the sampler disallows the columns past them (sgl.sched.grammar says why).
@@ -100,10 +102,9 @@ class MaskFiller:
         self.fillers: dict[int, Any] = {}
 
     def start(self, g: GrammarRows, background: bool = True) -> _Started:
-        """Give the matchers their new tokens and start the fill (on the fill thread
-        when `background`, else here)."""
-        import xgrammar
-
+        """Note each row's new token here, then give the matchers their tokens and fill
+        the bitmasks (on the fill thread when `background`, else here). Until `finish`,
+        the fill thread owns these matchers: nothing else may call them."""
         mask = self._rows(len(g.reqs), g.width)
         errors: dict[int, str] = {}
         rows: list[int] = []  # mask rows to fill, and their matchers
@@ -134,30 +135,35 @@ class MaskFiller:
                     tokens.append(new[-1])
             rows.append(j)
             matchers.append(m)
-        if took:
-            oks = xgrammar.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in took], tokens)
-            if not all(oks) or any(t in self.stop_ids for t in tokens):
-                rows, matchers = self._drop_ended(g, mask, errors, rows, matchers, took, tokens, oks)
         if not rows:
             return _Started(mask, errors, None)
-        filler = self._filler(len(rows))
+
+        entered = threading.Event()
+
+        def accept_and_fill() -> None:
+            import xgrammar
+
+            nonlocal rows, matchers
+            entered.set()
+            if took:
+                oks = xgrammar.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in took], tokens)
+                if not all(oks) or any(t in self.stop_ids for t in tokens):
+                    rows, matchers = self._drop_ended(g, mask, errors, rows, matchers, took, tokens, oks)
+            if rows:
+                self._filler(len(rows)).batch_fill_next_token_bitmask(matchers, mask, indices=rows)
+
         if not background:
-            filler.batch_fill_next_token_bitmask(matchers, mask, indices=rows)
+            accept_and_fill()
             return _Started(mask, errors, None)
         if self.pool is None:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="sgl-grammar-mask")
-        entered = threading.Event()
-
-        def fill() -> None:
-            entered.set()
-            filler.batch_fill_next_token_bitmask(matchers, mask, indices=rows)
-
-        future = self.pool.submit(fill)
-        entered.wait()  # blocked, this thread lets the fill thread reach the native call at once
+        future = self.pool.submit(accept_and_fill)
+        entered.wait()  # blocked, this thread lets the fill thread take the GIL and reach the native calls
         return _Started(mask, errors, future)
 
     def finish(self, s: _Started) -> GrammarFill:
-        """Wait for the fill; the mask goes to the device (queued, on CUDA)."""
+        """Wait for the accepts and the fill; the mask goes to the device (queued, on
+        CUDA). The errors are complete only now."""
         if s.future is not None:
             s.future.result()
         return GrammarFill(to_device(s.mask, self.device), s.errors)

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 FLUSH_S = 2.0  # the most a normal exit waits for queued frames to leave
+SCHEDULER_SWITCH_INTERVAL_S = 0.0002  # the GIL's turns in a scheduler's process (see main)
 
 
 def _exit_when_parent_dies(ipc_dir: str | None) -> None:
@@ -67,6 +68,11 @@ def main() -> None:
     threading.Thread(target=_exit_when_parent_dies, args=(cfg.addresses.ipc_dir,), name="parent-watch",
                      daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which shuts us down
+    if cfg.role == "scheduler":
+        # This process is the scheduler's own: its grammar fill thread runs a few lines of
+        # Python between GIL-free native calls, and at the default 5 ms interval each
+        # waited up to that for the scheduler's thread (sgl.sched.runner.grammar_masks).
+        sys.setswitchinterval(SCHEDULER_SWITCH_INTERVAL_S)
 
     def report(status: dict[str, Any]) -> None:
         with os.fdopen(ready_fd, "w") as f:
