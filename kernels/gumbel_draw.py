@@ -19,12 +19,16 @@ key = seed. seed and offset live in device tensors (the caller's stream), and th
 kernel advances the offset by what this draw used, so a draw never reads the host and
 the next draw's noise is fresh.
 
+A grammar's bitmask (xgrammar's layout) can be applied in the same read: a disallowed id
+scores -inf, so the [B, V] float32 copy that masking in place needs is not made.
+
 It draws only: temperature-free filters (top-k, top-p, min-p) and per-request seeds are
 the sampler's (sched/runner/sampler.py) other paths."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +38,18 @@ TILES = 8  # tiles of 4 x LANES ids per program
 MAX_CHUNKS = 128  # programs per row: rows of up to 1,048,576 ids at the defaults
 
 
+@dataclass(frozen=True, slots=True)
+class Bitmask:
+    """The ids rows may take, as xgrammar fills them: words [G, ceil(width / 32)] int32
+    (bit c % 32 of word c // 32 allows id c; ids from `width` on are never allowed) on
+    the logits' device; rows: [B] int32, each logits row's mask row or -1 for none (None:
+    logits row i takes mask row i, every row masked)."""
+
+    words: torch.Tensor
+    rows: torch.Tensor | None
+    width: int
+
+
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
     import triton
@@ -41,7 +57,8 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit
     def chunk_best(logits_ptr, stride_b, n, temp_ptr, greedy_ptr, seed_ptr, offset_ptr, val_ptr, idx_ptr, per_row,
-                   nc, HAS_GREEDY: tl.constexpr, Q: tl.constexpr, CHUNK: tl.constexpr):
+                   nc, mask_ptr, mask_row_ptr, words, width, HAS_GREEDY: tl.constexpr, MASK: tl.constexpr,
+                   MASK_ROWS: tl.constexpr, Q: tl.constexpr, CHUNK: tl.constexpr):
         b = tl.program_id(0)
         c = tl.program_id(1)
         lane = tl.arange(0, Q)
@@ -53,6 +70,18 @@ def _kernels() -> tuple[Any, Any]:
         hi = tl.minimum(lo + CHUNK, n)
         best = tl.full([Q, 4], float("-inf"), tl.float32)
         best_i = lo + tile  # a row of -inf only (never a sampler's input) still names an id < n
+        # A bitmask row (an xgrammar mask: bit c % 32 of word c // 32 allows id c; ids from
+        # `width` on never), or none: masked ids score -inf, as if the logit were.
+        masked = b < 0  # False
+        limit = n
+        bits = mask_ptr
+        if MASK:
+            mr = b
+            if MASK_ROWS:
+                mr = tl.load(mask_row_ptr + b)
+            masked = mr >= 0
+            limit = tl.where(masked, tl.minimum(n, width), n)
+            bits = mask_ptr + tl.where(masked, mr, 0).to(tl.int64) * words
         noisy = True
         if HAS_GREEDY:
             noisy = tl.load(greedy_ptr + b) == 0
@@ -62,7 +91,11 @@ def _kernels() -> tuple[Any, Any]:
             ctr0 = tl.load(offset_ptr) + b.to(tl.int64) * per_row
             for off in range(lo, hi, 4 * Q):
                 cols = off + tile
-                x = tl.load(row + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+                x = tl.load(row + cols, mask=cols < limit, other=float("-inf")).to(tl.float32)
+                if MASK:
+                    if masked:
+                        w = tl.load(bits + cols // 32, mask=cols < limit, other=0)
+                        x = tl.where(((w >> (cols % 32)) & 1) != 0, x, float("-inf"))
                 u0, u1, u2, u3 = tl.rand4x(seed, ctr0 + off // 4 + lane)
                 u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [Q, 4])
                 x = x * inv_t - tl.log(-tl.log(u))
@@ -72,7 +105,11 @@ def _kernels() -> tuple[Any, Any]:
         else:
             for off in range(lo, hi, 4 * Q):
                 cols = off + tile
-                x = tl.load(row + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+                x = tl.load(row + cols, mask=cols < limit, other=float("-inf")).to(tl.float32)
+                if MASK:
+                    if masked:
+                        w = tl.load(bits + cols // 32, mask=cols < limit, other=0)
+                        x = tl.where(((w >> (cols % 32)) & 1) != 0, x, float("-inf"))
                 better = x > best
                 best = tl.where(better, x, best)
                 best_i = tl.where(better, cols, best_i)
@@ -97,12 +134,14 @@ def _kernels() -> tuple[Any, Any]:
 
 
 def gumbel_draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor | None, seed: torch.Tensor,
-                offset: torch.Tensor, lanes: int = LANES, tiles: int = TILES) -> torch.Tensor:
+                offset: torch.Tensor, bitmask: Bitmask | None = None, lanes: int = LANES,
+                tiles: int = TILES) -> torch.Tensor:
     """logits: [B, V] (any float dtype, rows of stride-1 ids); temperature: [B] or [B, 1]
     float32 (> 0 on sampled rows); greedy: [B] bool (those rows take the argmax), or None
     when no row is greedy; seed, offset: [1] int64 on logits' device (offset advanced in
-    place). Returns [B] int64 ids. `lanes` (a power of two) and `tiles` set the work
-    split (tests shrink it for Triton's interpreter); the ids drawn depend on them."""
+    place); bitmask: the ids each row may take (None: all). Returns [B] int64 ids.
+    `lanes` (a power of two) and `tiles` set the work split (tests shrink it for Triton's
+    interpreter); the ids drawn depend on them."""
     b, v = logits.shape
     chunk = 4 * lanes * tiles
     assert logits.stride(1) == 1 and v < 2**31
@@ -114,7 +153,15 @@ def gumbel_draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
     idx = torch.empty(b, nc, dtype=torch.int32, device=logits.device)
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     temp = temperature.reshape(b)
+    words = rows = temp  # not read without a bitmask (a pointer argument all the same)
+    n_words = width = 0
+    if bitmask is not None:
+        words, n_words, width = bitmask.words, bitmask.words.shape[1], bitmask.width
+        rows = temp if bitmask.rows is None else bitmask.rows
     chunk_best[(b, nc)](logits, logits.stride(0), v, temp, temp if greedy is None else greedy, seed, offset, vals, idx,
-                        per_row, nc, HAS_GREEDY=greedy is not None, Q=lanes, CHUNK=chunk, num_warps=4)
-    row_best[(b,)](vals, idx, out, offset, b * per_row, nc, NC=max(16, 1 << (nc - 1).bit_length()), num_warps=1)
+                        per_row, nc, words, rows, n_words, width, HAS_GREEDY=greedy is not None,
+                        MASK=bitmask is not None, MASK_ROWS=bitmask is not None and bitmask.rows is not None,
+                        Q=lanes, CHUNK=chunk, num_warps=4)
+    nc_pad = max(16, 1 << (nc - 1).bit_length())
+    row_best[(b,)](vals, idx, out, offset, b * per_row, nc, NC=nc_pad, num_warps=1)
     return out

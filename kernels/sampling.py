@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl.kernels.gumbel_draw import gumbel_draw
+from sgl.kernels.gumbel_draw import Bitmask, gumbel_draw
 from sgl.kernels.layers import flashinfer_module
 from sgl.kernels.triton_decode import installed as triton_installed
 
@@ -57,14 +57,21 @@ class FusedDraw:
     def available(device: torch.device) -> bool:
         return device.type == "cuda" and flashinfer_module() is not None and triton_installed()
 
+    @staticmethod
+    def one_pass(need_top_k: bool, need_top_p: bool) -> bool:
+        """Whether a batch with these filters draws in one pass (and can take a bitmask)."""
+        return not (need_top_k or need_top_p)
+
     def __call__(self, logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor | None,
-                 top_k: torch.Tensor, top_p: torch.Tensor, need_top_k: bool, need_top_p: bool) -> torch.Tensor:
+                 top_k: torch.Tensor, top_p: torch.Tensor, need_top_k: bool, need_top_p: bool,
+                 bitmask: Bitmask | None = None) -> torch.Tensor:
         """logits: [B, V] raw (any float dtype); temperature: [B, 1] float32 (1.0 on greedy
-        rows); greedy: [B] bool, or None when no row is greedy. One token id per row ([B]
-        int64): greedy rows the argmax, the others drawn from softmax(logits / T) filtered
-        as top_k_top_p keeps it."""
-        if not (need_top_k or need_top_p):
-            return gumbel_draw(logits, temperature, greedy, self.seed, self.offset)
+        rows); greedy: [B] bool, or None when no row is greedy; bitmask: the ids rows may
+        take (only where `one_pass`). One token id per row ([B] int64): greedy rows the
+        argmax, the others drawn from softmax(logits / T) filtered as top_k_top_p keeps it."""
+        if self.one_pass(need_top_k, need_top_p):
+            return gumbel_draw(logits, temperature, greedy, self.seed, self.offset, bitmask)
+        assert bitmask is None, "a bitmask goes with the one-pass draw only"
         probs = top_k_top_p(torch.softmax(logits / temperature, dim=-1), top_k, top_p, need_top_k, need_top_p)
         ids = self.fi.sampling.sampling_from_probs(probs, seed=self.seed, offset=self.offset).long()
         self.offset.add_((logits.shape[0] + 3) // 4 * 4)  # one uniform per row (inverse CDF), as FlashInfer counts

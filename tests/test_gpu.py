@@ -513,3 +513,36 @@ def test_gumbel_draw_greedy_rows_are_torch_argmax() -> None:
     ids = gumbel_draw(logits, torch.ones(b, device="cuda"), torch.ones(b, dtype=torch.bool, device="cuda"), zero,
                       zero.clone())
     assert torch.equal(ids, logits.argmax(dim=-1))
+
+
+def test_gumbel_draw_bitmask_equals_xgrammars_apply() -> None:
+    """A grammar's bitmask applied in the one-pass draw (what the sampler does for grammar
+    rows) picks, for greedy rows, the argmax of the logits masked by xgrammar's own apply
+    on the GPU and cut at the tokenizer's width; sampled rows only ids the mask allows;
+    a row with no mask row is not masked."""
+    import xgrammar
+
+    from sgl.kernels.gumbel_draw import Bitmask, gumbel_draw
+
+    g = torch.Generator().manual_seed(1)
+    b, v, width = 64, 151_936, 151_669  # Qwen3's columns and tokenizer ids
+    logits = torch.randn(b, v, generator=g).to(torch.bfloat16).cuda()
+    words = torch.randint(-(2**31), 2**31, (b, (width + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    words[:, :10] = 0  # the first 320 ids never allowed: the raw argmax is often one of them
+    words = words.cuda()
+    rows = torch.arange(b, dtype=torch.int32)
+    rows[::5] = -1
+    rows = rows.cuda()
+    expected = logits.float()
+    masked = (rows >= 0).nonzero()[:, 0]
+    part = expected[masked].contiguous()
+    xgrammar.apply_token_bitmask_inplace(part, words[masked].contiguous(), vocab_size=width)
+    part[:, width:] = float("-inf")
+    expected[masked] = part
+    zero = torch.zeros(1, dtype=torch.int64, device="cuda")
+    mask = Bitmask(words, rows, width)
+    ids = gumbel_draw(logits, torch.ones(b, device="cuda"), torch.ones(b, dtype=torch.bool, device="cuda"), zero,
+                      zero.clone(), mask)
+    assert torch.equal(ids, expected.argmax(dim=-1))
+    ids = gumbel_draw(logits, torch.full((b,), 0.8, device="cuda"), None, zero, zero.clone(), mask)
+    assert bool(torch.isfinite(expected.gather(1, ids[:, None])).all())

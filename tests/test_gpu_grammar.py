@@ -66,3 +66,26 @@ def test_grammar_rows_under_overlap_and_graphs_equal_no_overlap(model_dir: str) 
         assert re.fullmatch(PATTERN, t), t
     obj = json.loads(texts[4])
     assert set(obj) == {"name", "n"} and isinstance(obj["n"], int) and len(obj["name"]) <= 12
+
+
+def test_grammar_rows_beside_plain_rows_in_one_batch(model_dir: str) -> None:
+    """Grammar rows and plain rows sampled in one batch (no seeds: the one-pass draw, the
+    grammar rows' bitmasks applied in it through their mask rows, the plain rows unmasked):
+    every grammar output matches, every plain output runs to its length (ignore_eos), and
+    the plain outputs are not all within the regex's alphabet (they were not masked)."""
+    n = 12
+    params: list[dict[str, Any]] = [
+        {"regex": PATTERN, "temperature": 0.8, "max_new_tokens": 64} if i % 3 == 0
+        else {"temperature": 0.8, "max_new_tokens": 24, "ignore_eos": True} for i in range(n)]
+    with sgl.Engine(model_dir, transport="inproc", load_format="dummy", dtype="bfloat16",
+                    attention_backend="flashinfer", max_total_tokens=40000) as e:
+        outs = e.generate([f"item {i}:" for i in range(n)], params)
+        info = e.get_server_info()
+        assert_kv_balanced(info)
+        assert info["failures"] == 0
+    for i, o in enumerate(outs):
+        if i % 3 == 0:
+            assert re.fullmatch(PATTERN, o["text"]), o["text"]
+        else:
+            assert len(o["output_ids"]) == 24
+    assert not all(re.fullmatch(r"[a-z0-9-]*", o["text"]) for i, o in enumerate(outs) if i % 3)

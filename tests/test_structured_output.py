@@ -225,7 +225,7 @@ def test_a_token_the_matcher_refuses_ends_that_request_alone(tmp_path: Any) -> N
     reqs[0].output_ids = [digit]
     reqs[1].output_ids = [digit, letter, digit]  # three new tokens (a step sat out), the second refused
     reqs[2].output_ids = [letter]  # one new token, refused
-    rows = GrammarRows(None, [4, 5, 6], reqs, [0, 0, 0], len(tok))
+    rows = GrammarRows(None, None, [4, 5, 6], reqs, [0, 0, 0], len(tok))
     fill = MaskFiller(torch.device("cpu"), frozenset([eos])).fill(rows)
     assert set(fill.errors) == {5, 6} and all(f"rejected token {letter}," in e for e in fill.errors.values())
     allowed = set(torch.nonzero(bitmask_to_bool_mask(fill.mask[0:1], len(tok))[0]).flatten().tolist())

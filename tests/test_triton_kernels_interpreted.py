@@ -129,3 +129,39 @@ def test_gumbel_draw_samples_softmax_of_logits_over_temperature() -> None:
     assert got[:2].sum() == 0 and got[10:].sum() == 0
     se = (want * (1 - want) / draws).sqrt()
     assert bool(((got[2:10] - want).abs() <= 5 * se).all()), (got, want)
+
+
+@settings(PROFILE, max_examples=12)
+@given(v=st.integers(40, 160), width_cut=st.integers(0, 30), rows=st.lists(
+    st.tuples(st.booleans(), st.sampled_from([None, 0, 1, 2])), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_gumbel_draw_applies_an_xgrammar_bitmask(v: int, width_cut: int, rows: list[tuple[bool, int | None]],
+                                                 seed: int) -> None:
+    """A grammar's bitmask applied in the draw's read equals xgrammar's own apply
+    followed by the engine's cut at the tokenizer's width: a greedy masked row gets the
+    argmax of the logits masked so, a sampled one an id they allow; a row with no mask
+    row (-1) is not masked."""
+    import xgrammar
+
+    from sgl.kernels.gumbel_draw import Bitmask, gumbel_draw
+
+    g = torch.Generator().manual_seed(seed)
+    width = v - width_cut
+    words = torch.randint(-(2**31), 2**31, (3, (width + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(len(rows), v, generator=g)
+    which = torch.tensor([-1 if m is None else m for _, m in rows], dtype=torch.int32)
+    expected = logits.clone()
+    for i, (_, m) in enumerate(rows):
+        if m is not None:
+            row = expected[i : i + 1, :width].clone()
+            xgrammar.apply_token_bitmask_inplace(row, words[m : m + 1].clone(), vocab_size=width)
+            expected[i, :width] = row[0]
+            expected[i, width:] = float("-inf")
+    greedy = torch.tensor([gr for gr, _ in rows])
+    ids = gumbel_draw(logits, torch.ones(len(rows)), greedy, torch.tensor([1]), torch.zeros(1, dtype=torch.int64),
+                      Bitmask(words, which, width), lanes=4, tiles=2)
+    for i, (gr, m) in enumerate(rows):
+        if not torch.isfinite(expected[i]).any():
+            continue  # a mask that allows nothing (never a grammar's): any id
+        assert ids[i] == expected[i].argmax() if gr else bool(torch.isfinite(expected[i, ids[i]]))
+        if m is None:
+            assert torch.equal(expected[i], logits[i])

@@ -48,6 +48,7 @@ class GrammarRows:
     """A batch's grammar rows, known at build time; their bitmasks come later."""
 
     entries: torch.Tensor | None  # [g] the grammar rows among the sampled logits rows, on the device; None: all
+    mask_rows: torch.Tensor | None  # [B] int32 each sampled row's mask row, -1 for none, on the device; None: all
     batch_rows: list[int]  # the same rows on the host (the batch's entries, for StepResult.errors)
     reqs: list[Req]
     beams: list[int]  # each row's beam within its request (0 for a plain request)
@@ -76,8 +77,13 @@ def grammar_rows(batch: ScheduleBatch, runner: ModelRunner) -> GrammarRows | Non
     if not entries:
         return None
     every = len(entries) == len(batch.reqs)  # the logits rows themselves: no gather and scatter
-    dev = None if every else to_device(torch.tensor(entries, dtype=torch.int64), runner.device)
-    return GrammarRows(dev, entries, reqs, beams, runner.grammar_vocab)
+    dev = mask_rows = None
+    if not every:
+        dev = to_device(torch.tensor(entries, dtype=torch.int64), runner.device)
+        inverse = torch.full((len(batch.reqs),), -1, dtype=torch.int32)
+        inverse[entries] = torch.arange(len(entries), dtype=torch.int32)
+        mask_rows = to_device(inverse, runner.device)
+    return GrammarRows(dev, mask_rows, entries, reqs, beams, runner.grammar_vocab)
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from sgl.core.log import get_logger
 from sgl.core.logit_processor import CustomLogitProcessor
 from sgl.core.server_args import ServerArgs
 from sgl.kernels.attention import AttentionBackend
+from sgl.kernels.gumbel_draw import Bitmask
 from sgl.kernels.sampling import FusedDraw
 from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.kernels.trie_mask import trie_advance, trie_mask_
@@ -33,7 +34,7 @@ from sgl.sched.runner.beam_select import BeamBuffers, select
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.grammar_masks import GrammarFill, MaskFiller
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
-from sgl.sched.runner.sampler import process_logits, sample
+from sgl.sched.runner.sampler import SamplingBatch, fused_takes, process_logits, sample
 from sgl.sched.runner.step import CudaLaunched, Deferred, Launched, Ready, StepResult
 
 if TYPE_CHECKING:
@@ -240,6 +241,12 @@ class ModelRunner:
                                    seed=args.random_seed or 0, tp=self.tp)
         return model, config  # in eval mode already
 
+    def _draw_masks(self, sb: SamplingBatch) -> bool:
+        """Whether the sampler's draw applies a grammar's bitmask itself (one pass, no
+        copy of the logits to mask in place)."""
+        fused = self.fused_draw
+        return fused is not None and fused_takes(sb, fused) and fused.one_pass(sb.need_top_k, sb.need_top_p)
+
     def _mask(self, processed: torch.Tensor, logits: torch.Tensor, p: PreparedBatch,
               fill: GrammarFill | None) -> torch.Tensor:
         """Each trie row keeps only its node's children (EOS where a sequence ends), each
@@ -364,11 +371,15 @@ class ModelRunner:
             logits = logits.to(torch.float32, copy=True)
             logits[p.beam_src] = torch.log_softmax(logits[p.beam_src], dim=-1)
         processed = process_logits(logits, p.sampling, counts, errors)
-        if p.tries or p.grammar is not None:
+        bitmask = None
+        if fill is not None and fill.errors:
+            errors.update(fill.errors)
+        if (g := p.grammar) is not None and not p.tries and p.beam_src is None and self._draw_masks(p.sampling):
+            assert fill is not None
+            bitmask = Bitmask(fill.mask, g.mask_rows, g.width)  # applied in the draw's one read of the logits
+        elif p.tries or g is not None:
             processed = self._mask(processed, logits, p, fill)
-            if fill is not None and fill.errors:
-                errors.update(fill.errors)
-        next_ids = sample(processed, p.sampling, self.generator, self.fused_draw)
+        next_ids = sample(processed, p.sampling, self.generator, self.fused_draw, bitmask)
         self.next_token[p.rows] = next_ids
         if self.counts is not None:
             self.counts[p.rows, next_ids] += 1

@@ -25,6 +25,7 @@ import torch
 from sgl.cache.host_copy import to_device
 from sgl.core.logit_processor import BEAM_KEY, OUTPUT_IDS_KEY, OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
 from sgl.core.sampling_params import SamplingParams
+from sgl.kernels.gumbel_draw import Bitmask
 from sgl.kernels.sampling import FusedDraw, top_k_top_p
 from sgl.sched.req import Req, beam_offsets
 
@@ -197,18 +198,26 @@ def _apply(
         return str(e) or type(e).__name__
 
 
+def fused_takes(sb: SamplingBatch, fused: FusedDraw | None) -> bool:
+    """Whether `sample` draws this batch by `fused` (then a bitmask can go with it)."""
+    return fused is not None and not sb.need_min_p and not sb.seeded
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator | None = None,
-           fused: FusedDraw | None = None) -> torch.Tensor:
+           fused: FusedDraw | None = None, bitmask: Bitmask | None = None) -> torch.Tensor:
     """logits: [B, V], already through process_logits -> [B] int64 token ids. The argmax
     runs in the logits' own dtype (upcasting is exact, so it picks the same token);
     sampling in float32: by `fused` (one pass over the logits, the engine's stream)
     when given, unless a row has a seed of its own or min_p; else by the exponential
-    race on `global_gen`."""
-    if sb.all_greedy:
+    race on `global_gen`. `bitmask`: the ids a grammar allows each row, applied in the
+    draw (only where fused_takes(sb) and fused.one_pass; else the caller masks the logits)."""
+    if sb.all_greedy and bitmask is None:
         return logits.argmax(dim=-1)
-    if fused is not None and not sb.need_min_p and not sb.seeded:
+    if fused_takes(sb, fused):
+        assert fused is not None
         return fused(logits, sb.temperature, sb.greedy if sb.any_greedy else None, sb.top_k, sb.top_p,
-                     sb.need_top_k, sb.need_top_p)
+                     sb.need_top_k, sb.need_top_p, bitmask)
+    assert bitmask is None, "a bitmask goes with the fused draw only"
     scaled = logits / sb.temperature  # float32 (the temperatures are), in one pass
     probs = torch.softmax(scaled, dim=-1)
     probs = top_k_top_p(probs, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
