@@ -43,7 +43,7 @@
 #   `-- --timeout 400 --json $OUT/vllm.json`), then this script's steps with GPU_BUDGET_S
 #   set from the budget `status` reports, most important step first.
 # - A call that pipes this script's output (`... | tail`) returns only when every process
-#   holding the pipe has ended: session 14 lost 550 s of device time to the watchdog's
+#   holding the pipe has ended: session 14 lost ~930 s of device time to the watchdog's
 #   sleep (fixed in stacks_after). Send the next call at once: a machine idle for 30 s goes
 #   back, and the next call then starts a fresh one with no wheels, no /tmp/site and no
 #   kernels (carry .whl and .ficache again).
