@@ -37,11 +37,17 @@
 #   each step gets the time left, capped by its own limit; steps that no longer fit
 #   are skipped and say so.
 # - A fresh machine costs 60-120 s of device time before the command starts; a call sent
-#   within 30 s of the last one's return keeps the same machine (and its /tmp). One lease
-#   for the table of issue 17 (session 10, 610 s of device time): vLLM's two calls first
-#   (`bash .peer/vllm/kit/unpack.sh .peer/vllm` carrying c1 and kit, then c2 and kit with
-#   `-- --timeout 400 --json $OUT/vllm.json`), then this script's steps with GPU_BUDGET_S
-#   set from the budget `status` reports, most important step first.
+#   within 30 s of the last one's return keeps the same machine (and its /tmp).
+# - One lease for the table of issue 17 (carry is 64 MiB a call: c1 is 58 MiB, c2 44 MiB,
+#   .whl 16 MiB, .ficache 36 MiB), each call sent as soon as the last returns:
+#   1. carry c1, kit: `bash .peer/vllm/kit/unpack.sh .peer/vllm` (exits 3: part.01 missing);
+#   2. carry c2, kit, .whl: the same with `-- --timeout 330 --json $OUT/vllm.json` (~200 s),
+#      then `bash benchmarks/gpu_session.sh` with no step (installs the wheels in /tmp/site);
+#   3. carry kit, .ficache: the kit with `-- --config /tmp/qwen3-8b.json --workloads W1,W2
+#      --timeout 200 --json $OUT/vllm8b.json` (cp benchmarks/configs/qwen3-8b.json first;
+#      ~135 s), then `GPU_BUDGET_S=$((570 - SECONDS)) bash benchmarks/gpu_session.sh tests w1 w2 w7`;
+#   4. carry .lt, .old: `W3_REPEAT=3 STARTUP_REPEAT=2 bash benchmarks/gpu_session.sh w3rep
+#      startup grammar06 grammar06old drawcost prof8b`.
 # - A call that pipes this script's output (`... | tail`) returns only when every process
 #   holding the pipe has ended: session 14 lost ~930 s of device time to the watchdog's
 #   sleep (fixed in stacks_after). Send the next call at once: a machine idle for 30 s goes
