@@ -34,7 +34,7 @@ from sgl.sched.runner.beam_select import BeamBuffers, select
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.grammar_masks import GrammarFill, MaskFiller
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
-from sgl.sched.runner.sampler import SamplingBatch, fused_takes, process_logits, sample
+from sgl.sched.runner.sampler import fused_takes, process_logits, sample
 from sgl.sched.runner.step import CudaLaunched, Deferred, Launched, Ready, StepResult
 
 if TYPE_CHECKING:
@@ -241,12 +241,6 @@ class ModelRunner:
                                    seed=args.random_seed or 0, tp=self.tp)
         return model, config  # in eval mode already
 
-    def _draw_masks(self, sb: SamplingBatch) -> bool:
-        """Whether the sampler's draw applies a grammar's bitmask itself (one pass, no
-        copy of the logits to mask in place)."""
-        fused = self.fused_draw
-        return fused is not None and fused_takes(sb, fused) and fused.one_pass(sb.need_top_k, sb.need_top_p)
-
     def _mask(self, processed: torch.Tensor, logits: torch.Tensor, p: PreparedBatch,
               fill: GrammarFill | None) -> torch.Tensor:
         """Each trie row keeps only its node's children (EOS where a sequence ends), each
@@ -374,9 +368,11 @@ class ModelRunner:
         bitmask = None
         if fill is not None and fill.errors:
             errors.update(fill.errors)
-        if (g := p.grammar) is not None and not p.tries and p.beam_src is None and self._draw_masks(p.sampling):
-            assert fill is not None
-            bitmask = Bitmask(fill.mask, g.mask_rows, g.width)  # applied in the draw's one read of the logits
+        sb, fused = p.sampling, self.fused_draw
+        if ((g := p.grammar) is not None and not p.tries and p.beam_src is None and fused is not None
+                and fused_takes(sb, fused) and fused.one_pass(sb.need_top_k, sb.need_top_p)):
+            assert fill is not None  # the draw applies the bitmask in its one read of the logits: no masked copy
+            bitmask = Bitmask(fill.mask, g.mask_rows, g.width)
         elif p.tries or g is not None:
             processed = self._mask(processed, logits, p, fill)
         next_ids = sample(processed, p.sampling, self.generator, self.fused_draw, bitmask)
