@@ -57,6 +57,24 @@ class FusedDraw:
     def available(device: torch.device) -> bool:
         return device.type == "cuda" and flashinfer_module() is not None and triton_installed()
 
+    @classmethod
+    def ready(cls, device: torch.device, seed: int, vocab: int, dtype: torch.dtype) -> FusedDraw | None:
+        """One warmed up for `vocab`-wide `dtype` logits where `available`, else None."""
+        if not cls.available(device):
+            return None
+        draw = cls(device, seed)
+        draw.warm_up(vocab, dtype)
+        return draw
+
+    def warm_up(self, vocab: int, dtype: torch.dtype) -> None:
+        """Compile the one-pass draw's two common kernels now (sampled rows, and sampled
+        beside greedy), not at the first sampled request; the stream starts over after."""
+        logits = torch.zeros(2, vocab, dtype=dtype, device=self.seed.device)
+        temperature = torch.ones(2, 1, device=self.seed.device)
+        gumbel_draw(logits, temperature, None, self.seed, self.offset)
+        gumbel_draw(logits, temperature, torch.tensor([True, False], device=self.seed.device), self.seed, self.offset)
+        self.offset.zero_()
+
     @staticmethod
     def one_pass(need_top_k: bool, need_top_p: bool) -> bool:
         """Whether a batch with these filters draws in one pass (and can take a bitmask)."""

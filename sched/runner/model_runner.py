@@ -166,8 +166,7 @@ class ModelRunner:
         self.processors: dict[str, CustomLogitProcessor] = {}
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(args.random_seed if args.random_seed is not None else 0)
-        self.fused_draw = (FusedDraw(self.device, args.random_seed or 0) if FusedDraw.available(self.device)
-                           else None)
+        self.fused_draw = FusedDraw.ready(self.device, args.random_seed or 0, self.vocab_size, self.dtype)
         self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
         t0 = time.perf_counter()
