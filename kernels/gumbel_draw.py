@@ -14,10 +14,12 @@ score and id (strictly greater replaces, so within a lane the first of equal sco
 stays), reduced once at the end to the lowest id among the chunk's maxima; a second
 kernel takes each row's best chunk the same way, so greedy rows get torch.argmax's
 answer exactly (the first index of the maximum). The noise is Triton's Philox: counter =
-offset + row * per_row + (column // 4 of the block) + lane, four uniforms per counter,
+offset / 4 + row * per_row + (column // 4 of the block) + lane, four uniforms per counter,
 key = seed. seed and offset live in device tensors (the caller's stream), and the second
-kernel advances the offset by what this draw used, so a draw never reads the host and
-the next draw's noise is fresh.
+kernel advances the offset by the uniforms this draw used, so a draw never reads the host
+and the next draw's noise is fresh. The offset counts uniforms, as FlashInfer's samplers
+count it on the same tensor (kernels/sampling.FusedDraw): its row 0 draws from counter
+offset / 4 with the same Philox, past every counter an earlier draw here used.
 
 A grammar's bitmask (xgrammar's layout) can be applied in the same read: a disallowed id
 scores -inf, so the [B, V] float32 copy that masking in place needs is not made.
@@ -88,7 +90,7 @@ def _kernels() -> tuple[Any, Any]:
         if noisy:
             inv_t = 1.0 / tl.load(temp_ptr + b)
             seed = tl.load(seed_ptr)
-            ctr0 = tl.load(offset_ptr) + b.to(tl.int64) * per_row
+            ctr0 = tl.load(offset_ptr) // 4 + b.to(tl.int64) * per_row
             for off in range(lo, hi, 4 * Q):
                 cols = off + tile
                 x = tl.load(row + cols, mask=cols < limit, other=float("-inf")).to(tl.float32)
@@ -163,5 +165,5 @@ def gumbel_draw(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
                         MASK=bitmask is not None, MASK_ROWS=bitmask is not None and bitmask.rows is not None,
                         Q=lanes, CHUNK=chunk, num_warps=4)
     nc_pad = max(16, 1 << (nc - 1).bit_length())
-    row_best[(b,)](vals, idx, out, offset, b * per_row, nc, NC=nc_pad, num_warps=1)
+    row_best[(b,)](vals, idx, out, offset, 4 * b * per_row, nc, NC=nc_pad, num_warps=1)
     return out

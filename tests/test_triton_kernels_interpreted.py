@@ -104,7 +104,7 @@ def test_gumbel_draw_greedy_rows_are_argmax_and_masked_ids_never_drawn(
         for i, (gr, _) in enumerate(rows):
             assert ids[i] == argmax[i] if gr else bool(torch.isfinite(logits[i, ids[i]]))
     chunk = 4 * lanes * tiles
-    assert int(offset) == 5 + 2 * len(rows) * (-(-v // chunk) * chunk // 4)
+    assert int(offset) == 5 + 2 * 4 * len(rows) * (-(-v // chunk) * chunk // 4)  # uniforms, 4 a counter
 
 
 def test_gumbel_draw_samples_softmax_of_logits_over_temperature() -> None:
@@ -165,3 +165,20 @@ def test_gumbel_draw_applies_an_xgrammar_bitmask(v: int, width_cut: int, rows: l
         assert ids[i] == expected[i].argmax() if gr else bool(torch.isfinite(expected[i, ids[i]]))
         if m is None:
             assert torch.equal(expected[i], logits[i])
+
+
+def test_gumbel_draw_bitmask_rows_none_is_row_i_takes_mask_row_i() -> None:
+    """Every row masked by its own mask row (Bitmask.rows None, the engine's case when
+    every sampled row has a grammar) draws exactly what the explicit index 0..B-1 draws."""
+    from sgl.kernels.gumbel_draw import Bitmask, gumbel_draw
+
+    g = torch.Generator().manual_seed(3)
+    b, v, width = 5, 150, 131
+    logits = torch.randn(b, v, generator=g)
+    words = torch.randint(-(2**31), 2**31, (b, (width + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    greedy = torch.tensor([True, False, True, False, False])
+    draws = [gumbel_draw(logits, torch.full((b,), 0.7), greedy, torch.tensor([2]), torch.zeros(1, dtype=torch.int64),
+                         Bitmask(words, rows, width), lanes=4, tiles=2)
+             for rows in (None, torch.arange(b, dtype=torch.int32))]
+    assert torch.equal(draws[0], draws[1])
+    assert bool((draws[0] < width).all())

@@ -147,10 +147,10 @@ class MaskFiller:
         entered = threading.Event()
 
         def accept_and_fill() -> None:
+            entered.set()  # first: whatever raises below reaches `finish`, never a waiting `start`
             import xgrammar
 
             nonlocal rows, matchers
-            entered.set()
             if took:
                 oks = xgrammar.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in took], tokens)
                 if not all(oks) or any(t in self.stop_ids for t in tokens):
