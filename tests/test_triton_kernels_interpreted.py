@@ -108,13 +108,13 @@ def test_gumbel_draw_greedy_rows_are_argmax_and_masked_ids_never_drawn(
 
 
 def test_gumbel_draw_samples_softmax_of_logits_over_temperature() -> None:
-    """300 draws of one 8-id distribution at T = 0.5 (ids spread over two chunks) against
-    softmax(logits / T), within 5 standard errors each (T = 1 would put the first id 7.7
+    """200 draws of one 8-id distribution at T = 0.5 (ids spread over two chunks) against
+    softmax(logits / T), within 5 standard errors each (T = 1 would put the first id 6.3
     off); the same seed and offset draw the same ids, the next draw others. The GPU
     test (tests/test_gpu.py) takes 20,000 draws."""
     from sgl.kernels.gumbel_draw import gumbel_draw
 
-    draws, t = 300, 0.5
+    draws, t = 200, 0.5
     base = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
     logits = torch.full((draws, 12), float("-inf"))
     logits[:, 2:10] = base
