@@ -58,6 +58,14 @@ def _exit_flushed(code: int) -> None:
     os._exit(code)
 
 
+def _on_gpu(device: str) -> bool:
+    if device not in ("auto", "cuda"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main() -> None:
     ready_fd = int(sys.argv[1])
     from sgl.core.log import configure_logging
@@ -68,10 +76,11 @@ def main() -> None:
     threading.Thread(target=_exit_when_parent_dies, args=(cfg.addresses.ipc_dir,), name="parent-watch",
                      daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which shuts us down
-    if cfg.role == "scheduler":
+    if cfg.role == "scheduler" and _on_gpu(cfg.server_args.device):
         # This process is the scheduler's own: its grammar fill thread runs a few lines of
         # Python between GIL-free native calls, and at the default 5 ms interval each
         # waited up to that for the scheduler's thread (sgl.sched.runner.grammar_masks).
+        # Not on the CPU, whose forward runs on a thread of its own and would pay the turns.
         sys.setswitchinterval(SCHEDULER_SWITCH_INTERVAL_S)
 
     def report(status: dict[str, Any]) -> None:
