@@ -47,7 +47,10 @@
 #      --timeout 200 --json $OUT/vllm8b.json` (cp benchmarks/configs/qwen3-8b.json first;
 #      ~135 s), then `GPU_BUDGET_S=$((570 - SECONDS)) bash benchmarks/gpu_session.sh tests w1 w2 w7`;
 #   4. carry .lt, .old: `W3_REPEAT=3 STARTUP_REPEAT=2 bash benchmarks/gpu_session.sh w3rep
-#      startup grammar06 grammar06old drawcost prof8b`.
+#      startup grammar06 grammar06old drawcost prof8b`. .lt: the default model's files but its
+#      weights (`d=$(.venv/bin/python -c "from sgl.sched.models.default_model import
+#      default_model_dir as f; print(f())"); mkdir .lt; cp $d/*.json $d/*.jinja .lt/`);
+#      .old: the checkout to compare with (`mkdir .old; git archive COMMIT | tar x -C .old`).
 # - A call that pipes this script's output (`... | tail`) returns only when every process
 #   holding the pipe has ended: session 14 lost ~930 s of device time to the watchdog's
 #   sleep (fixed in stacks_after). Send the next call at once: a machine idle for 30 s goes
