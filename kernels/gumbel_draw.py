@@ -87,34 +87,23 @@ def _kernels() -> tuple[Any, Any]:
         noisy = True
         if HAS_GREEDY:
             noisy = tl.load(greedy_ptr + b) == 0
-        if noisy:
-            inv_t = 1.0 / tl.load(temp_ptr + b)
-            seed = tl.load(seed_ptr)
-            ctr0 = tl.load(offset_ptr) // 4 + b.to(tl.int64) * per_row
-            for off in range(lo, hi, 4 * Q):
-                cols = off + tile
-                x = tl.load(row + cols, mask=cols < limit, other=float("-inf")).to(tl.float32)
-                if MASK:
-                    if masked:
-                        w = tl.load(bits + cols // 32, mask=cols < limit, other=0)
-                        x = tl.where(((w >> (cols % 32)) & 1) != 0, x, float("-inf"))
+        inv_t = 1.0 / tl.load(temp_ptr + b)
+        seed = tl.load(seed_ptr)
+        ctr0 = tl.load(offset_ptr) // 4 + b.to(tl.int64) * per_row
+        for off in range(lo, hi, 4 * Q):
+            cols = off + tile
+            x = tl.load(row + cols, mask=cols < limit, other=float("-inf")).to(tl.float32)
+            if MASK:
+                if masked:
+                    w = tl.load(bits + cols // 32, mask=cols < limit, other=0)
+                    x = tl.where(((w >> (cols % 32)) & 1) != 0, x, float("-inf"))
+            if noisy:  # one branch a row: every iteration of a program takes the same side
                 u0, u1, u2, u3 = tl.rand4x(seed, ctr0 + off // 4 + lane)
                 u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [Q, 4])
                 x = x * inv_t - tl.log(-tl.log(u))
-                better = x > best  # strictly: a lane keeps the first of equal scores
-                best = tl.where(better, x, best)
-                best_i = tl.where(better, cols, best_i)
-        else:
-            for off in range(lo, hi, 4 * Q):
-                cols = off + tile
-                x = tl.load(row + cols, mask=cols < limit, other=float("-inf")).to(tl.float32)
-                if MASK:
-                    if masked:
-                        w = tl.load(bits + cols // 32, mask=cols < limit, other=0)
-                        x = tl.where(((w >> (cols % 32)) & 1) != 0, x, float("-inf"))
-                better = x > best
-                best = tl.where(better, x, best)
-                best_i = tl.where(better, cols, best_i)
+            better = x > best  # strictly: a lane keeps the first of equal scores
+            best = tl.where(better, x, best)
+            best_i = tl.where(better, cols, best_i)
         m = tl.max(tl.max(best, 1), 0)
         tl.store(val_ptr + b * nc + c, m)
         tl.store(idx_ptr + b * nc + c, tl.min(tl.min(tl.where(best == m, best_i, 2147483647), 1), 0))
