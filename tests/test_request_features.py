@@ -91,7 +91,12 @@ def test_forced_ids_round_trip_any_text(engine: sgl.Engine, text: str) -> None:
     chunks = list(engine.generate(input_ids=[5], sampling_params=forced(ids), custom_logit_processor=FORCE_PATH,
                                   stream=True))
     assert "".join(c["text"] for c in chunks) == text
-    assert not any("\ufffd" in c["text"] for c in chunks)
+    # No chunk streams a half-decoded character (a U+FFFD the text does not have there): every
+    # prefix of the stream is a prefix of the text, which may hold U+FFFD itself.
+    streamed = ""
+    for c in chunks:
+        streamed += c["text"]
+        assert text.startswith(streamed), (streamed, text)
 
 
 def test_forcing_one_request_leaves_its_batch_alone(engine: sgl.Engine) -> None:
