@@ -89,3 +89,36 @@ def test_grammar_rows_beside_plain_rows_in_one_batch(model_dir: str) -> None:
         else:
             assert len(o["output_ids"]) == 24
     assert not all(re.fullmatch(r"[a-z0-9-]*", o["text"]) for i, o in enumerate(outs) if i % 3)
+
+
+def test_beams_beside_grammar_rows_equal_beams_alone(model_dir: str) -> None:
+    """A plain beam request decoding in the grammar rows' batches (float32, torch attention).
+    A grammar batch's sampling is queued late, after the next batch is built; that batch is
+    prepared early (its host tensors while the masks fill) only when the pending sampling
+    moves no request-table rows. Beam selection moves them: prepared before it, the beams'
+    next KV indices would be their parents' old ones and the beams would differ from the
+    same request run alone."""
+    import asyncio
+
+    beam = {"beam_width": 4, "num_return_beams": 4, "max_new_tokens": 16}
+    kw: dict[str, Any] = {"transport": "inproc", "load_format": "dummy", "dtype": "float32",
+                          "attention_backend": "torch", "disable_cuda_graph": True, "max_total_tokens": 20000}
+
+    async def run(with_grammar: bool) -> list[tuple[list[int], float]]:
+        async with sgl.AsyncEngine(model_dir, **kw) as e:
+            jobs = [e.generate("item 0:", beam)]
+            if with_grammar:
+                jobs += [e.generate(f"item {i}:", {"regex": PATTERN, "temperature": 0.7, "seed": i,
+                                                   "max_new_tokens": 40}) for i in range(1, 7)]
+            outs = await asyncio.gather(*jobs)
+            info = await e.get_server_info()
+            assert_kv_balanced(info)
+            assert info["failures"] == 0
+        for o in outs[1:]:
+            assert re.fullmatch(PATTERN, o["text"]), o["text"]
+        return [(b["output_ids"], b["meta_info"]["score"]) for b in outs[0]]
+
+    mixed, alone = asyncio.run(run(True)), asyncio.run(run(False))
+    assert [ids for ids, _ in mixed] == [ids for ids, _ in alone]
+    for (_, a), (_, b) in zip(mixed, alone):
+        assert abs(a - b) < 1e-3
