@@ -58,21 +58,6 @@ def process(s: Scheduler, batch: ScheduleBatch, res: StepResult) -> None:
             s.abort_now(req, error_message("result processing", e))
 
 
-def sampled_tokens(batch: ScheduleBatch, res: StepResult) -> dict[Req, int]:
-    """The tokens `process` will append, by request, read before it runs: a grammar's
-    matchers take them while the results are processed (sgl.sched.runner.grammar_masks).
-    The rows it skips are left out by the same tests it applies (below); the masks'
-    `finish` checks each output's length against what was assumed here."""
-    errors = res.errors or {}
-    out: dict[Req, int] = {}
-    for i, (req, epoch, partial, tok) in enumerate(zip(batch.reqs, batch.epochs, batch.partial,
-                                                      res.next_ids.tolist())):
-        if not (req.finished or req.epoch != epoch or req.beam is not None or partial or req.prefill_only
-                or req.to_abort is not None or i in errors):
-            out[req] = tok
-    return out
-
-
 def _apply(s: Scheduler, batch: ScheduleBatch, res: StepResult, i: int, req: Req, partial: bool, tok: int,
            first: int, a: int, k: int) -> None:
     """One request's share of a batch's results."""

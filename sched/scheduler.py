@@ -51,8 +51,8 @@ from sgl.sched.prefill_adder import PrefillAdder, prefill_batch, prompt_logprob_
 from sgl.sched.req import Req
 from sgl.sched.results import error_message, start_logprobs, token_id_output
 from sgl.sched.runner.model_runner import ModelRunner, eos_ids_of
-from sgl.sched.runner.step import Deferred, Launched, StepResult
-from sgl.sched.stepping import collect, complete, launch, prepare, start
+from sgl.sched.runner.step import Deferred, Launched
+from sgl.sched.stepping import collect, complete, launch, start
 from sgl.sched.stop import StopStrings
 from sgl.sched.trie_store import TrieStore, constrain
 from sgl.transports.channel import Receiver, Sender
@@ -149,9 +149,9 @@ class Scheduler:
         batch's results and send what finished or streamed. With overlap, batch N+1 is
         launched before batch N's results are processed; without it, each batch is
         processed in the turn that launched it. A batch with grammar rows has its masks
-        filled once the previous results are on the host (its forward runs meanwhile),
-        on a thread while they are processed and the next batch is built and prepared,
-        and its sampling queued before the next forward. False once a ShutdownReq was handled."""
+        filled only after the previous results are processed (its forward runs
+        meanwhile), on a thread while the next batch is built, and its sampling queued
+        before the next forward. False once a ShutdownReq was handled."""
         if self.waiting or self.running or self.chunked_req or self.pending:
             msgs = self.recv.recv_all_nowait()
         else:
@@ -173,40 +173,20 @@ class Scheduler:
         t0 = time.perf_counter()
         batch = self._build()
         st = self.stats
-        prepared = None
-        deferred = self.pending[1] if self.pending is not None and isinstance(self.pending[1], Deferred) else None
-        if batch is not None and deferred is not None and not deferred.moves_rows:
-            # Its host tensors now, while the pending batch's masks are still filling: the
-            # fill thread gets this time too. Never before a beam selection's sampling is
-            # queued: it moves the table rows this batch's KV indices are gathered from.
-            prepared = prepare(self, batch)
-            batch = batch if prepared is not None else None  # failed: its requests have ended
-        if deferred is not None:
+        if self.pending is not None and isinstance(self.pending[1], Deferred):
             # Its masks filled while this batch was built; its sampling is queued now,
             # before the next forward, which reads the tokens it samples.
             tm = time.perf_counter()
-            done = complete(self, *self.pending)  # type: ignore[misc]
-            self.pending = None if done is None else (self.pending[0], done)  # type: ignore[index]
+            done = complete(self, *self.pending)  # type: ignore[arg-type]
+            self.pending = None if done is None else (self.pending[0], done)
             st["mask_wait_s"] += time.perf_counter() - tm
-        launched = launch(self, batch, prepared) if batch is not None else None
+        launched = launch(self, batch) if batch is not None else None
         t1 = time.perf_counter()
         if batch is not None and launched is not None and not self.overlap:
             self.pending, launched = (batch, launched), None
-        fresh = launched if batch is not None and isinstance(launched, Deferred) else None
-        if self.pending is not None:
-            def take_tokens(prev: ScheduleBatch, res: StepResult) -> None:
-                # The matchers take the tokens about to be processed, while they are.
-                nonlocal launched, fresh
-                if fresh is not None:
-                    assert batch is not None
-                    launched, fresh = start(self, batch, fresh, (prev, res)), None
-
-            t2 = collect(self, *self.pending, take_tokens)
-        else:
-            t2 = t1
-        if fresh is not None:  # no previous batch, or it failed: nothing more to take
-            assert batch is not None
-            launched = start(self, batch, fresh)
+        t2 = collect(self, *self.pending) if self.pending is not None else t1
+        if batch is not None and isinstance(launched, Deferred):
+            launched = start(self, batch, launched)  # the results just processed: the matchers take them
         self.pending = (batch, launched) if launched is not None and batch is not None else None
         self._flush_outbox()
         t3 = time.perf_counter()

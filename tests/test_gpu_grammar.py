@@ -93,11 +93,10 @@ def test_grammar_rows_beside_plain_rows_in_one_batch(model_dir: str) -> None:
 
 def test_beams_beside_grammar_rows_equal_beams_alone(model_dir: str) -> None:
     """A plain beam request decoding in the grammar rows' batches (float32, torch attention).
-    A grammar batch's sampling is queued late, after the next batch is built; that batch is
-    prepared early (its host tensors while the masks fill) only when the pending sampling
-    moves no request-table rows. Beam selection moves them: prepared before it, the beams'
-    next KV indices would be their parents' old ones and the beams would differ from the
-    same request run alone."""
+    A grammar batch's sampling, beam selection included, is queued late: after the next
+    batch is built, before that batch is prepared. Selection moves request-table rows on the
+    device; a next batch prepared before it (its KV indices gathered from that table) would
+    give the beams their parents' old KV, and beams that differ from the same request alone."""
     import asyncio
 
     beam = {"beam_width": 4, "num_return_beams": 4, "max_new_tokens": 16}

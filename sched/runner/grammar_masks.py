@@ -1,14 +1,12 @@
 """Grammar bitmasks for one batch, made while the GPU runs the batch's forward.
 
 At build time `grammar_rows` notes which sampled rows have a grammar. Once the previous
-step's results are on the host, before they are processed (which only appends tokens to
-`output_ids` and never calls a matcher), `MaskFiller.start` on the scheduler's thread notes
-each row's tokens sampled since its last mask, the one about to be appended included, and
-hands the rest to the fill thread: two native calls, the matchers' accepts (xgrammar's batch
+step's results are processed (they only append tokens to `output_ids`), `MaskFiller.start`
+on the scheduler's thread notes each row's tokens sampled since its last mask and hands
+the rest to the fill thread: two native calls, the matchers' accepts (xgrammar's batch
 accept) and the fill (its batch fill over FILL_THREADS native threads), with a few lines
-of Python between them. The scheduler meanwhile processes the results and
-builds and prepares the next batch; `finish` waits for both and queues the mask's copy to
-the device.
+of Python between them. The scheduler meanwhile builds the next batch; `finish` waits
+for both and queues the mask's copy to the device.
 
 Why so (the H200's host, 256 rows of a JSON schema): the accepts take ~1 ms and the fill
 ~1.3 ms, both GIL-free, and the scheduler's thread waits for them only at `finish`,
@@ -93,9 +91,6 @@ class _Started:
     mask: torch.Tensor
     errors: dict[int, str]
     future: Future[None] | None  # the fill, when on the fill thread
-    # Rows whose matcher took a token before the results were processed: (batch row,
-    # request, its output's length once they are); checked at `finish`.
-    assumed: list[tuple[int, Req, int]]
 
 
 class MaskFiller:
@@ -112,15 +107,12 @@ class MaskFiller:
         self.pool: ThreadPoolExecutor | None = None
         self.fillers: dict[int, Any] = {}
 
-    def start(self, g: GrammarRows, just: dict[Req, int] | None = None, background: bool = True) -> _Started:
-        """Note each row's new tokens here, then give the matchers their tokens and fill
-        the bitmasks (on the fill thread when `background`, else here). `just`: the
-        tokens the previous step's results, not yet processed, will append, so that the
-        matchers work while they are (sgl.sched.results.sampled_tokens). Until `finish`,
+    def start(self, g: GrammarRows, background: bool = True) -> _Started:
+        """Note each row's new token here, then give the matchers their tokens and fill
+        the bitmasks (on the fill thread when `background`, else here). Until `finish`,
         the fill thread owns these matchers: nothing else may call them."""
         mask = self._rows(len(g.reqs), g.width)
         errors: dict[int, str] = {}
-        assumed: list[tuple[int, Req, int]] = []
         rows: list[int] = []  # mask rows to fill, and their matchers
         matchers: list[Any] = []
         took: list[int] = []  # of those, the ones taking one new token, and the tokens
@@ -139,10 +131,6 @@ class MaskFiller:
                 m = r.grammar
                 new = r.output_ids[r.grammar_seen:]
                 r.grammar_seen = len(r.output_ids)
-                if just is not None and (t := just.get(r)) is not None:
-                    new.append(t)  # a slice: output_ids itself is untouched
-                    r.grammar_seen += 1  # its length once the results are processed
-                    assumed.append((g.batch_rows[j], r, r.grammar_seen))
                 bad = self._accept_each(m, new[:-1]) if len(new) > 1 else None  # rare: a step it sat out
                 if bad is not None:
                     errors[g.batch_rows[j]] = refused(bad)
@@ -154,7 +142,7 @@ class MaskFiller:
             rows.append(j)
             matchers.append(m)
         if not rows:
-            return _Started(mask, errors, None, assumed)
+            return _Started(mask, errors, None)
 
         entered = threading.Event()
 
@@ -172,22 +160,18 @@ class MaskFiller:
 
         if not background:
             accept_and_fill()
-            return _Started(mask, errors, None, assumed)
+            return _Started(mask, errors, None)
         if self.pool is None:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="sgl-grammar-mask")
         future = self.pool.submit(accept_and_fill)
         entered.wait()  # blocked, this thread lets the fill thread take the GIL and reach the native calls
-        return _Started(mask, errors, future, assumed)
+        return _Started(mask, errors, future)
 
     def finish(self, s: _Started) -> GrammarFill:
         """Wait for the accepts and the fill; the mask goes to the device (queued, on
         CUDA). The errors are complete only now."""
         if s.future is not None:
             s.future.result()
-        for row, r, n in s.assumed:
-            if not r.finished and len(r.output_ids) != n:  # never, while sampled_tokens reads process right
-                s.errors[row] = (f"internal error: the grammar took a token the results then dropped "
-                                 f"(output of {len(r.output_ids)} tokens, {n} assumed)")
         return GrammarFill(to_device(s.mask, self.device), s.errors)
 
     def fill(self, g: GrammarRows) -> GrammarFill:

@@ -30,7 +30,6 @@ from sgl.kernels.trie_mask import trie_advance, trie_mask_
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
 from sgl.sched.models.parallel import TPGroup
-from sgl.sched.req import Req
 from sgl.sched.runner.beam_select import BeamBuffers, select
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.grammar_masks import GrammarFill, MaskFiller
@@ -312,13 +311,13 @@ class ModelRunner:
         g = p.grammar
         started: list[Any] = []
 
-        def start(just: dict[Req, int] | None) -> None:
-            started.append(self.masks.start(g, just))
+        def start() -> None:
+            started.append(self.masks.start(g))
 
         def complete() -> Launched:
             return rest(self.masks.finish(started[0]) if started else self.masks.fill(g))
 
-        return Deferred(start, complete, moves_rows=bool(p.beams))
+        return Deferred(start, complete)
 
     def close(self) -> None:
         """Stop the runner's threads (the forward worker, the grammar fill threads)."""

@@ -13,7 +13,6 @@ from typing import Protocol
 
 import torch
 
-from sgl.sched.req import Req
 from sgl.sched.runner.beam_select import BeamPicks
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 
@@ -52,21 +51,17 @@ class Launched(Protocol):
 
 class Deferred:
     """A step whose forward is queued but whose sampling waits: its grammar bitmasks
-    need the previous step's tokens in the matchers. Once the scheduler has the previous
-    results (processed, or with their tokens given) it calls `start()`, which fills the masks on a thread while
-    the next batch is built and prepared; `complete()` (before the next forward is queued, since
+    need the previous step's tokens in the matchers. Once the scheduler has processed
+    the previous results it calls `start()`, which fills the masks on a thread while
+    the next batch is built; `complete()` (before the next forward is queued, since
     that reads this step's tokens) waits for them, queues mask and sampling and gives
     the step's real handle."""
 
-    __slots__ = ("start", "complete", "moves_rows")
+    __slots__ = ("start", "complete")
 
-    def __init__(self, start: Callable[[dict[Req, int] | None], None], complete: Callable[[], Launched],
-                 moves_rows: bool) -> None:
+    def __init__(self, start: Callable[[], None], complete: Callable[[], Launched]) -> None:
         self.start = start
         self.complete = complete
-        # Its sampling moves request-table rows on the device (beam selection): the next
-        # batch, whose KV indices are gathered from that table, is prepared only after.
-        self.moves_rows = moves_rows
 
     def result(self) -> StepResult:
         raise RuntimeError("a deferred step's sampling was never queued: complete() it first")
