@@ -111,6 +111,28 @@ def test_channel_delivers_in_order_and_survives_malformed_frames(transport: str)
 
 
 @pytest.mark.parametrize("transport", CHANNELS)
+@pytest.mark.parametrize("timeout", [0.0004, 0.001, 0.0025])
+def test_an_empty_channel_waits_its_whole_timeout(transport: str, timeout: float) -> None:
+    """recv(timeout) on an empty channel blocks at least `timeout` (zmq polls in whole
+    milliseconds: rounded down, a 1 ms wait returned at once, and the scheduler, polling
+    every 1 ms while grammars compile, spun holding the GIL the compile thread needed)."""
+    addrs = make_addresses(transport.split("-")[0])
+    recv, send = _ends(transport, addrs.to_scheduler)
+    try:
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert recv.recv(timeout=timeout) is None
+            assert time.monotonic() - t0 >= timeout * 0.95
+    finally:
+        send.close()
+        recv.close()
+        if addrs.ipc_dir:
+            import shutil
+
+            shutil.rmtree(addrs.ipc_dir)
+
+
+@pytest.mark.parametrize("transport", CHANNELS)
 def test_channel_async_receive(transport: str) -> None:
     addrs = make_addresses(transport.split("-")[0])
     recv, send = _ends(transport, addrs.to_tokenizer)

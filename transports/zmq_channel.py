@@ -18,6 +18,7 @@ Over tcp one of three modes holds:
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import zmq
@@ -191,19 +192,24 @@ class ZmqReceiver(Receiver):
                 if msg is not None:
                     return msg
                 continue
-            if timeout == 0:
-                return None
-            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if self._gate is None:
-                if not self._sock.poll(wait_ms):
+            wait_ms = None
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return None
+                # Whole milliseconds, rounded up, and the deadline checked again after a poll that
+                # times out: zmq's poll may return up to a millisecond early. Rounded down to 0, a
+                # 1 ms wait returned at once, and the scheduler, polling every 1 ms while grammars
+                # compile, spun holding the GIL the compile thread needed (80 s for a first compile).
+                wait_ms = math.ceil(left * 1000)
+            if self._gate is None:
+                self._sock.poll(wait_ms)
                 continue
             if poller is None:
                 poller = zmq.Poller()
                 for s in (self._sock, *self._gate.sockets()):
                     poller.register(s, zmq.POLLIN)
-            if not poller.poll(wait_ms):  # authentication requests wake it too
-                return None
+            poller.poll(wait_ms)  # authentication requests wake it too
 
     async def recv_async(self) -> Message:
         while True:
