@@ -56,6 +56,11 @@
 #   sleep (fixed in stacks_after). Send the next call at once: a machine idle for 30 s goes
 #   back, and the next call then starts a fresh one with no wheels, no /tmp/site and no
 #   kernels (carry .whl and .ficache again).
+# - "No device machine could be started" still costs device time (session 15: four refused
+#   starts took ~520 s of the 1,800). After one, wait the minutes it names before the next call.
+# - An A/B of a change not in the checkout: put `git diff A B -- DIR > ab.patch` in the repo root
+#   (untracked files travel), `patch -p1 < ab.patch` in the command, and turn parts off with
+#   `sed` between steps; restore the file before the next step (session 15, calls 9-11).
 # - Built kernels are installed as FlashInfer AOT modules. Restored as a JIT cache
 #   they are not enough: FlashInfer runs ninja on every load, and the fresh wheel
 #   install makes its headers newer than the cached objects, so ninja rebuilds

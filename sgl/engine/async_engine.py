@@ -45,7 +45,7 @@ from sgl.runtime.streams import gather_calls, merge_streams
 from sgl.runtime.tokenizer_client import LocalTokenizer, RemoteTokenizer, Tokenizing
 from sgl.runtime.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl.runtime.tokenizer_ops import load_tokenizer
-from sgl.transports.channel import Receiver, Sender
+from sgl.transports.channel import ChannelFull, Receiver, Sender
 from sgl.transports.factory import make_addresses, replica_addresses
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
@@ -199,7 +199,7 @@ class AsyncEngine:
         try:
             await asyncio.wait_for(self.tm.control_call(AttachReq(client_id, recv.address), AttachReqOutput), timeout)  # type: ignore[attr-defined]
             self.info = await asyncio.wait_for(self.tm.server_info(), timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, asyncio.TimeoutError, ChannelFull):  # ChannelFull: no connection took it
             await self.tm.close()
             self.tm.send.close()
             self.tm.recv.close()
@@ -221,7 +221,7 @@ class AsyncEngine:
             await asyncio.sleep(interval)
             try:
                 await asyncio.wait_for(self.tm.health(), timeout)
-            except (TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, asyncio.TimeoutError, ChannelFull):  # ChannelFull: no connection took it
                 self.log.error("attached scheduler stopped answering", address=address)
                 self.tm.fail_all(EngineDeadError(
                     f"the scheduler at {address} did not answer a health check within {timeout}s; "

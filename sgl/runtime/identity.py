@@ -166,13 +166,17 @@ def attach_channels(scheduler_address: str, host: str, transport_key: str | None
     for its outputs, client id). With `keys` (this client's NAME.key_secret) and
     `server_key` (the server's server.key, or its z85 text), CURVE: the receiver
     accepts only the server's key and the client id is the key's. Otherwise the
-    shared key (hex, or SGL_TRANSPORT_KEY) and a random client id."""
+    shared key (hex, or SGL_TRANSPORT_KEY) and a random client id. The sender never
+    blocks (it raises ChannelFull): it is used on the caller's event loop, and a
+    connection whose handshake the server refused leaves a PUSH socket with no peer,
+    where a blocking send would wait forever."""
     if keys is None and server_key is None:
         key = transport_key if transport_key is not None else os.environ.get(ENV_KEY)
         recv = open_receiver(f"tcp://{host}:0", key)
-        return open_sender(scheduler_address, key), recv, "c" + uuid.uuid4().hex[:16]
+        return open_sender(scheduler_address, key, block=False), recv, "c" + uuid.uuid4().hex[:16]
     if keys is None or server_key is None:
         raise ValueError("keys and server_key go together: this client's NAME.key_secret and the server's server.key")
     pair, server_public = load_pair(keys), load_public(server_key)
     recv = open_receiver(f"tcp://{host}:0", curve=CurveServer(pair, (server_public,)))
-    return open_sender(scheduler_address, curve=CurveClient(pair, server_public)), recv, client_id_of(pair.public)
+    return (open_sender(scheduler_address, block=False, curve=CurveClient(pair, server_public)), recv,
+            client_id_of(pair.public))
