@@ -4,7 +4,10 @@ under CURVE, and under the shared HMAC key)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -88,11 +91,23 @@ def _ends(transport: str, address: str) -> tuple[Receiver, Sender]:
     return open_receiver(address, key), open_sender(address, key)
 
 
+@contextlib.contextmanager
+def _channel(transport: str, to_scheduler: bool = True) -> Iterator[tuple[Receiver, Sender]]:
+    """Both ends of a fresh channel of `transport`; closed, and the ipc folder removed, after."""
+    addrs = make_addresses(transport.split("-")[0])
+    recv, send = _ends(transport, addrs.to_scheduler if to_scheduler else addrs.to_tokenizer)
+    try:
+        yield recv, send
+    finally:
+        send.close()
+        recv.close()
+        if addrs.ipc_dir:
+            shutil.rmtree(addrs.ipc_dir)
+
+
 @pytest.mark.parametrize("transport", CHANNELS)
 def test_channel_delivers_in_order_and_survives_malformed_frames(transport: str) -> None:
-    addrs = make_addresses(transport.split("-")[0])
-    recv, send = _ends(transport, addrs.to_scheduler)
-    try:
+    with _channel(transport) as (recv, send):
         send.send(MESSAGES[0])
         send.send_raw(b"not msgpack at all")  # type: ignore[attr-defined]
         send.send_raw(msgspec.msgpack.encode({"type": "unknown"}))  # type: ignore[attr-defined]
@@ -101,13 +116,6 @@ def test_channel_delivers_in_order_and_survives_malformed_frames(transport: str)
         got = [recv.recv(timeout=5) for _ in MESSAGES]
         assert got == MESSAGES
         assert recv.recv(timeout=0.05) is None
-    finally:
-        send.close()
-        recv.close()
-        if addrs.ipc_dir:
-            import shutil
-
-            shutil.rmtree(addrs.ipc_dir)
 
 
 @pytest.mark.parametrize("transport", CHANNELS)
@@ -116,28 +124,16 @@ def test_an_empty_channel_waits_its_whole_timeout(transport: str, timeout: float
     """recv(timeout) on an empty channel blocks at least `timeout` (zmq polls in whole
     milliseconds: rounded down, a 1 ms wait returned at once, and the scheduler, polling
     every 1 ms while grammars compile, spun holding the GIL the compile thread needed)."""
-    addrs = make_addresses(transport.split("-")[0])
-    recv, send = _ends(transport, addrs.to_scheduler)
-    try:
+    with _channel(transport) as (recv, _):
         for _ in range(5):
             t0 = time.monotonic()
             assert recv.recv(timeout=timeout) is None
             assert time.monotonic() - t0 >= timeout * 0.95
-    finally:
-        send.close()
-        recv.close()
-        if addrs.ipc_dir:
-            import shutil
-
-            shutil.rmtree(addrs.ipc_dir)
 
 
 @pytest.mark.parametrize("transport", CHANNELS)
 def test_channel_async_receive(transport: str) -> None:
-    addrs = make_addresses(transport.split("-")[0])
-    recv, send = _ends(transport, addrs.to_tokenizer)
-
-    async def main() -> list[object]:
+    async def main(recv: Receiver, send: Sender) -> list[object]:
         async def later() -> None:
             await asyncio.sleep(0.05)
             for i in range(20):
@@ -148,11 +144,8 @@ def test_channel_async_receive(transport: str) -> None:
         await task
         return out
 
-    try:
-        assert asyncio.run(main()) == [AbortReq(f"r{i}") for i in range(20)]
-    finally:
-        send.close()
-        recv.close()
+    with _channel(transport, to_scheduler=False) as (recv, send):
+        assert asyncio.run(main(recv, send)) == [AbortReq(f"r{i}") for i in range(20)]
 
 
 def test_inproc_receiver_woken_from_another_thread() -> None:
