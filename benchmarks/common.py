@@ -39,7 +39,8 @@ def dummy_model_dir(config_name: str = "qwen3-0.6b") -> str:
 
 
 LOOP_FIELDS = ("decode_steps", "prefill_tokens", "cascade_steps", "build_s", "wait_s", "process_s", "mask_wait_s",
-               "gpu_busy_s", "gpu_idle_s", "gpu_decode_busy_s", "gpu_decode_idle_s")
+               "gpu_busy_s", "gpu_idle_s", "gpu_decode_busy_s", "gpu_decode_idle_s", "mask_start_s", "mask_accept_s",
+               "mask_fill_s", "mask_thread_s", "sample_queue_s")
 
 
 def loop_split(before: dict[str, object], after: dict[str, object]) -> dict[str, float]:

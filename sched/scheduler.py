@@ -129,7 +129,7 @@ class Scheduler:
             "kv_protected": self.tree.protected_size(), "grammars_compiling": len(self.grammars.pending),
             "running": len(self.running) + (self.chunked_req is not None), "waiting": len(self.waiting),
             "invariant_violations": self.invariant_violations, **self.stats, **r.gpu_timeline.info(),
-            "cascade_steps": r.cascade_steps, "startup": r.startup}
+            **r.masks.times, "cascade_steps": r.cascade_steps, "startup": r.startup}
 
     # ---- the loop --------------------------------------------------------------
 

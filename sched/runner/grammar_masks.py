@@ -4,8 +4,9 @@ At build time `grammar_rows` notes which sampled rows have a grammar. Once the p
 step's results are processed (they only append tokens to `output_ids`), `MaskFiller.start`
 on the scheduler's thread notes each row's tokens sampled since its last mask and hands
 the rest to the fill thread: two native calls, the matchers' accepts (xgrammar's batch
-accept) and the fill (its batch fill over FILL_THREADS native threads), with a few lines
-of Python between them. The scheduler meanwhile builds the next batch; `finish` waits
+accept, its result read in one call: `accept_all`) and the fill (its batch fill over
+FILL_THREADS native threads), with a few lines of Python between them. `times` keeps
+where each step's grammar time went (the scheduler's server info shows it). The scheduler meanwhile builds the next batch; `finish` waits
 for both and queues the mask's copy to the device.
 
 Why so (the H200's host, 256 rows of a JSON schema): the accepts take ~1 ms and the fill
@@ -25,9 +26,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -38,6 +41,8 @@ from sgl.sched.runner.prepare_beams import sampled
 
 if TYPE_CHECKING:
     from sgl.sched.runner.model_runner import ModelRunner
+
+T = TypeVar("T")
 
 FILL_THREADS = 8  # xgrammar's native threads filling a batch's masks (they overlap the batch's forward)
 CHUNK_MIN = 16  # rows from which those threads pay (8 rows: 0.48 ms threaded, 0.27 alone)
@@ -106,11 +111,17 @@ class MaskFiller:
         self.buf = torch.empty(0, 0, dtype=torch.int32)
         self.pool: ThreadPoolExecutor | None = None
         self.fillers: dict[int, Any] = {}
+        # Seconds, summed over steps: `start` on the caller's thread; on the fill thread,
+        # the accepts' and the fill's native calls and the whole turn (GIL waits included);
+        # the runner's queueing of the sampling once the masks are in (sgl.sched.runner.model_runner).
+        self.times = {"mask_start_s": 0.0, "mask_accept_s": 0.0, "mask_fill_s": 0.0, "mask_thread_s": 0.0,
+                      "sample_queue_s": 0.0}
 
     def start(self, g: GrammarRows, background: bool = True) -> _Started:
         """Note each row's new token here, then give the matchers their tokens and fill
         the bitmasks (on the fill thread when `background`, else here). Until `finish`,
         the fill thread owns these matchers: nothing else may call them."""
+        t0 = time.perf_counter()
         mask = self._rows(len(g.reqs), g.width)
         errors: dict[int, str] = {}
         rows: list[int] = []  # mask rows to fill, and their matchers
@@ -145,18 +156,24 @@ class MaskFiller:
             return _Started(mask, errors, None)
 
         entered = threading.Event()
+        times = self.times
 
         def accept_and_fill() -> None:
             entered.set()  # first: whatever raises below reaches `finish`, never a waiting `start`
-            import xgrammar
-
             nonlocal rows, matchers
+            t1 = time.perf_counter()
             if took:
-                oks = xgrammar.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in took], tokens)
-                if not all(oks) or any(t in self.stop_ids for t in tokens):
-                    rows, matchers = self._drop_ended(g, mask, errors, rows, matchers, took, tokens, oks)
+                oks = accept_all([matchers[i] for i in took], tokens)
+                t2 = time.perf_counter()
+                times["mask_accept_s"] += t2 - t1
+                if oks is not None or any(t in self.stop_ids for t in tokens):
+                    rows, matchers = self._drop_ended(g, mask, errors, rows, matchers, took, tokens,
+                                                      oks or [True] * len(took))
             if rows:
+                t2 = time.perf_counter()
                 self._filler(len(rows)).batch_fill_next_token_bitmask(matchers, mask, indices=rows)
+                times["mask_fill_s"] += time.perf_counter() - t2
+            times["mask_thread_s"] += time.perf_counter() - t1
 
         if not background:
             accept_and_fill()
@@ -165,6 +182,7 @@ class MaskFiller:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="sgl-grammar-mask")
         future = self.pool.submit(accept_and_fill)
         entered.wait()  # blocked, this thread lets the fill thread take the GIL and reach the native calls
+        times["mask_start_s"] += time.perf_counter() - t0
         return _Started(mask, errors, future)
 
     def finish(self, s: _Started) -> GrammarFill:
@@ -173,6 +191,13 @@ class MaskFiller:
         if s.future is not None:
             s.future.result()
         return GrammarFill(to_device(s.mask, self.device), s.errors)
+
+    def then(self, rest: Callable[[GrammarFill], T], fill: GrammarFill) -> T:
+        """`rest(fill)`: the runner queueing a step's sampling once its masks are in, timed."""
+        t = time.perf_counter()
+        out = rest(fill)
+        self.times["sample_queue_s"] += time.perf_counter() - t
+        return out
 
     def fill(self, g: GrammarRows) -> GrammarFill:
         """All of it now, on this thread (a batch launched without overlap)."""
@@ -231,6 +256,26 @@ class MaskFiller:
 def fill_threads() -> int:
     """FILL_THREADS, at most the machine's cores (xgrammar warns past them)."""
     return max(1, min(FILL_THREADS, os.cpu_count() or 1))
+
+
+def accept_all(matchers: list[Any], tokens: list[int]) -> list[bool] | None:
+    """Each matcher takes its token (xgrammar's batch accept): None when all of them
+    did, else whether each did. Why not xgrammar's own wrapper: it reads the result
+    one element at a time, a call into xgrammar's FFI each, and every such call lets
+    go of the GIL and must take it back from the scheduler's thread (up to its switch
+    interval, each time): 256 of them made the fill thread's step twice as long as the
+    native work (the H200's host, session 16). One call asks whether any was refused."""
+    try:
+        from xgrammar.base import _core
+
+        handles = [m._handle for m in matchers]
+    except (ImportError, AttributeError):  # an xgrammar laid out otherwise: its wrapper
+        import xgrammar
+
+        oks = xgrammar.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        return None if all(oks) else oks
+    got = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+    return None if 0 not in got else [bool(ok) for ok in got]
 
 
 def refused(tok: int) -> str:

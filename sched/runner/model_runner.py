@@ -315,7 +315,7 @@ class ModelRunner:
             started.append(self.masks.start(g))
 
         def complete() -> Launched:
-            return rest(self.masks.finish(started[0]) if started else self.masks.fill(g))
+            return self.masks.then(rest, self.masks.finish(started[0]) if started else self.masks.fill(g))
 
         return Deferred(start, complete)
 
