@@ -61,6 +61,10 @@
 # - An A/B of a change not in the checkout: put `git diff A B -- DIR > ab.patch` in the repo root
 #   (untracked files travel), `patch -p1 < ab.patch` in the command, and turn parts off with
 #   `sed` between steps; restore the file before the next step (session 15, calls 9-11).
+# - The first engine on a fresh machine compiles Triton kernels inside its timed runs: its
+#   grammar06 ratio came out 0.1-0.2 under the next run's (session 16, three machines). Run
+#   an A/B as base, change, base, change and compare the later pairs.
+# - The *spy steps need py-spy's wheel in .whl (gpu_wheels.sh fetches it since session 16).
 # - Built kernels are installed as FlashInfer AOT modules. Restored as a JIT cache
 #   they are not enough: FlashInfer runs ninja on every load, and the fresh wheel
 #   install makes its headers newer than the cached objects, so ninja rebuilds
