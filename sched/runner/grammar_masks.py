@@ -5,9 +5,10 @@ step's results are processed (they only append tokens to `output_ids`), `MaskFil
 on the scheduler's thread notes each row's tokens sampled since its last mask and hands
 the rest to the fill thread: two native calls, the matchers' accepts (xgrammar's batch
 accept, its result read in one call: `accept_all`) and the fill (its batch fill over
-FILL_THREADS native threads), with a few lines of Python between them. `times` keeps
-where each step's grammar time went (the scheduler's server info shows it). The scheduler meanwhile builds the next batch; `finish` waits
-for both and queues the mask's copy to the device.
+FILL_THREADS native threads), with a few lines of Python between them. The scheduler
+meanwhile builds the next batch; `finish` waits for both and queues the mask's copy to
+the device. `times` keeps where each step's grammar time went (the scheduler's server
+info shows it).
 
 Why so (the H200's host, 256 rows of a JSON schema): the accepts take ~1 ms and the fill
 ~1.3 ms, both GIL-free, and the scheduler's thread waits for them only at `finish`,
@@ -128,30 +129,38 @@ class MaskFiller:
         matchers: list[Any] = []
         took: list[int] = []  # of those, the ones taking one new token, and the tokens
         tokens: list[int] = []
-        for j, (r, beam) in enumerate(zip(g.reqs, g.beams)):
-            if r.finished:
-                mask[j] = -1  # all allowed: the request has ended, its token is dropped
+        ended: list[int] = []  # rows left all-allowed: the request ended (its token is dropped), or its matcher
+        for j, r in enumerate(g.reqs):
+            if r.finished_reason is not None:
+                ended.append(j)
                 continue
-            if r.beam is not None:  # a beam's matchers took their tokens at selection (sgl.sched.beam)
-                own = r.beam.matchers
-                m = r.grammar if own is None else own[beam]
-                if m.is_terminated():
-                    mask[j] = -1
-                    continue
-            else:
+            if r.beam is None:
                 m = r.grammar
-                new = r.output_ids[r.grammar_seen:]
-                r.grammar_seen = len(r.output_ids)
-                bad = self._accept_each(m, new[:-1]) if len(new) > 1 else None  # rare: a step it sat out
-                if bad is not None:
-                    errors[g.batch_rows[j]] = refused(bad)
-                    mask[j] = -1
-                    continue
-                if new:
+                out, seen = r.output_ids, r.grammar_seen
+                n = len(out)
+                if n - seen == 1:  # the usual step: one new token
                     took.append(len(rows))
-                    tokens.append(new[-1])
+                    tokens.append(out[-1])
+                    r.grammar_seen = n
+                elif n > seen:  # rare: a step it sat out
+                    r.grammar_seen = n
+                    bad = self._accept_each(m, out[seen:-1])
+                    if bad is not None:
+                        errors[g.batch_rows[j]] = refused(bad)
+                        ended.append(j)
+                        continue
+                    took.append(len(rows))
+                    tokens.append(out[-1])
+            else:  # a beam's matchers took their tokens at selection (sgl.sched.beam)
+                own = r.beam.matchers
+                m = r.grammar if own is None else own[g.beams[j]]
+                if m.is_terminated():
+                    ended.append(j)
+                    continue
             rows.append(j)
             matchers.append(m)
+        if ended:
+            mask[ended] = -1
         if not rows:
             return _Started(mask, errors, None)
 
