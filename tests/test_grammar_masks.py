@@ -2,7 +2,8 @@
 model's tokenizer and a JSON schema: each row's mask equals the one a lone matcher
 makes after taking the same tokens, whatever the rows are (ended requests, refused
 tokens, an EOS that completes the grammar, several tokens since the last mask), with
-xgrammar's fill on one native thread or several, on the fill thread or here."""
+xgrammar's fill on one native thread or several, on the fill thread or here; and
+`accept_all`'s answers, through xgrammar's internals or its wrapper."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import random
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -128,3 +130,25 @@ def test_each_rows_mask_is_a_lone_matchers(kinds: list[str], threads: int, backg
         assert torch.equal(got.mask[j], want[0]), (j, kind)
         assert reqs[j].grammar_seen == len(reqs[j].output_ids)
 
+
+
+@pytest.mark.parametrize("internals", [True, False])
+def test_accept_all_says_which_tokens_were_refused(monkeypatch: Any, internals: bool) -> None:
+    """`accept_all`: None when every matcher took its token; else each one's answer, the
+    refused matcher left where it was. The same through xgrammar's own wrapper when its
+    internals are not where `accept_all` reads them."""
+    import xgrammar
+    import xgrammar.base
+
+    from sgl.sched.runner.grammar_masks import accept_all
+
+    if not internals:
+        monkeypatch.delattr(xgrammar.base, "_core")
+    compiled, width, eos = _grammar()
+    ms = [xgrammar.GrammarMatcher(compiled) for _ in range(5)]
+    ok = sorted(_allowed(ms[0], width) - {eos})[0]
+    bad = next(t for t in range(width) if t not in _allowed(ms[0], width))
+    assert accept_all(ms[:3], [ok] * 3) is None
+    before = _allowed(ms[4], width)
+    assert accept_all(ms[3:], [ok, bad]) == [True, False]
+    assert _allowed(ms[4], width) == before
