@@ -6,6 +6,7 @@ from __future__ import annotations
 import platform
 import random
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -48,6 +49,13 @@ def loop_split(before: dict[str, object], after: dict[str, object]) -> dict[str,
     loop time (building batches, waiting for results, processing them) and GPU busy/idle."""
     # .get: an older checkout's scheduler (benchmarks/gpu_session.sh's `old` steps) lacks some fields.
     return {k: round(float(after.get(k, 0)) - float(before.get(k, 0)), 3) for k in LOOP_FIELDS}  # type: ignore[arg-type]
+
+
+def allowed_ids(row: Any, width: int) -> Any:
+    """The token ids one row of a grammar bitmask allows (a host int32 row, as numpy), ascending."""
+    import numpy as np
+
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:width])
 
 
 def machine() -> str:

@@ -32,11 +32,10 @@ import random
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 import sgl
-from benchmarks.common import loop_split
+from benchmarks.common import allowed_ids, loop_split
 from sgl.sched.grammar import tokenizer_width
 from sgl.sched.models.default_model import default_model_dir
 from sgl.sched.runner.grammar_masks import fill_threads
@@ -173,7 +172,7 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
         bits = mask.numpy()
         toks = []
         for j in live:
-            allowed = np.nonzero(np.unpackbits(bits[j].view(np.uint8), bitorder="little")[:vocab])[0]
+            allowed = allowed_ids(bits[j], vocab)
             toks.append(int(rng.choice(allowed[:64].tolist())))
         t4 = time.perf_counter()
         xgr.BatchGrammarMatcher.batch_accept_token([ms[j] for j in live], toks)  # as the engine does

@@ -9,8 +9,9 @@ the masks being done. Two arrangements, at each thread count of `--threads`:
   thread runs xgrammar's batch accept (serial) and then its threaded batch fill (which
   starts a pool of native threads at each call);
 - "parts": contiguous parts on Python threads of their own, each part's accepts and fill
-  on one native thread (tried in session 16 and measured slower on the H200's host: each
-  part's thread waits for the GIL between its native calls).
+  on one native thread (tried in session 16 inside the engine's MaskFiller and measured
+  slower on the H200's host: each part's thread waits for the GIL between its native
+  calls; here as that code did it).
 
     python -m benchmarks.grammar_threads [--requests 256] [--build-ms 0,2] [--threads 2,4,8] [--steps 60]
 """
@@ -26,10 +27,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
-from benchmarks.common import machine
+from benchmarks.common import allowed_ids, machine
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
@@ -73,23 +73,19 @@ class Rows:
         for j, r in enumerate(self.reqs):
             if r.grammar.is_terminated():
                 self.reqs[j] = r = self._fresh(j)
-                xgr_fill(r.grammar, bits, j)
-            allowed = np.flatnonzero(np.unpackbits(bits[j].view(np.uint8), bitorder="little")[:self.width])[:64]
-            t = int(self.rng.choice([a for a in allowed.tolist() if a != self.eos] or allowed.tolist()))
+                r.grammar.fill_next_token_bitmask(mask, j)
+            allowed = allowed_ids(bits[j], self.width)[:64].tolist()
+            t = int(self.rng.choice([a for a in allowed if a != self.eos] or allowed))
             r.output_ids.append(t)
             toks.append(t)
         return toks
-
-
-def xgr_fill(m: Any, bits: np.ndarray, j: int) -> None:
-    m.fill_next_token_bitmask(torch.from_numpy(bits), j)
 
 
 def run(mode: str, rows: Rows, threads: int, build_ms: float, steps: int) -> float:
     """ms a step for `mode` over `steps` steps."""
     import xgrammar as xgr
 
-    from sgl.sched.runner.grammar_masks import MaskFiller
+    from sgl.sched.runner.grammar_masks import MaskFiller, accept_all
 
     filler = MaskFiller(torch.device("cpu"), frozenset([rows.eos]))
     filler.threads = threads
@@ -100,11 +96,13 @@ def run(mode: str, rows: Rows, threads: int, build_ms: float, steps: int) -> flo
     total = 0.0
 
     def part(entered: threading.Semaphore, k: int, toks: list[int]) -> None:
+        # As the engine's fill thread: accept_all, and the rows that took EOS left out with no
+        # call into xgrammar (each call lets go of the GIL and must take it back).
         entered.release()
         lo, hi = n * k // threads, n * (k + 1) // threads
         ms = [r.grammar for r in rows.reqs[lo:hi]]
-        xgr.BatchGrammarMatcher.batch_accept_token(ms, toks[lo:hi])
-        live = [j for j in range(lo, hi) if not ms[j - lo].is_terminated()]
+        accept_all(ms, toks[lo:hi])
+        live = [j for j in range(lo, hi) if toks[j] != rows.eos]
         ones[k].batch_fill_next_token_bitmask([ms[j - lo] for j in live], mask, indices=live)
 
     for _ in range(steps):

@@ -48,12 +48,13 @@ def _whole() -> list[int]:
 
 
 def _allowed(m: Any, width: int) -> set[int]:
-    import numpy as np
     import xgrammar
+
+    from benchmarks.common import allowed_ids
 
     bits = xgrammar.allocate_token_bitmask(1, width)
     m.fill_next_token_bitmask(bits, 0)
-    return set(np.flatnonzero(np.unpackbits(bits[0].numpy().view(np.uint8), bitorder="little")[:width]).tolist())
+    return set(allowed_ids(bits[0].numpy(), width).tolist())
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
