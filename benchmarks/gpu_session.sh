@@ -5,7 +5,7 @@
 #
 # Usage, through the device's `run` with carry [.whl, .ficache]:
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammar06old grammarw2 grammarspy grammarthreads startup startupspy tcab tritonab fp8 fp8acc vllmfp8 drawcost decodebal prof1 prof2 prof3 prof8b vllm vllm8b
+# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammar06old grammarw2 grammarspy grammarthreads grammartimeline cpuinfo startup startupspy tcab tritonab fp8 fp8acc vllmfp8 drawcost decodebal prof1 prof2 prof3 prof8b vllm vllm8b
 #        w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
 # (w3rep: W3's three engines with 5 timed runs each, medians; w3spy: the cascade engine's
 # 5 runs under py-spy (its wheel in .whl), folded stacks in $OUT/w3spy.txt; w3old: its 5 runs
@@ -234,6 +234,10 @@ for step in "$@"; do
     # The same on W2's prompts, output caps and temperature (the schema closes each output).
     grammarw2) run 300 python3 -m benchmarks.grammar_cost --model .lt --config qwen3-0.6b --load-format dummy \
                  --dtype bfloat16 --requests 256 --w2 ;;
+    # One decode step on a timeline (host phases, fill thread, GPU), JSON schema against plain.
+    grammartimeline) run 200 python3 -m benchmarks.grammar_timeline --model .lt --config qwen3-0.6b \
+                       --requests 256 --new-tokens ${GTL_TOKENS:-128} ;;
+    cpuinfo) lscpu | head -30; nproc; cat /proc/loadavg ;;
     # The grammar step's matcher work off the engine, in parts against xgrammar's own pool (carry .lt).
     grammarthreads) run 200 python3 -m benchmarks.grammar_threads --model .lt --threads ${GT_THREADS:-2,4,8,12} \
                       --build-ms 0,2 --steps 60 ;;

@@ -57,7 +57,9 @@ def _kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # The bitmask's width and words: not specialised on (a value's divisibility by 16), so the
+    # warm-up's masked variants (sgl.kernels.sampling.FusedDraw.warm_up) serve every tokenizer.
+    @triton.jit(do_not_specialize=["words", "width"])
     def chunk_best(logits_ptr, stride_b, n, temp_ptr, greedy_ptr, seed_ptr, offset_ptr, val_ptr, idx_ptr, per_row,
                    nc, mask_ptr, mask_row_ptr, words, width, HAS_GREEDY: tl.constexpr, MASK: tl.constexpr,
                    MASK_ROWS: tl.constexpr, Q: tl.constexpr, CHUNK: tl.constexpr):

@@ -58,21 +58,34 @@ class FusedDraw:
         return device.type == "cuda" and flashinfer_module() is not None and triton_installed()
 
     @classmethod
-    def ready(cls, device: torch.device, seed: int, vocab: int, dtype: torch.dtype) -> FusedDraw | None:
-        """One warmed up for `vocab`-wide `dtype` logits where `available`, else None."""
+    def ready(cls, device: torch.device, seed: int, vocab: int, dtype: torch.dtype,
+              masks: bool = False) -> FusedDraw | None:
+        """One warmed up for `vocab`-wide `dtype` logits where `available`, else None;
+        `masks`: the variants that apply a grammar's bitmask too."""
         if not cls.available(device):
             return None
         draw = cls(device, seed)
-        draw.warm_up(vocab, dtype)
+        draw.warm_up(vocab, dtype, masks)
         return draw
 
-    def warm_up(self, vocab: int, dtype: torch.dtype) -> None:
-        """Compile the one-pass draw's two common kernels now (sampled rows, and sampled
-        beside greedy), not at the first sampled request; the stream starts over after."""
-        logits = torch.zeros(2, vocab, dtype=dtype, device=self.seed.device)
-        temperature = torch.ones(2, 1, device=self.seed.device)
-        gumbel_draw(logits, temperature, None, self.seed, self.offset)
-        gumbel_draw(logits, temperature, torch.tensor([True, False], device=self.seed.device), self.seed, self.offset)
+    def warm_up(self, vocab: int, dtype: torch.dtype, masks: bool = False) -> None:
+        """Compile the one-pass draw's kernels now, not at the first request that needs
+        one (each compile holds the scheduler's loop ~0.5 s: session 16's W2-like grammar
+        run paid it inside its timed run): sampled rows, and sampled beside greedy; with
+        `masks`, each of those with a bitmask on every row and on some rows. The stream
+        starts over after."""
+        dev = self.seed.device
+        logits = torch.zeros(2, vocab, dtype=dtype, device=dev)
+        temperature = torch.ones(2, 1, device=dev)
+        greedy = torch.tensor([True, False], device=dev)
+        bitmasks: list[Bitmask | None] = [None]
+        if masks:
+            words = torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32, device=dev)
+            bitmasks += [Bitmask(words, None, vocab),
+                         Bitmask(words, torch.tensor([0, -1], dtype=torch.int32, device=dev), vocab)]
+        for bitmask in bitmasks:
+            for g in (None, greedy):
+                gumbel_draw(logits, temperature, g, self.seed, self.offset, bitmask)
         self.offset.zero_()
 
     @staticmethod

@@ -58,6 +58,22 @@ def process(s: Scheduler, batch: ScheduleBatch, res: StepResult) -> None:
             s.abort_now(req, error_message("result processing", e))
 
 
+def sampled_tokens(batch: ScheduleBatch, res: StepResult) -> dict[Req, int]:
+    """The token `process` is about to append to each grammar request of the batch, as
+    it decides (see _apply): none for a request that ended or was retracted since the
+    launch, one with an error or an abort pending, a middle prefill chunk, a prefill
+    without output, or beams (their matchers take tokens at selection). Read before
+    processing, so that grammar matchers take the tokens while they are processed."""
+    out: dict[Req, int] = {}
+    errors = res.errors or {}
+    for i, (req, epoch, partial, tok) in enumerate(zip(batch.reqs, batch.epochs, batch.partial,
+                                                       res.next_ids.tolist())):
+        if req.grammar is not None and not (req.finished or req.epoch != epoch or partial or req.prefill_only
+                                            or req.beam is not None or req.to_abort is not None or i in errors):
+            out[req] = tok
+    return out
+
+
 def _apply(s: Scheduler, batch: ScheduleBatch, res: StepResult, i: int, req: Req, partial: bool, tok: int,
            first: int, a: int, k: int) -> None:
     """One request's share of a batch's results."""

@@ -52,7 +52,7 @@ from sgl.sched.req import Req
 from sgl.sched.results import error_message, start_logprobs, token_id_output
 from sgl.sched.runner.model_runner import ModelRunner, eos_ids_of
 from sgl.sched.runner.step import Deferred, Launched
-from sgl.sched.stepping import collect, complete, launch, start
+from sgl.sched.stepping import collect, collect_and_start, launch, sample_pending
 from sgl.sched.stop import StopStrings
 from sgl.sched.trie_store import TrieStore, constrain
 from sgl.transports.channel import Receiver, Sender
@@ -173,20 +173,13 @@ class Scheduler:
         t0 = time.perf_counter()
         batch = self._build()
         st = self.stats
-        if self.pending is not None and isinstance(self.pending[1], Deferred):
-            # Its masks filled while this batch was built; its sampling is queued now,
-            # before the next forward, which reads the tokens it samples.
-            tm = time.perf_counter()
-            done = complete(self, *self.pending)  # type: ignore[arg-type]
-            self.pending = None if done is None else (self.pending[0], done)
-            st["mask_wait_s"] += time.perf_counter() - tm
-        launched = launch(self, batch) if batch is not None else None
+        batch, prepared = sample_pending(self, batch)
+        launched = launch(self, batch, prepared) if batch is not None else None
         t1 = time.perf_counter()
         if batch is not None and launched is not None and not self.overlap:
             self.pending, launched = (batch, launched), None
-        t2 = collect(self, *self.pending) if self.pending is not None else t1
-        if batch is not None and isinstance(launched, Deferred):
-            launched = start(self, batch, launched)  # the results just processed: the matchers take them
+        fresh = (batch, launched) if batch is not None and isinstance(launched, Deferred) else None
+        t2, launched = collect_and_start(self, fresh, launched, t1)
         self.pending = (batch, launched) if launched is not None and batch is not None else None
         self._flush_outbox()
         t3 = time.perf_counter()

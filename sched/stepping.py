@@ -9,30 +9,68 @@ It decides nothing about which requests run: batches come built from the schedul
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.results import fail_batch, process
-from sgl.sched.runner.step import Deferred, Launched
+from sgl.sched.req import Req
+from sgl.sched.results import fail_batch, process, sampled_tokens
+from sgl.sched.runner.prepare import PreparedBatch
+from sgl.sched.runner.step import Deferred, Launched, StepResult
 
 if TYPE_CHECKING:
     from sgl.sched.scheduler import Scheduler
 
 
-def launch(s: Scheduler, batch: ScheduleBatch) -> Launched | None:
-    """Prepare and start a batch; None if either fails (its requests then end)."""
-    counted = False
+def prepare(s: Scheduler, batch: ScheduleBatch) -> PreparedBatch | None:
+    """A batch's host tensors (sgl.sched.runner.prepare); None if that fails (its requests then end)."""
     try:
-        prepared = s.runner.prepare(batch)
-        for r in batch.unique_reqs:
-            r.inflight += 1
-        counted = True
+        return s.runner.prepare(batch)
+    except Exception as e:  # noqa: BLE001 - contained to this batch
+        _failed(s, batch, e, "prepare", False)
+        return None
+
+
+def launch(s: Scheduler, batch: ScheduleBatch, prepared: PreparedBatch | None = None) -> Launched | None:
+    """Start a batch, prepared here unless given; None if either fails (its requests then end)."""
+    if prepared is None and (prepared := prepare(s, batch)) is None:
+        return None
+    for r in batch.unique_reqs:
+        r.inflight += 1
+    try:
         launched = s.runner.launch(prepared)
         # Without overlap the previous results are in already: mask and sample now.
         return launched.complete() if isinstance(launched, Deferred) and not s.overlap else launched
     except Exception as e:  # noqa: BLE001 - contained to this batch
-        _failed(s, batch, e, "forward" if counted else "prepare", counted)
+        _failed(s, batch, e, "forward", True)
         return None
+
+
+# A batch built while a grammar batch's sampling waits for its masks is prepared before
+# that sampling is queued (benchmarks/grammar_timeline.py measures both orders).
+PREPARE_FIRST = True
+# A grammar batch's matchers take the previous step's tokens before they are processed.
+EARLY_TOKENS = True
+
+
+def sample_pending(s: Scheduler, batch: ScheduleBatch | None) -> tuple[ScheduleBatch | None, PreparedBatch | None]:
+    """Queue the pending batch's sampling if it waited for grammar masks (they filled
+    while `batch` was built), before the next forward, which reads the tokens it
+    samples; `batch` is prepared first (its host work while the masks still fill, so
+    the GPU, done with that sampling, gets the next forward at once) unless that
+    sampling moves request-table rows (beams). The batch (None if preparing it failed:
+    its requests have ended) and what was prepared."""
+    if s.pending is None or not isinstance(deferred := s.pending[1], Deferred):
+        return batch, None
+    prepared = None
+    if batch is not None and PREPARE_FIRST and not deferred.moves_rows:
+        if (prepared := prepare(s, batch)) is None:
+            batch = None
+    t = time.perf_counter()
+    done = complete(s, s.pending[0], deferred)
+    s.pending = None if done is None else (s.pending[0], done)
+    s.stats["mask_wait_s"] += time.perf_counter() - t
+    return batch, prepared
 
 
 def complete(s: Scheduler, batch: ScheduleBatch, deferred: Deferred) -> Launched | None:
@@ -44,27 +82,51 @@ def complete(s: Scheduler, batch: ScheduleBatch, deferred: Deferred) -> Launched
         return None
 
 
-def start(s: Scheduler, batch: ScheduleBatch, deferred: Deferred) -> Deferred | None:
-    """Start a deferred batch's masks (the previous results are in); None if that fails
-    (its requests then end, as for a failed sampling)."""
+def start(s: Scheduler, batch: ScheduleBatch, deferred: Deferred,
+          just: dict[Req, int] | None = None) -> Deferred | None:
+    """Start a deferred batch's masks (the previous results are in, or their tokens
+    `just` sampled, about to be processed); None if that fails (its requests then end,
+    as for a failed sampling)."""
     try:
-        deferred.start()
+        deferred.start(just)
         return deferred
     except Exception as e:  # noqa: BLE001 - contained to this batch
         _failed(s, batch, e, "sampling", True)
         return None
 
 
-def collect(s: Scheduler, batch: ScheduleBatch, handle: Launched) -> float:
-    """Wait for a launched batch and process its results (or its failure); when they came."""
+def collect(s: Scheduler, batch: ScheduleBatch, handle: Launched,
+            early: Callable[[StepResult], None] | None = None) -> float:
+    """Wait for a launched batch and process its results (or its failure); when they
+    came. `early(results)` runs first, once they are on the host."""
     try:
         res = (handle.complete() if isinstance(handle, Deferred) else handle).result()
     except Exception as e:  # noqa: BLE001 - the forward failed: that batch's requests end
         _failed(s, batch, e, "forward", True)
         return time.perf_counter()
     t = time.perf_counter()
+    if early is not None:
+        early(res)
     process(s, batch, res)
     return t
+
+
+def collect_and_start(s: Scheduler, fresh: tuple[ScheduleBatch, Deferred] | None, launched: Launched | None,
+                      t: float) -> tuple[float, Launched | None]:
+    """Collect the pending batch, if any (else `t` is when nothing came), and start the
+    masks of `fresh`, the grammar batch just launched: with the pending batch's tokens as
+    soon as they are on the host (EARLY_TOKENS: the matchers take them while they are
+    processed), else once processed. When the results came, and what stands launched."""
+    if s.pending is None:
+        return t, launched if fresh is None else start(s, *fresh)
+    prev = s.pending[0]
+    if fresh is None:
+        return collect(s, *s.pending), launched
+    if not EARLY_TOKENS:
+        return collect(s, *s.pending), start(s, *fresh)
+    out: list[Launched | None] = []
+    t = collect(s, *s.pending, lambda res: out.append(start(s, *fresh, sampled_tokens(prev, res))))
+    return t, out[0] if out else start(s, *fresh)  # the pending batch failed: nothing to take
 
 
 def _failed(s: Scheduler, batch: ScheduleBatch, e: BaseException, stage: str, counted: bool) -> None:

@@ -2,6 +2,7 @@
 model's tokenizer and a JSON schema: each row's mask equals the one a lone matcher
 makes after taking the same tokens, whatever the rows are (ended requests, refused
 tokens, an EOS that completes the grammar, several tokens since the last mask), with
+the step's tokens in output_ids or given apart (sampled, not yet processed), with
 xgrammar's fill on one native thread or several, on the fill thread or here; and
 `accept_all`'s answers, through xgrammar's internals or its wrapper."""
 
@@ -59,8 +60,9 @@ def _allowed(m: Any, width: int) -> set[int]:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kinds=st.lists(KINDS, min_size=1, max_size=40), threads=st.sampled_from([1, 3, 8]),
-       background=st.booleans(), seed=st.integers(0, 2**16))
-def test_each_rows_mask_is_a_lone_matchers(kinds: list[str], threads: int, background: bool, seed: int) -> None:
+       background=st.booleans(), early=st.booleans(), seed=st.integers(0, 2**16))
+def test_each_rows_mask_is_a_lone_matchers(kinds: list[str], threads: int, background: bool, early: bool,
+                                           seed: int) -> None:
     from unittest import mock
 
     import xgrammar
@@ -113,11 +115,18 @@ def test_each_rows_mask_is_a_lone_matchers(kinds: list[str], threads: int, backg
         reqs.append(r)
         refs.append(ref)
     rows = GrammarRows(None, None, [10 + i for i in range(len(reqs))], reqs, [0] * len(reqs), width)
+    # early: the step's tokens given as sampled, not yet in output_ids (the scheduler's
+    # EARLY_TOKENS: sgl.sched.results.sampled_tokens), and appended after the start.
+    just = {r: r.output_ids.pop() for r in reqs
+            if early and r.finished_reason is None and len(r.output_ids) > r.grammar_seen}
     filler = MaskFiller(torch.device("cpu"), frozenset([eos]))
     filler.threads = threads  # xgrammar's fill threads do not need cores of their own to be right
     try:
         with mock.patch("sgl.sched.runner.grammar_masks.CHUNK_MIN", 4):  # small batches take the threads too
-            got = filler.finish(filler.start(rows)) if background else filler.fill(rows)
+            started = filler.start(rows, just or None, background=background)
+            for r, t in just.items():
+                r.output_ids.append(t)
+            got = filler.finish(started)
     finally:
         filler.close()
     for j, (kind, ref) in enumerate(zip(kinds, refs)):

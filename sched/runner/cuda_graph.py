@@ -12,6 +12,7 @@ runs before each replay, outside the graph. Capture happens once, at start-up.""
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +47,12 @@ class CudaGraphRunner:
         self._pool: Any = None  # the graphs' shared memory pool (torch's handle), set by the first capture
         kinds = {bs: [_kind(tc) for tc in backend.decode_kernels(bs)] + (["cascade"] if self.cascade else [])
                  for bs in self.sizes}
+        # A collection now, not inside a capture: the garbage of an engine closed earlier in
+        # this process (its graphs sit in reference cycles) freed during a capture destroys
+        # graphs there, which breaks it ("operation failed due to a previous error during
+        # capture": GPU tests' second engine, sessions 16-17; thread_local mode does not help,
+        # since the collector runs on the capturing thread).
+        gc.collect()
         with progress_bar(total=sum(map(len, kinds.values())), desc="Capturing CUDA graphs", unit="graph") as bar:
             for bs in sorted(self.sizes, reverse=True):
                 backend.init_graph(bs, self.cascade)

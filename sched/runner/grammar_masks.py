@@ -118,10 +118,12 @@ class MaskFiller:
         self.times = {"mask_start_s": 0.0, "mask_accept_s": 0.0, "mask_fill_s": 0.0, "mask_thread_s": 0.0,
                       "sample_queue_s": 0.0}
 
-    def start(self, g: GrammarRows, background: bool = True) -> _Started:
+    def start(self, g: GrammarRows, just: dict[Req, int] | None = None, background: bool = True) -> _Started:
         """Note each row's new token here, then give the matchers their tokens and fill
-        the bitmasks (on the fill thread when `background`, else here). Until `finish`,
-        the fill thread owns these matchers: nothing else may call them."""
+        the bitmasks (on the fill thread when `background`, else here). `just`: tokens
+        sampled but not yet in their requests' output_ids (they are being processed:
+        sgl.sched.results.sampled_tokens). Until `finish`, the fill thread owns these
+        matchers: nothing else may call them."""
         t0 = time.perf_counter()
         mask = self._rows(len(g.reqs), g.width)
         errors: dict[int, str] = {}
@@ -138,19 +140,20 @@ class MaskFiller:
                 m = r.grammar
                 out, seen = r.output_ids, r.grammar_seen
                 n = len(out)
-                if n - seen == 1:  # the usual step: one new token
+                tok = just.get(r) if just else None
+                if tok is None and n > seen:  # the newest token goes with the batch's accepts
+                    n -= 1
+                    tok = out[n]
+                if tok is not None:
+                    r.grammar_seen = n + 1
+                    if n > seen:  # rare: tokens of a step it sat out
+                        bad = self._accept_each(m, out[seen:n])
+                        if bad is not None:
+                            errors[g.batch_rows[j]] = refused(bad)
+                            ended.append(j)
+                            continue
                     took.append(len(rows))
-                    tokens.append(out[-1])
-                    r.grammar_seen = n
-                elif n > seen:  # rare: a step it sat out
-                    r.grammar_seen = n
-                    bad = self._accept_each(m, out[seen:-1])
-                    if bad is not None:
-                        errors[g.batch_rows[j]] = refused(bad)
-                        ended.append(j)
-                        continue
-                    took.append(len(rows))
-                    tokens.append(out[-1])
+                    tokens.append(tok)
             else:  # a beam's matchers took their tokens at selection (sgl.sched.beam)
                 own = r.beam.matchers
                 m = r.grammar if own is None else own[g.beams[j]]

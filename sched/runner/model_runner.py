@@ -39,6 +39,7 @@ from sgl.sched.runner.step import CudaLaunched, Deferred, Launched, Ready, StepR
 
 if TYPE_CHECKING:
     from sgl.sched.models.model_config import AnyConfig
+    from sgl.sched.req import Req
     from sgl.sched.runner.cuda_graph import CudaGraphRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -166,7 +167,8 @@ class ModelRunner:
         self.processors: dict[str, CustomLogitProcessor] = {}
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(args.random_seed if args.random_seed is not None else 0)
-        self.fused_draw = FusedDraw.ready(self.device, args.random_seed or 0, self.vocab_size, self.dtype)
+        self.fused_draw = FusedDraw.ready(self.device, args.random_seed or 0, self.vocab_size, self.dtype,
+                                          masks=args.grammar_backend != "none")
         self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
         t0 = time.perf_counter()
@@ -311,13 +313,13 @@ class ModelRunner:
         g = p.grammar
         started: list[Any] = []
 
-        def start() -> None:
-            started.append(self.masks.start(g))
+        def start(just: dict[Req, int] | None) -> None:
+            started.append(self.masks.start(g, just))
 
         def complete() -> Launched:
             return self.masks.then(rest, self.masks.finish(started[0]) if started else self.masks.fill(g))
 
-        return Deferred(start, complete)
+        return Deferred(start, complete, moves_rows=bool(p.beams))
 
     def close(self) -> None:
         """Stop the runner's threads (the forward worker, the grammar fill threads)."""

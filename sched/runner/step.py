@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from sgl.sched.req import Req
 from sgl.sched.runner.beam_select import BeamPicks
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 
@@ -57,11 +58,15 @@ class Deferred:
     that reads this step's tokens) waits for them, queues mask and sampling and gives
     the step's real handle."""
 
-    __slots__ = ("start", "complete")
+    __slots__ = ("start", "complete", "moves_rows")
 
-    def __init__(self, start: Callable[[], None], complete: Callable[[], Launched]) -> None:
+    def __init__(self, start: Callable[[dict[Req, int] | None], None], complete: Callable[[], Launched],
+                 moves_rows: bool = False) -> None:
         self.start = start
         self.complete = complete
+        # Its sampling moves request-table rows on the device (a beam selection): the next
+        # batch, whose KV indices are gathered from that table, is prepared only after it.
+        self.moves_rows = moves_rows
 
     def result(self) -> StepResult:
         raise RuntimeError("a deferred step's sampling was never queued: complete() it first")
