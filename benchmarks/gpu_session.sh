@@ -64,6 +64,9 @@
 # - The first engine on a fresh machine compiles Triton kernels inside its timed runs: its
 #   grammar06 ratio came out 0.1-0.2 under the next run's (session 16, three machines). Run
 #   an A/B as base, change, base, change and compare the later pairs.
+# - To see what sets a step, time it on a timeline before guessing from sums: `grammartimeline`
+#   (session 17) showed in one call the GPU idle behind the next batch's preparation, which five
+#   calls of per-phase sums in sessions 15-16 had not placed. Its A/B runs in one process.
 # - The *spy steps need py-spy's wheel in .whl (gpu_wheels.sh fetches it since session 16).
 # - Built kernels are installed as FlashInfer AOT modules. Restored as a JIT cache
 #   they are not enough: FlashInfer runs ninja on every load, and the fresh wheel
