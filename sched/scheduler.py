@@ -149,9 +149,10 @@ class Scheduler:
         batch's results and send what finished or streamed. With overlap, batch N+1 is
         launched before batch N's results are processed; without it, each batch is
         processed in the turn that launched it. A batch with grammar rows has its masks
-        filled only after the previous results are processed (its forward runs
-        meanwhile), on a thread while the next batch is built, and its sampling queued
-        before the next forward. False once a ShutdownReq was handled."""
+        filled once the previous step's tokens are on the host (its forward runs
+        meanwhile), on a thread while those are processed and the next batch is built and
+        prepared, and its sampling queued before the next forward (sgl.sched.stepping).
+        False once a ShutdownReq was handled."""
         if self.waiting or self.running or self.chunked_req or self.pending:
             msgs = self.recv.recv_all_nowait()
         else:

@@ -1,14 +1,15 @@
 """Grammar bitmasks for one batch, made while the GPU runs the batch's forward.
 
 At build time `grammar_rows` notes which sampled rows have a grammar. Once the previous
-step's results are processed (they only append tokens to `output_ids`), `MaskFiller.start`
-on the scheduler's thread notes each row's tokens sampled since its last mask and hands
-the rest to the fill thread: two native calls, the matchers' accepts (xgrammar's batch
-accept, its result read in one call: `accept_all`) and the fill (its batch fill over
-FILL_THREADS native threads), with a few lines of Python between them. The scheduler
-meanwhile builds the next batch; `finish` waits for both and queues the mask's copy to
-the device. `times` keeps where each step's grammar time went (the scheduler's server
-info shows it).
+step's tokens are on the host (given apart while they are processed, or already appended
+to `output_ids`), `MaskFiller.start` on the scheduler's thread notes each row's tokens
+sampled since its last mask and hands the rest to the fill thread: two native calls, the
+matchers' accepts (xgrammar's batch accept, its result read in one call: `accept_all`)
+and the fill (its batch fill over FILL_THREADS native threads), with a few lines of
+Python between them. The scheduler
+meanwhile processes the results and builds and prepares the next batch; `finish` waits
+for both and queues the mask's copy to the device. `times` keeps where each step's
+grammar time went (the scheduler's server info shows it).
 
 Why so (the H200's host, 256 rows of a JSON schema): the accepts take ~1 ms and the fill
 ~1.3 ms, both GIL-free, and the scheduler's thread waits for them only at `finish`,
