@@ -117,16 +117,17 @@ def collect_and_start(s: Scheduler, fresh: tuple[ScheduleBatch, Deferred] | None
     masks of `fresh`, the grammar batch just launched: with the pending batch's tokens as
     soon as they are on the host (EARLY_TOKENS: the matchers take them while they are
     processed), else once processed. When the results came, and what stands launched."""
-    if s.pending is None:
-        return t, launched if fresh is None else start(s, *fresh)
-    prev = s.pending[0]
+    started: list[Launched | None] = []
+    if s.pending is not None:
+        prev = s.pending[0]
+        early = None
+        if fresh is not None and EARLY_TOKENS:
+            def early(res: StepResult) -> None:
+                started.append(start(s, *fresh, sampled_tokens(prev, res)))
+        t = collect(s, *s.pending, early)
     if fresh is None:
-        return collect(s, *s.pending), launched
-    if not EARLY_TOKENS:
-        return collect(s, *s.pending), start(s, *fresh)
-    out: list[Launched | None] = []
-    t = collect(s, *s.pending, lambda res: out.append(start(s, *fresh, sampled_tokens(prev, res))))
-    return t, out[0] if out else start(s, *fresh)  # the pending batch failed: nothing to take
+        return t, launched
+    return t, started[0] if started else start(s, *fresh)  # none taken early: processed, failed or no batch
 
 
 def _failed(s: Scheduler, batch: ScheduleBatch, e: BaseException, stage: str, counted: bool) -> None:

@@ -6,10 +6,10 @@ to `output_ids`), `MaskFiller.start` on the scheduler's thread notes each row's 
 sampled since its last mask and hands the rest to the fill thread: two native calls, the
 matchers' accepts (xgrammar's batch accept, its result read in one call: `accept_all`)
 and the fill (its batch fill over FILL_THREADS native threads), with a few lines of
-Python between them. The scheduler
-meanwhile processes the results and builds and prepares the next batch; `finish` waits
-for both and queues the mask's copy to the device. `times` keeps where each step's
-grammar time went (the scheduler's server info shows it).
+Python between them. The scheduler meanwhile processes the results and builds and
+prepares the next batch; `finish` waits for both and queues the mask's copy to the
+device. `times` keeps where each step's grammar time went (the scheduler's server info
+shows it).
 
 Why so (the H200's host, 256 rows of a JSON schema): the accepts take ~1 ms and the fill
 ~1.3 ms, both GIL-free, and the scheduler's thread waits for them only at `finish`,
