@@ -14,58 +14,81 @@ the request's own view, with Hugging Face's rules (transformers' `_beam_search`)
 A candidate whose score went through a mask (below DEAD: a trie with fewer
 continuations than beams) is never finished: a beam request may return fewer beams.
 
-The rows are moved here as on the device (the request table's host copy), and the
-slots no beam continues from are freed (sgl.cache.beam_tails). Nothing here runs on
+The rows are moved on the host as on the device (sgl.sched.kv_cache.KVCache
+.move_beam_rows), and the slots no beam continues from are freed. Nothing here runs on
 the device or builds batches."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from sgl.core.protocol import Beam
 from sgl.sched.batch import ScheduleBatch
+from sgl.sched.kv_cache import KVCache
 from sgl.sched.req import Req
 from sgl.sched.runner.beam_select import DEAD, STOP_PENALTY, BeamPicks
 from sgl.sched.runner.prepare_beams import stop_ids_of
 
-if TYPE_CHECKING:
-    from sgl.sched.scheduler import Scheduler
 
+class BeamSearch:
+    """Applies beam requests' selections; `finish` ends a request (the scheduler's)."""
 
-def apply_picks(s: Scheduler, batch: ScheduleBatch, i: int, req: Req, picks: BeamPicks, n: int) -> None:
-    """The step's selection for the beam request whose entries start at batch entry i."""
-    b = req.beam
-    assert b is not None
-    p = req.sampling_params
-    w = b.width
-    scores, source = picks.scores[n].tolist(), picks.source[n].tolist()
-    token, run = picks.token[n].tolist(), picks.run[n].tolist()
-    t = len(b.outputs[0])  # tokens before this step
-    stops = set(stop_ids_of(req, s.runner.eos_ids))
-    by_length = t + 1 >= p.max_new_tokens or len(req.origin_input_ids) + t + 1 >= s.runner.context_length
-    hits = [by_length or tok in stops for tok in token]
-    fresh = not batch.is_decode
-    parents = [source[k] for k in run]
-    _move_rows(s, batch, i, req, parents, fresh)
-    if req.grammar is not None:
-        _fork_matchers(req, parents, [token[k] for k in run])
-    lp = p.length_penalty
-    if b.open and not (len(b.finished) >= w and p.early_stopping is True):
-        new = [(scores[k] / (t + 1) ** lp, scores[k], b.outputs[source[k]] + [token[k]],
-                {"type": "stop", "matched": token[k]} if token[k] in stops else {"type": "length", "length": t + 1})
-               for k in range(w) if hits[k] and scores[k] > DEAD]
-        if new:
-            b.finished = sorted(b.finished + new, key=lambda f: -f[0])[:w]  # stable: earlier ones first on ties
-    b.outputs = [b.outputs[source[k]] + [token[k]] for k in run]
-    b.scores = [scores[k] - (STOP_PENALTY if token[k] in stops or scores[k] < DEAD else 0.0) for k in run]
-    req.output_ids = list(b.outputs[0])
-    best_len = p.max_new_tokens if p.early_stopping == "never" and lp > 0 else t + 1
-    worst = min(f[0] for f in b.finished) if len(b.finished) >= w else -STOP_PENALTY
-    b.open = b.open and b.scores[0] / best_len ** lp > worst
-    if not b.open or (len(b.finished) >= w and p.early_stopping is True) or all(hits) or b.scores[0] < DEAD:
-        finish_beams(s, req)
+    def __init__(self, kv: KVCache, eos_ids: frozenset[int], context_length: int,
+                 finish: Callable[[Req, dict[str, Any]], None]) -> None:
+        self.kv = kv
+        self.eos_ids = eos_ids
+        self.context_length = context_length
+        self.finish = finish
+
+    def apply(self, batch: ScheduleBatch, i: int, req: Req, picks: BeamPicks, n: int) -> None:
+        """The step's selection for the beam request whose entries start at batch entry i."""
+        b = req.beam
+        assert b is not None
+        p = req.sampling_params
+        w = b.width
+        scores, source = picks.scores[n].tolist(), picks.source[n].tolist()
+        token, run = picks.token[n].tolist(), picks.run[n].tolist()
+        t = len(b.outputs[0])  # tokens before this step
+        stops = set(stop_ids_of(req, self.eos_ids))
+        by_length = t + 1 >= p.max_new_tokens or len(req.origin_input_ids) + t + 1 >= self.context_length
+        hits = [by_length or tok in stops for tok in token]
+        parents = [source[k] for k in run]
+        if not batch.is_decode:
+            self.kv.fan_out_prompt(req)
+        else:  # this step's written length; a later step's slot may already follow
+            written = batch.out_cache_loc[i : i + w].to("cpu", torch.int64)
+            self.kv.move_beam_rows(req, parents, batch.kv_lens[i], written)
+        if req.grammar is not None:
+            _fork_matchers(req, parents, [token[k] for k in run])
+        lp = p.length_penalty
+        if b.open and not (len(b.finished) >= w and p.early_stopping is True):
+            new = [(scores[k] / (t + 1) ** lp, scores[k], b.outputs[source[k]] + [token[k]],
+                    {"type": "stop", "matched": token[k]} if token[k] in stops else {"type": "length", "length": t + 1})
+                   for k in range(w) if hits[k] and scores[k] > DEAD]
+            if new:
+                b.finished = sorted(b.finished + new, key=lambda f: -f[0])[:w]  # stable: earlier ones first on ties
+        b.outputs = [b.outputs[source[k]] + [token[k]] for k in run]
+        b.scores = [scores[k] - (STOP_PENALTY if token[k] in stops or scores[k] < DEAD else 0.0) for k in run]
+        req.output_ids = list(b.outputs[0])
+        best_len = p.max_new_tokens if p.early_stopping == "never" and lp > 0 else t + 1
+        worst = min(f[0] for f in b.finished) if len(b.finished) >= w else -STOP_PENALTY
+        b.open = b.open and b.scores[0] / best_len ** lp > worst
+        if not b.open or (len(b.finished) >= w and p.early_stopping is True) or all(hits) or b.scores[0] < DEAD:
+            self._finish(req)
+
+    def _finish(self, req: Req) -> None:
+        """End a beam request with its finished beams, best first."""
+        b = req.beam
+        assert b is not None
+        keep = b.finished[: req.sampling_params.return_beams]
+        if keep:
+            req.output_ids = list(keep[0][2])
+        req.sent_len = len(req.output_ids)  # the beams carry the ids
+        b.result = [Beam(ids, cum, score, reason) for score, cum, ids, reason in keep]
+        self.finish(req, keep[0][3] if keep else {"type": "length", "length": len(req.output_ids)})
 
 
 def _fork_matchers(req: Req, parents: list[int], tokens: list[int]) -> None:
@@ -82,63 +105,3 @@ def _fork_matchers(req: Req, parents: list[int], tokens: list[int]) -> None:
             m.accept_token(tok)
         out.append(m)
     b.matchers = out
-
-
-def _move_rows(s: Scheduler, batch: ScheduleBatch, i: int, req: Req, parents: list[int], fresh: bool) -> None:
-    """The host table as the device left it: each row takes its parent's entries; and
-    the tails' ownership (a decode step's slots, and what no beam continues from)."""
-    b = req.beam
-    assert b is not None
-    pool = s.pool.req_to_token
-    prompt = len(req.origin_input_ids)
-    if fresh:
-        # The prompt's row is its own; the others take its entries, synced to the device with the next step.
-        lead = b.rows[0]
-        s.tree.cache_unfinished_req(req)  # the prompt is shareable while the beams run
-        for row in b.rows[1:]:
-            s.pool.write(row, 0, pool[lead, :prompt])
-        return
-    rows = torch.tensor(b.rows, dtype=torch.int64)
-    length = batch.kv_lens[i]  # this step's written length; a later step's slot may already follow
-    written = batch.out_cache_loc[i : i + b.width].to("cpu", torch.int64)
-    before = (pool[rows, length - 2].to(torch.int64) if length - 2 >= prompt
-              else torch.zeros(b.width, dtype=torch.int64))
-    sources = torch.tensor(parents, dtype=torch.int64)
-    pool[rows, :length] = pool[rows[sources], :length]
-    s.beam_tails.step(written, before, torch.bincount(sources, minlength=b.width))
-
-
-def finish_beams(s: Scheduler, req: Req) -> None:
-    """End a beam request with its finished beams, best first."""
-    b = req.beam
-    assert b is not None
-    keep = b.finished[: req.sampling_params.return_beams]
-    if keep:
-        req.output_ids = list(keep[0][2])
-    req.sent_len = len(req.output_ids)  # the beams carry the ids
-    b.result = [Beam(ids, cum, score, reason) for score, cum, ids, reason in keep]
-    s.finish(req, keep[0][3] if keep else {"type": "length", "length": len(req.output_ids)})
-
-
-def release_beams(s: Scheduler, req: Req) -> None:
-    """Give back what a beam request holds beyond its own row: every slot on a beam
-    (alive ones and those of steps in flight) and the other rows. Its own row then
-    holds the prompt alone, released as any request's."""
-    b = req.beam
-    assert b is not None
-    prompt = len(req.origin_input_ids)
-    if req.kv_len > prompt and len(b.rows) == b.width:
-        tails = s.pool.req_to_token[torch.tensor(b.rows), prompt : req.kv_len].reshape(-1).to(torch.int64)
-        s.allocator.free(tails.unique())
-    for row in b.rows[1:]:
-        s.pool.free(row)
-    del b.rows[1:]
-    req.kv_len = min(req.kv_len, prompt)
-
-
-def restart(req: Req) -> None:
-    """A retracted beam request starts over (nothing of it was sent)."""
-    assert req.beam is not None
-    req.beam.reset()
-    req.output_ids = []
-

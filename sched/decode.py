@@ -6,9 +6,9 @@ each retraction.
 
 Liveness (why retraction can never leave the scheduler with no request making
 progress). The KV holders are the running requests and the admitted ones whose
-prompt is not done yet (`Scheduler.prefilling`, the chunked request among them).
+prompt is not done yet (`PrefillManager.prefilling`, the chunked request among them).
 The victim of a retraction is always the youngest holder by arrival
-(`Scheduler.arrival`), never the oldest one H while any other holder exists:
+(`Req.arrival`), never the oldest one H while any other holder exists:
 - every request fits the pool alone (prompt + max_new_tokens <= max_total_tokens
   is checked at submit and again by the scheduler), so H alone can always get the
   slot of its next decode step or its next chunk: every other slot is free, in the
@@ -23,101 +23,112 @@ The victim of a retraction is always the youngest holder by arrival
   re-admitted, which then has the same guarantee; arrivals are younger than every
   live request, so an older one can be re-admitted only finitely often.
 So some request finishes within a bounded number of turns, whatever the traffic.
-These functions work on the scheduler's state through the scheduler. They never
-admit prefills and never process results."""
+DecodeManager never admits prefills and never processes results."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
+from sgl.core.log import get_logger
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.beam import restart
+from sgl.sched.kv_cache import KVCache
+from sgl.sched.prefill import PrefillManager
 from sgl.sched.req import Req
-
-if TYPE_CHECKING:
-    from sgl.sched.scheduler import Scheduler
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001  # per decode step
 RETRACT_NEW_TOKEN_RATIO_BUMP = 0.1  # per retraction, up to 1
-CANNOT_FIT = "out of KV cache memory: the request cannot fit"
 
 
-def can_step(r: Req, context_length: int) -> bool:
-    """Whether a running request takes part in the next decode step. Under overlap a
-    request whose in-flight token will surely end it (length or context) sits out."""
-    if r.to_abort is not None or (r.serial and r.inflight):
-        return False
-    return (len(r.output_ids) + r.inflight < r.sampling_params.max_new_tokens
-            and r.seq_len + r.inflight < context_length)
+class DecodeManager:
+    """The running requests, their decode steps and retraction. `finish` ends a request
+    (the scheduler's): a retraction victim with an abort pending ends instead."""
 
+    def __init__(self, kv: KVCache, prefill: PrefillManager, context_length: int,
+                 finish: Callable[[Req, dict[str, Any]], None]) -> None:
+        self.kv = kv
+        self.prefill = prefill
+        self.context_length = context_length
+        self.finish = finish
+        self.log = get_logger("scheduler")
+        self.running: list[Req] = []
+        self.stepping: list[Req] = []  # the decode batch being built (a failure aborts its requests)
+        # The share of their remaining max_new_tokens that running requests are expected to
+        # still need, which prefill admission reserves.
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.stats = {"decode_steps": 0, "retractions": 0}
 
-def decode_batch(s: Scheduler) -> ScheduleBatch | None:
-    """The next decode step of the running requests that can step, retracting the
-    youngest KV holders until their slots fit; None when none can step."""
-    while True:
-        reqs = [r for r in s.running if can_step(r, s.runner.context_length)]
-        if not reqs:
-            return None
-        s.building = reqs
-        loc = s.alloc(sum(len(r.rows) for r in reqs))  # a beam request steps every beam
-        if loc is not None:
-            break
-        retract_one(s)  # one holder fewer each time: the loop ends
-    s.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, s.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-    s.stats["decode_steps"] += 1
-    return ScheduleBatch.decode(reqs, loc, s.pool)
+    def add(self, req: Req) -> None:
+        self.running.append(req)
 
+    def remove(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
 
-def holders(s: Scheduler) -> list[Req]:
-    """The requests holding KV: running, or admitted with their prompt not done."""
-    return [*s.running, *s.prefilling]
+    def can_step(self, r: Req) -> bool:
+        """Whether a running request takes part in the next decode step. Under overlap a
+        request whose in-flight tokens will surely end it (length or context) sits out."""
+        if r.to_abort is not None or (r.serial and r.inflight):
+            return False
+        return r.inflight < r.tokens_left(self.context_length)
 
+    def schedule(self) -> ScheduleBatch | None:
+        """The next decode step of the running requests that can step, retracting the
+        youngest KV holders until their slots fit; None when none can step."""
+        self.stepping = []
+        while True:
+            reqs = [r for r in self.running if self.can_step(r)]
+            if not reqs:
+                return None
+            self.stepping = reqs
+            loc = self.kv.alloc(sum(len(r.rows) for r in reqs))  # a beam request steps every beam
+            if loc is not None:
+                break
+            self._retract_youngest()  # one holder fewer each time: the loop ends
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.stats["decode_steps"] += 1
+        return ScheduleBatch.decode(reqs, loc, self.kv.pool)
 
-def retract_one(s: Scheduler) -> None:
-    """Out of KV in decode: send the youngest KV holder back to the queue (see the
-    liveness argument above). The oldest is never retracted while another holds KV."""
-    held = holders(s)
-    victim = max(held, key=lambda r: s.arrival.get(r, -1))
-    if len(held) == 1:
-        # Cannot happen (a request that fits alone gets its slots): ending it beats spinning.
-        s.finish(victim, {"type": "abort", "message": CANNOT_FIT})
-        s.log.error("a lone request ran out of KV", rid=victim.rid, kv_len=victim.kv_len)
-        return
-    retract(s, victim)
+    def abort_ready(self) -> list[Req]:
+        """The KV holders whose abort is pending and which no launched batch holds: they end now."""
+        return [r for r in self.holders() if r.to_abort is not None and r.inflight == 0]
 
+    def building(self) -> list[Req]:
+        """The requests of the decode step being built (a failure aborts them)."""
+        return self.stepping
 
-def retract(s: Scheduler, victim: Req) -> None:
-    """Give back the victim's KV and put it first in the queue; what it generated is
-    kept and recomputed on re-admission (its in-flight results are stale: epoch)."""
-    if victim.to_abort is not None:
-        s.finish(victim, {"type": "abort", "message": victim.to_abort})  # it was ending anyway
-        return
-    if victim in s.running:
-        s.running.remove(victim)
-    s.prefilling.discard(victim)
-    if victim is s.chunked_req:
-        s.chunked_req = None
-    s.stats["retractions"] += 1
-    s.release(victim, cache=False)
-    if victim.logprobs is not None and not victim.prompt_done:
-        _drop_prompt_logprobs(victim)
-    if victim.beam is not None:
-        restart(victim)  # its beams are recomputed from the prompt (likely cached) on re-admission
-    victim.retractions += 1
-    victim.epoch += 1
-    s.waiting.insert(0, victim)
-    s.new_token_ratio = min(1.0, s.new_token_ratio + RETRACT_NEW_TOKEN_RATIO_BUMP)
-    s.log.info("retracted", rid=victim.rid, output_len=len(victim.output_ids), retractions=victim.retractions)
+    def holders(self) -> list[Req]:
+        """The requests holding KV: running, or admitted with their prompt not done."""
+        return [*self.running, *self.prefill.prefilling]
 
+    def _retract_youngest(self) -> None:
+        """Out of KV in decode: send the youngest KV holder back to the queue (see the
+        liveness argument above). The oldest is never retracted while another holds KV."""
+        held = self.holders()
+        if len(held) == 1:  # cannot happen (a request that fits alone gets its slots): fail the step
+            raise RuntimeError(f"a lone request ran out of KV: {held[0]}")
+        self.retract(max(held, key=lambda r: r.arrival))
 
-def _drop_prompt_logprobs(r: Req) -> None:
-    """A request retracted before its prompt was done recomputes its prompt logprobs
-    from the start: drop the chunks' ones gathered so far (none was sent yet), all but
-    the leading None of logprob_start_len=0."""
-    lp = r.logprobs
-    assert lp is not None
-    keep = 1 if r.logprob_start_len == 0 else 0
-    for vals in (lp.input_ids, lp.input_vals, lp.input_top_vals, lp.input_top_ids, lp.input_ids_vals):
-        del vals[keep:]  # an unused list is empty: nothing to drop
+    def retract(self, victim: Req) -> None:
+        """Give back the victim's KV and put it first in the queue; what it generated is
+        kept and recomputed on re-admission (its in-flight results are stale: epoch)."""
+        if victim.to_abort is not None:
+            self.finish(victim, {"type": "abort", "message": victim.to_abort})  # it was ending anyway
+            return
+        self.remove(victim)
+        self.stats["retractions"] += 1
+        self.kv.release(victim, cache=False)
+        victim.drop_prompt_logprobs()
+        if victim.beam is not None:
+            victim.beam.reset()  # its beams are recomputed from the prompt (likely cached) on re-admission
+            victim.output_ids = []  # nothing of a beam request was sent
+        victim.retractions += 1
+        victim.epoch += 1
+        self.prefill.requeue(victim)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_NEW_TOKEN_RATIO_BUMP)
+        self.log.info("retracted", rid=victim.rid, output_len=len(victim.output_ids), retractions=victim.retractions)
+
+    def info(self) -> dict[str, Any]:
+        return {"running": len(self.running) + (self.prefill.chunked is not None), **self.stats}

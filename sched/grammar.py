@@ -8,7 +8,7 @@ A ready request holds an xgrammar GrammarMatcher (`req.grammar`). Grammar reques
 keep the overlap loop: a batch's forward is queued before the previous step's results
 are processed; then each matcher takes the tokens sampled since its last mask, and the
 masks are filled on the fill thread while the scheduler builds the next batch; mask
-and sampling are queued after (sgl.sched.runner.step.Deferred,
+and sampling are queued after (sgl.sched.runner.step.Step's hooks,
 sgl.sched.runner.grammar_masks). Beams under a grammar run their steps serially.
 
 The bitmasks cover the tokenizer's ids, not the model's padded vocabulary: xgrammar
@@ -25,15 +25,12 @@ import functools
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sgl.core.log import get_logger
 from sgl.sched.json_schema_rewrite import for_xgrammar
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.req import Req
-
-if TYPE_CHECKING:
-    from sgl.sched.scheduler import Scheduler
 
 COMPILE_THREADS = 2  # xgrammar's own threads per compile; one compile at a time here
 MAX_JSON_WHITESPACE = 2  # whitespace characters in a row between JSON tokens
@@ -66,7 +63,6 @@ class Grammars:
         # The same grammar twice is one compile: 256 requests of one schema, each compiled in
         # turn on the one thread (each a cache hit of xgrammar's), trickled into the batch.
         self._recent: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
-        self.width = vocab_size  # the bitmasks' token ids, the tokenizer's (set with the compiler)
 
     def error(self, req: Req) -> str | None:
         """Why this engine cannot constrain the request at all, or None."""
@@ -93,9 +89,10 @@ class Grammars:
         self._recent.move_to_end(key)
         self.pending[req] = fut
 
-    def ready(self) -> list[tuple[Req, str | None]]:
-        """The pending requests whose compile is done: (request, error or None); a
-        request's matcher is set on success."""
+    def ready(self) -> list[tuple[Req, dict[str, Any] | None]]:
+        """The pending requests whose compile is done, each with None (its matcher is set:
+        it may join the queue) or the abort reason it must end with: its own pending
+        abort, or a failed compile (the caller's error: status_code 400)."""
         finished = {f for f in set(self.pending.values()) if f.done()}  # once per compile: its requests join together
         done = [(r, f) for r, f in self.pending.items() if f in finished]
         if self.tp.size > 1:
@@ -105,17 +102,23 @@ class Grammars:
             by_rid = {r.rid: (r, f) for r, f in self.pending.items()}
             done = [by_rid[rid] for rid in rids]
             wait([f for _, f in done])
-        out: list[tuple[Req, str | None]] = []
+        out: list[tuple[Req, dict[str, Any] | None]] = []
         for req, fut in done:
             del self.pending[req]
+            if req.to_abort is not None:
+                out.append((req, {"type": "abort", "message": req.to_abort}))
+                continue
             try:
-                req.grammar = _backend().GrammarMatcher(fut.result())
+                compiled = fut.result()
+                req.grammar = _backend().GrammarMatcher(compiled)
+                req.grammar_width = compiled.tokenizer_info.vocab_size
                 out.append((req, None))
             except Exception as e:  # noqa: BLE001 - the caller's grammar: their 400
                 kind = req.sampling_params.grammar[0]  # type: ignore[index]
                 # xgrammar's messages start with a time and a source location: the caller needs neither.
                 text = re.sub(r"^\[[\d:]+\] \S+: (Check failed: \(.*?\) is false: )?", "", str(e).strip())
-                out.append((req, f"{kind}: the grammar does not compile: {text[:500]}"))
+                out.append((req, {"type": "abort", "status_code": 400,
+                                  "message": f"{kind}: the grammar does not compile: {text[:500]}"}))
         return out
 
     def drop(self, req: Req) -> bool:
@@ -134,8 +137,7 @@ class Grammars:
     def _compile(self, kind: str, text: str) -> Any:
         if self._compiler is None:
             assert self.tokenizer_path is not None  # error() refused grammars without a tokenizer
-            # Set before any compile's future is done: ready() reads the width after it.
-            self._compiler, self.width = _compiler_for(self.tokenizer_path, self.trust_remote_code,
+            self._compiler, _ = _compiler_for(self.tokenizer_path, self.trust_remote_code,
                                                        self.vocab_size, tuple(self.eos_ids))
         if kind == "json_schema":
             # Whitespace between tokens stays allowed but bounded: a small model left free
@@ -166,19 +168,3 @@ def tokenizer_width(tok: Any, vocab_size: int, eos_ids: tuple[int, ...] = ()) ->
     """The grammar bitmasks' width: the tokenizer's ids (EOS included), within the
     model's `vocab_size` columns (see the module's docstring)."""
     return min(vocab_size, max([*tok.get_vocab().values(), *eos_ids]) + 1)
-
-
-def admit_compiled(s: Scheduler) -> None:
-    """Requests whose grammar compiled join the queue; the others end (a failed compile
-    is the caller's error: status_code 400, a ValueError to engine callers)."""
-    ready = s.grammars.ready()
-    if ready:
-        s.runner.grammar_vocab = s.grammars.width
-    for req, error in ready:
-        if req.to_abort is not None or error is not None:
-            reason: dict[str, Any] = {"type": "abort", "message": req.to_abort or error}
-            if req.to_abort is None:
-                reason["status_code"] = 400
-            s.finish(req, reason)
-        else:
-            s.waiting.append(req)

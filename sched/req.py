@@ -54,7 +54,7 @@ class Req:
         "cached_tokens", "to_abort", "retractions", "inflight", "epoch",
         "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
-        "grammar_seen",
+        "grammar_width", "grammar_seen", "arrival", "oom_retried",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -94,9 +94,13 @@ class Req:
         # (set by the scheduler: a processor that reads output ids, or beams on a CPU worker).
         self.serial = False
         self.grammar: Any = None  # its xgrammar GrammarMatcher, once compiled (sgl.sched.grammar)
+        self.grammar_width = 0  # its bitmask's token ids (the tokenizer's), set with the matcher
         # Output ids its matcher has taken: the rest go in just before the request's next
         # mask is filled (sgl.sched.runner.grammar_masks); beams excepted.
         self.grammar_seen = 0
+        # Its place in arrival order (set by the scheduler): retraction takes the youngest KV holder.
+        self.arrival = -1
+        self.oom_retried = False  # retracted once after a CUDA OOM: the next one aborts it
 
     @property
     def all_ids(self) -> list[int]:
@@ -110,6 +114,36 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    def start_logprobs(self) -> None:
+        """A new request's logprobs: with logprob_start_len=0 the first prompt token has
+        none, which SGLang reports as None."""
+        lp = self.logprobs
+        if self.logprob_start_len != 0 or lp is None:
+            return
+        lp.input_ids.append(self.origin_input_ids[0])
+        lp.input_vals.append(None)
+        if self.top_logprobs_num:
+            lp.input_top_vals.append(None)
+            lp.input_top_ids.append(None)
+        if self.token_ids_logprob:
+            lp.input_ids_vals.append(None)
+
+    def drop_prompt_logprobs(self) -> None:
+        """Retracted before its prompt was done, it recomputes its prompt logprobs from the
+        start: drop the chunks' ones gathered so far (none was sent yet), all but the
+        leading None of logprob_start_len=0."""
+        lp = self.logprobs
+        if lp is None or self.prompt_done:
+            return
+        keep = 1 if self.logprob_start_len == 0 else 0
+        for vals in (lp.input_ids, lp.input_vals, lp.input_top_vals, lp.input_top_ids, lp.input_ids_vals):
+            del vals[keep:]  # an unused list is empty: nothing to drop
+
+    def tokens_left(self, context_length: int) -> int:
+        """Output tokens it may still get: max_new_tokens and the context both bound it
+        (the one rule for the length finish and for sitting out a decode step)."""
+        return min(self.sampling_params.max_new_tokens - len(self.output_ids), context_length - self.seq_len)
 
     @property
     def prefill_only(self) -> bool:

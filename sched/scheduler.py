@@ -1,31 +1,27 @@
-"""The scheduler role: a busy loop that drains requests, admits prefills within
-the KV budget, runs decode steps, and streams token ids to the detokenizer.
+"""The scheduler role: a loop that takes requests in, admits prefills within the KV
+budget, runs decode steps, and streams token ids to the detokenizer.
 
-It owns the model runner, the KV pools and the radix cache, and the request
-state the loop's parts share: the loop and its input live here, with the request
-ends (finish, release) and KV allocation; admission is sgl.sched.prefill_adder's,
-decode steps and retraction sgl.sched.decode's, launching and collecting a batch
-sgl.sched.stepping's, a step's results and the outbox sgl.sched.results'. It
-never talks to the caller directly and never decodes text.
-Bad input finishes that request with an abort reason, and a batch that fails (in
-building, prepare, the forward, or its results) ends that batch's requests with one
-(sgl.sched.results.fail_batch): neither takes the loop down. Retraction keeps the
-loop live (the argument is in sgl.sched.decode); past max_queued_requests waiting,
-a new request is refused at once with an abort reason that carries status_code 503."""
+Each turn (`step`) reads top to bottom: receive, schedule the next batch, launch it,
+process the previous batch's results, send. With the overlap loop (the default on a
+GPU) batch N+1 is launched before batch N's results are processed, so the host's
+work hides behind the GPU's; without it each batch is processed in the turn that
+launched it. The state lives with its owners: the waiting queue and admission
+(sgl.sched.prefill), the running set, decode steps and retraction (sgl.sched.decode),
+KV ownership (sgl.sched.kv_cache), grammars (sgl.sched.grammar), a new request's
+checks (sgl.sched.intake), results and failures (sgl.sched.results); the model, its
+pools and sampling are the runner's (sgl.sched.runner). The scheduler itself holds
+the live requests by rid and ends them (`finish`, `abort_now`).
+
+Bad input ends that request with an abort reason, and a batch that fails (building,
+prepare, the forward, sampling or its results) ends that batch's requests: neither
+takes the loop down. It never talks to the caller directly and never decodes text."""
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
 from typing import Any
 
-import torch
-
-from sgl.cache.beam_tails import BeamTails
-from sgl.cache.radix_cache import RadixCache
 from sgl.core.log import get_logger
-from sgl.core.logit_processor import resolve
 from sgl.core.protocol import (
     AbortReq,
     AttachReq,
@@ -40,21 +36,20 @@ from sgl.core.protocol import (
     Message,
     ShutdownReq,
 )
-from sgl.core.request_checks import RequestLimits, request_error
 from sgl.core.server_args import ServerArgs
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.beam import release_beams
-from sgl.sched.decode import INIT_NEW_TOKEN_RATIO, decode_batch
-from sgl.sched.grammar import Grammars, admit_compiled
+from sgl.sched.beam import BeamSearch
+from sgl.sched.decode import DecodeManager
+from sgl.sched.grammar import Grammars
+from sgl.sched.intake import RequestIntake
+from sgl.sched.kv_cache import KVCache
 from sgl.sched.models.parallel import TPGroup
-from sgl.sched.prefill_adder import PrefillAdder, prefill_batch, prompt_logprob_rows
+from sgl.sched.prefill import PrefillManager
 from sgl.sched.req import Req
-from sgl.sched.results import error_message, start_logprobs, token_id_output
-from sgl.sched.runner.model_runner import ModelRunner, eos_ids_of
-from sgl.sched.runner.step import Deferred, Launched
-from sgl.sched.stepping import collect, collect_and_start, launch, sample_pending
+from sgl.sched.results import Outbox, ResultProcessor, error_message
+from sgl.sched.runner.model_runner import ModelRunner
+from sgl.sched.runner.step import Step
 from sgl.sched.stop import StopStrings
-from sgl.sched.trie_store import TrieStore, constrain
 from sgl.transports.channel import Receiver, Sender
 
 IDLE_POLL_S = 0.5
@@ -70,66 +65,38 @@ class Scheduler:
         self.log = get_logger("scheduler", **({"tp_rank": tp.rank} if tp.size > 1 else {}))
         self.recv = recv
         self.send = send
-        self.runner = ModelRunner(args, model_path, tp)
-        self.pool = self.runner.req_to_token_pool
-        self.allocator = self.runner.allocator
-        self.tree = RadixCache(self.pool, self.allocator, disable=args.disable_radix_cache)
-        self.beam_tails = BeamTails(self.allocator)
-        self.tries = TrieStore()
-        self.eos_ids = eos_ids_of(self.runner.config, model_path)
-        self.runner.eos_ids = frozenset(self.eos_ids)
-        # Every allowed processor is imported at startup: a bad entry fails the engine's start.
-        self.runner.processors = {name: resolve(name) for name in args.custom_logit_processors}
+        self.runner = r = ModelRunner(args, model_path, tp)
         tok_path = None if args.skip_tokenizer_init else (args.tokenizer_path or model_path)
-        self.stop_strings = StopStrings(tok_path, args.trust_remote_code)
-        self.grammars = Grammars(tok_path, self.runner.vocab_size, self.eos_ids, args.trust_remote_code,
+        self.kv = KVCache(r.req_to_token_pool, r.allocator, args.disable_radix_cache)
+        self.grammars = Grammars(tok_path, r.vocab_size, set(r.eos_ids), args.trust_remote_code,
                                  enabled=args.grammar_backend != "none", tp=tp)
-        r = self.runner
-        self.limits = RequestLimits(r.vocab_size, r.context_length, r.max_total_tokens, self.stop_strings.available,
-                                    tuple(args.custom_logit_processors), args.max_top_logprobs_num,
-                                    max_running_requests=r.max_running_requests)
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked_req: Req | None = None
-        self.prefilling: set[Req] = set()  # admitted, last prefill chunk not processed yet
-        self.rids: dict[str, Req] = {}
-        # Arrival order of the live requests: retraction takes the youngest KV holder (sgl.sched.decode).
-        self.arrival: dict[Req, int] = {}
-        self._arrivals = itertools.count()
-        self.oom_retried: set[Req] = set()  # retracted once after a CUDA OOM: the next one aborts them
-        # The batch being built, aborted if building it fails: a decode batch's requests, or an admission round.
-        self.building: list[Req] = []
-        self.adder: PrefillAdder | None = None
-        self.outbox: list[Req] = []
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO  # see sgl.sched.decode
-        self.chunk_size = self.runner.chunked_prefill_size or self.runner.context_length
-        self.logprob_rows = prompt_logprob_rows(self.runner.vocab_size, self.chunk_size)
-        self.strict = os.environ.get("SGL_STRICT_INVARIANTS") == "1"
-        self.invariant_violations = 0
-        self.checked_idle = False
-        self.overlap = self.runner.overlap
-        self.pending: tuple[ScheduleBatch, Launched] | None = None  # launched, results not processed yet
-        # Loop time split: building and launching batches, waiting for results, processing them;
-        # mask_wait_s: of the building, waiting for grammar bitmasks and queueing their sampling.
-        # failures: batches and requests ended by an internal error.
-        self.stats: dict[str, float] = {"prefill_tokens": 0, "decode_steps": 0, "retractions": 0, "cached_tokens": 0,
-                                        "failures": 0, "build_s": 0.0, "wait_s": 0.0, "process_s": 0.0,
-                                        "mask_wait_s": 0.0}
+        self.intake = RequestIntake(r, self.grammars, tok_path is not None, tuple(args.custom_logit_processors),
+                                    args.max_top_logprobs_num, args.max_queued_requests)
+        self.prefill = PrefillManager(self.kv, policy=args.schedule_policy, max_prefill_tokens=args.max_prefill_tokens,
+                                      chunk_size=r.chunked_prefill_size or r.context_length, vocab_size=r.vocab_size,
+                                      max_running_requests=r.max_running_requests)
+        self.decode = DecodeManager(self.kv, self.prefill, r.context_length, self.finish)
+        self.outbox = Outbox()
+        self.results = ResultProcessor(self.kv, self.prefill, self.decode,
+                                       BeamSearch(self.kv, r.eos_ids, r.context_length, self.finish), self.outbox,
+                                       StopStrings(tok_path, args.trust_remote_code), r.eos_ids, r.context_length,
+                                       tp.size, self.finish, self.abort_now)
+        self.rids: dict[str, Req] = {}  # the live requests: queued, compiling, prefilling or running
+        self.last: Step | None = None  # launched, results not processed yet (the overlap loop's)
+        # The loop's time: building and launching batches (mask_wait_s of it: queueing a grammar
+        # batch's sampling once its masks are in), waiting for results, processing them.
+        self.stats = {"build_s": 0.0, "mask_wait_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, prefilling, running or in flight (grammars may be compiling)."""
+        return not (self.prefill.busy or self.prefill.prefilling or self.decode.running or self.last is not None)
 
     def info(self) -> dict[str, Any]:
-        r = self.runner
-        return {
-            "model_path": self.args.model_path, "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch."),
-            "kv_dtype": str(r.kv_dtype).removeprefix("torch."), "decode_attention": r.decode_attention,
-            "vocab_size": r.vocab_size, "context_length": r.context_length, "max_total_tokens": r.max_total_tokens,
-            "max_running_requests": r.max_running_requests, "eos_token_ids": sorted(self.eos_ids),
-            "chunked_prefill_size": self.chunk_size, "max_queued_requests": self.args.max_queued_requests,
-            "max_top_logprobs_num": self.args.max_top_logprobs_num,
-            "kv_free": self.allocator.available_size(), "kv_evictable": self.tree.evictable_size(),
-            "kv_protected": self.tree.protected_size(), "grammars_compiling": len(self.grammars.pending),
-            "running": len(self.running) + (self.chunked_req is not None), "waiting": len(self.waiting),
-            "invariant_violations": self.invariant_violations, **self.stats, **r.gpu_timeline.info(),
-            **r.masks.times, "cascade_steps": r.cascade_steps, "startup": r.startup}
+        return {"model_path": self.args.model_path, "max_queued_requests": self.args.max_queued_requests,
+                "max_top_logprobs_num": self.args.max_top_logprobs_num, **self.runner.info(), **self.kv.info(),
+                **self.prefill.info(), **self.decode.info(), "grammars_compiling": len(self.grammars.pending),
+                "failures": self.results.failures, **self.stats}
 
     # ---- the loop --------------------------------------------------------------
 
@@ -144,69 +111,99 @@ class Scheduler:
         self.grammars.close()
 
     def step(self, block: bool = False) -> bool:
-        """One turn of the loop: drain the input (when idle and `block`, waiting up to
-        IDLE_POLL_S for it), build and launch the next batch, then process the previous
-        batch's results and send what finished or streamed. With overlap, batch N+1 is
-        launched before batch N's results are processed; without it, each batch is
-        processed in the turn that launched it. A batch with grammar rows has its masks
-        filled once the previous step's tokens are on the host (its forward runs
-        meanwhile), on a thread while those are processed and the next batch is built and
-        prepared, and its sampling queued before the next forward (sgl.sched.stepping).
-        False once a ShutdownReq was handled."""
-        if self.waiting or self.running or self.chunked_req or self.pending:
-            msgs = self.recv.recv_all_nowait()
-        else:
-            compiling = bool(self.grammars.pending)
-            if not compiling:
-                self._on_idle()
-            first = self.recv.recv((GRAMMAR_POLL_S if compiling else IDLE_POLL_S) if block else 0)
-            msgs = [first, *self.recv.recv_all_nowait()] if first is not None else []
-        for msg in msgs:
+        """One turn: receive, schedule, launch, process the previous batch's results, send.
+        A grammar batch's sampling waits for its bitmasks, which fill on a thread from the
+        moment the previous step's tokens are on the host (sgl.sched.runner.step.Step): it
+        is queued here, after the next batch was built and prepared and before that batch's
+        forward, which reads its tokens. False once a ShutdownReq was handled."""
+        for msg in self._receive(block):
             if isinstance(msg, ShutdownReq):
-                if self.pending is not None:
-                    collect(self, *self.pending)
+                if self.last is not None:
+                    self.results.apply(self.results.wait(self.last))
+                    self.last = None
                 self.send.send(msg)
                 return False
             self.handle(msg)
-        self._reap_aborts()
-        if self.grammars.pending:
-            admit_compiled(self)
+        for req, reason in self.grammars.ready():  # compiled: they join the queue, or end
+            self.finish(req, reason) if reason is not None else self.prefill.add(req)
+        for req in self.decode.abort_ready():
+            self.finish(req, {"type": "abort", "message": req.to_abort})
         t0 = time.perf_counter()
-        batch = self._build()
-        st = self.stats
-        batch, prepared = sample_pending(self, batch)
-        launched = launch(self, batch, prepared) if batch is not None else None
+        last, self.last = self.last, None
+        batch = self._schedule()
+        # The new batch's host work goes first, while the last one's masks fill, unless that
+        # batch's sampling moves request-table rows (beams), which the new one reads.
+        early = last is None or not last.moves_rows
+        prepared = self._guard(batch, "prepare", self.runner.prepare, batch) if batch and early else None
+        if last is not None and last.awaits_sampling:
+            t = time.perf_counter()
+            last = last if self._guard(last.batch, "sampling", last.sample, launched=True) else None
+            self.stats["mask_wait_s"] += time.perf_counter() - t
+        if batch and not early:
+            prepared = self._guard(batch, "prepare", self.runner.prepare, batch)
+        step = self._guard(batch, "forward", self.runner.launch, prepared) if batch and prepared else None
+        if step is not None:
+            for r in step.batch.unique_reqs:
+                r.inflight += 1
+            if not self.runner.overlap:
+                last, step = step, None  # processed in this turn
         t1 = time.perf_counter()
-        if batch is not None and launched is not None and not self.overlap:
-            self.pending, launched = (batch, launched), None
-        fresh = (batch, launched) if batch is not None and isinstance(launched, Deferred) else None
-        t2, launched = collect_and_start(self, fresh, launched, t1)
-        self.pending = (batch, launched) if launched is not None and batch is not None else None
-        self._flush_outbox()
-        t3 = time.perf_counter()
+        got = self.results.wait(last) if last is not None else None  # its results on the host, or None
+        t2 = time.perf_counter()
+        if step is not None and step.prepared.grammar is not None:  # its masks fill while `got` is applied
+            tokens = got.grammar_tokens() if got is not None else None
+            step = step if self._guard(step.batch, "sampling", step.fill_masks, tokens, launched=True) else None
+        self.results.apply(got)
+        self.last = step
+        if (out := self.outbox.flush()) is not None:
+            self.send.send(out)
+        st = self.stats
         st["build_s"] += t1 - t0
         st["wait_s"] += t2 - t1
-        st["process_s"] += t3 - t2
+        st["process_s"] += time.perf_counter() - t2
         return True
 
-    def _next_batch(self) -> ScheduleBatch | None:
-        batch = prefill_batch(self)
-        if batch is None and self.running:
-            batch = decode_batch(self)
-        return batch
+    def _receive(self, block: bool) -> list[Message]:
+        """The waiting messages. While idle and `block`, wait for one up to IDLE_POLL_S
+        (GRAMMAR_POLL_S with grammars compiling), checking the KV accounting first."""
+        if not self.idle:
+            return self.recv.recv_all_nowait()
+        compiling = bool(self.grammars.pending)
+        if not compiling:
+            self.kv.check_idle()
+            self.runner.gpu_timeline.reset_gap()
+        first = self.recv.recv((GRAMMAR_POLL_S if compiling else IDLE_POLL_S) if block else 0)
+        return [first, *self.recv.recv_all_nowait()] if first is not None else []
 
-    def _build(self) -> ScheduleBatch | None:
-        """The next batch; if building it raises, the requests it was taking in are aborted."""
-        self.building, self.adder = [], None
+    def _schedule(self) -> ScheduleBatch | None:
+        """The next batch: an admission round, else a decode step of the running requests.
+        If building it raises, the requests it was taking in are aborted."""
+        builder: PrefillManager | DecodeManager = self.prefill
         try:
-            return self._next_batch()
+            batch = self.prefill.schedule(self.decode.running, self.rids, self.decode.new_token_ratio)
+            if batch is None and self.decode.running:
+                builder = self.decode
+                batch = self.decode.schedule()
+            return batch
         except Exception as e:  # contained to the batch being built
-            a = self.adder
-            culprits = self.building or ([*a.admitted, *([a.current] if a.current else [])] if a else [])
-            self.stats["failures"] += 1
+            culprits = builder.building()
+            self.results.failures += 1
             self.log.exception("building a batch failed: its requests are aborted", rids=[r.rid for r in culprits])
             for r in dict.fromkeys(culprits):
                 self.abort_now(r, error_message("scheduling", e))
+            return None
+
+    def _guard(self, batch: ScheduleBatch, stage: str, call: Any, *args: Any, launched: bool = False) -> Any:
+        """`call(*args)`'s result (True for a call that returns nothing); if it raises,
+        `batch` fails (its requests end) and the result is None. `launched`: the batch
+        counts in its requests' `inflight` until now."""
+        try:
+            out = call(*args)
+            return True if out is None else out
+        except Exception as e:  # noqa: BLE001 - contained to this batch
+            for r in batch.unique_reqs if launched else ():
+                r.inflight -= 1
+            self.results.fail(batch, e, stage, kv_written=False)
             return None
 
     # ---- input -----------------------------------------------------------------
@@ -215,9 +212,19 @@ class Scheduler:
         if isinstance(msg, GenerateReqInput):
             self._add(msg)
         elif isinstance(msg, AbortReq):
-            self._abort(msg.rid, "aborted by the client")
+            req = self.rids.get(msg.rid)
+            if req is None or req.finished:
+                return
+            if self.prefill.remove(req) or self.grammars.drop(req):  # not started: it ends now
+                self.finish(req, {"type": "abort", "message": "aborted by the client"})
+            else:
+                req.to_abort = "aborted by the client"  # ended once no launched batch holds it
         elif isinstance(msg, FlushCacheReq):
-            out = self._flush_cache()
+            idle = self.idle and not self.grammars.pending
+            if idle:
+                self.kv.flush()
+            out = FlushCacheReqOutput(idle, "" if idle else "cannot flush the cache while requests are running "
+                                                             "or waiting")
             out.origin, out.req_id = msg.origin, msg.req_id
             self.send.send(out)
         elif isinstance(msg, GetServerInfoReq):
@@ -231,164 +238,47 @@ class Scheduler:
 
     def _add(self, msg: GenerateReqInput) -> None:
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.stream, msg)
-        self.checked_idle = False
-        error = self._validate(req)
-        if error is not None:
-            self.finish(req, {"type": "abort", "message": error})
+        refusal = self.intake.check(req, self.rids, len(self.prefill.waiting))  # sets its arrival if accepted
+        if refusal is not None:
+            self.finish(req, refusal)
             return
-        bound = self.args.max_queued_requests
-        if bound is not None and len(self.waiting) >= bound:
-            # Refused at once, not queued: the HTTP layer maps status_code to 503.
-            self.finish(req, {"type": "abort", "status_code": 503,
-                              "message": f"server busy: {len(self.waiting)} queued requests "
-                                         f"(max_queued_requests={bound}); retry later"})
-            return
-        error = constrain(req, self.tries, self.runner) or self.grammars.error(req)
-        if error is not None:
-            self.finish(req, {"type": "abort", "message": error})
-            return
-        start_logprobs(req)
+        req.start_logprobs()
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) is not None:
-            self._share_prompt(lead)
+            self.prefill.share_prompt(lead)
         self.rids[req.rid] = req
-        self.arrival[req] = next(self._arrivals)
         if req.prefill_only and not req.needs_input_logprobs:
             self.finish(req, {"type": "length", "length": 0})  # nothing to compute
-            return
-        if req.sampling_params.grammar is not None:
+        elif req.sampling_params.grammar is not None:
             self.grammars.submit(req)  # it joins the queue once compiled
-            return
-        self.waiting.append(req)
-
-    def _validate(self, req: Req) -> str | None:
-        if req.rid in self.rids:
-            return f"rid: duplicate request id {req.rid!r}: a request with this rid is still running"
-        if req.beam is not None and req.stream:
-            return "stream: a beam search request cannot stream (its beams are known only at the end)"
-        return request_error(req.origin_input_ids, req.sampling_params, req.logprob_start_len, req.top_logprobs_num,
-                             req.token_ids_logprob, req.processor, self.limits, return_logprob=req.return_logprob)
-
-    def _share_prompt(self, lead: Req) -> None:
-        """n > 1: make the leader's prompt KV reachable through the radix tree for its
-        siblings, now if its prompt is already built into a batch, else once it is."""
-        if lead.finished or lead.to_abort is not None:
-            return
-        if lead.req_pool_idx is not None and lead is not self.chunked_req and lead.kv_len >= len(lead.origin_input_ids):
-            self.tree.cache_unfinished_req(lead)
         else:
-            lead.is_leader = True
-
-    def _abort(self, rid: str, message: str) -> None:
-        req = self.rids.get(rid)
-        if req is None or req.finished:
-            return
-        if req in self.waiting or self.grammars.drop(req):
-            if req in self.waiting:
-                self.waiting.remove(req)
-            self.finish(req, {"type": "abort", "message": message})
-        else:
-            req.to_abort = message  # finished once no launched batch holds it
-
-    def _reap_aborts(self) -> None:
-        for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
-            if req.to_abort is not None and req.inflight == 0 and not req.finished:
-                self.finish(req, {"type": "abort", "message": req.to_abort})
-
-    def _flush_cache(self) -> FlushCacheReqOutput:
-        if self.waiting or self.running or self.chunked_req or self.grammars.pending:
-            return FlushCacheReqOutput(False, "cannot flush the cache while requests are running or waiting")
-        self.tree.reset()
-        return FlushCacheReqOutput(True)
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """`n` KV slots, evicting from the radix tree what the free ones lack; None if even that fails."""
-        short = n - self.allocator.available_size()
-        if short > 0:
-            self.tree.evict(short)
-        return self.allocator.alloc(n)
+            self.prefill.add(req)
 
     # ---- request ends ----------------------------------------------------------
 
-    def release(self, req: Req, cache: bool) -> None:
-        """Give back the request's row and KV: into the radix tree, or freed outright
-        (a beam request's beams first: its own row then holds the prompt alone)."""
-        if req.req_pool_idx is None:
-            return
-        if req.beam is not None:
-            release_beams(self, req)
-        if cache:
-            self.tree.cache_finished_req(req)
-        else:
-            row = req.req_pool_idx
-            own = self.pool.req_to_token[row, len(req.prefix_indices) : req.kv_len].to(torch.int64)
-            self.allocator.free(own)
-            self.tree.dec_lock_ref(req.last_node)
-            self.pool.free(row)
-            req.req_pool_idx = None
-        req.prefix_indices = req.prefix_indices[:0]
-        req.last_node = None
-        req.kv_len = 0
-
     def finish(self, req: Req, reason: dict[str, Any]) -> None:
-        """End a request (not a waiting one: callers drop those first) and give back its KV."""
+        """End a request wherever it is and give back its KV (into the tree, unless aborted)."""
         req.finished_reason = reason
-        self._detach(req)
-        self.release(req, cache=reason["type"] != "abort")
+        self.prefill.remove(req)
+        self.decode.remove(req)
+        self.kv.release(req, cache=reason["type"] != "abort")
         self._forget(req)
-
-    def _detach(self, req: Req) -> None:
-        self.prefilling.discard(req)
-        if req is self.chunked_req:
-            self.chunked_req = None
-        if req in self.running:
-            self.running.remove(req)
-
-    def _forget(self, req: Req) -> None:
-        if self.rids.get(req.rid) is req:
-            self.rids.pop(req.rid)
-        self.arrival.pop(req, None)
-        self.oom_retried.discard(req)
-        self.outbox.append(req)
 
     def abort_now(self, req: Req, message: str) -> None:
         """A failure path: end a live request with an abort reason wherever it is, now,
         even with batches holding it in flight (their results are dropped, as after a
         retraction). If giving its KV back raises, it is ended all the same and the
         idle check will report what leaked."""
-        if self.rids.get(req.rid) is not req:
+        if self.rids.get(req.rid) is not req or req.finished:
             return  # ended already
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if not req.finished:
-            try:
-                self.finish(req, {"type": "abort", "message": message})
-                return
-            except Exception:  # a broken release must not take the loop down
-                self.log.exception("giving back an aborted request's KV failed", rid=req.rid)
-        self.checked_idle = False
-        self._detach(req)
-        self._forget(req)
-
-    def _flush_outbox(self) -> None:
-        if not self.outbox:
-            return
-        reqs, self.outbox = list(dict.fromkeys(self.outbox)), []  # once each, even if ended twice over
-        self.send.send(token_id_output(reqs))
-
-    # ---- accounting ------------------------------------------------------------
-
-    def _on_idle(self) -> None:
-        self.runner.gpu_timeline.reset_gap()
-        if self.checked_idle:
-            return
-        self.checked_idle = True
         try:
-            self.tree.check_invariants(None)
-            if self.pool.available_size() != self.pool.size:
-                raise AssertionError(f"{self.pool.size - self.pool.available_size()} request rows held while idle")
-        except AssertionError as e:
-            self.invariant_violations += 1
-            self.log.error("KV accounting is broken", error=str(e))
-            if self.strict:
-                raise
+            self.finish(req, {"type": "abort", "message": message})
+        except Exception:  # a broken release must not take the loop down
+            self.log.exception("giving back an aborted request's KV failed", rid=req.rid)
+            self.prefill.remove(req)
+            self.decode.remove(req)
+            self._forget(req)
 
+    def _forget(self, req: Req) -> None:
+        if self.rids.get(req.rid) is req:
+            self.rids.pop(req.rid)
+        self.outbox.add(req)

@@ -142,7 +142,6 @@ def test_concurrent_beams_equal_one_by_one(model_dir: str, kw: dict[str, Any]) -
 def test_retracted_beam_request_comes_back_whole(model_dir: str, overlap: bool, after_steps: int) -> None:
     """Retracted mid-search (its prefill done, beams forked, a step maybe in flight),
     a beam request starts over and returns the same beams; KV balances."""
-    from sgl.sched.decode import retract
     from tests.test_scheduler_trust import Driver
 
     def run(retract_at: int | None) -> list[tuple[list[int], float]]:
@@ -152,8 +151,8 @@ def test_retracted_beam_request_comes_back_whole(model_dir: str, overlap: bool, 
         got: list[tuple[list[int], float]] = []
         for i in range(200):
             if i == retract_at and "b" in d.s.rids:
-                retract(d.s, d.s.rids["b"])
-                assert d.s.stats["retractions"] == 1
+                d.s.decode.retract(d.s.rids["b"])
+                assert d.s.info()["retractions"] == 1
             d.s.step()
             for m in d.out.msgs:
                 if isinstance(m, BatchTokenIDOutput):

@@ -115,8 +115,8 @@ def test_each_rows_mask_is_a_lone_matchers(kinds: list[str], threads: int, backg
         reqs.append(r)
         refs.append(ref)
     rows = GrammarRows(None, None, [10 + i for i in range(len(reqs))], reqs, [0] * len(reqs), width)
-    # early: the step's tokens given as sampled, not yet in output_ids (the scheduler's
-    # EARLY_TOKENS: sgl.sched.results.sampled_tokens), and appended after the start.
+    # early: the step's tokens given as sampled, not yet in output_ids (as the scheduler
+    # gives them: sgl.sched.results.Outcomes.grammar_tokens), and appended after the start.
     just = {r: r.output_ids.pop() for r in reqs
             if early and r.finished_reason is None and len(r.output_ids) > r.grammar_seen}
     filler = MaskFiller(torch.device("cpu"), frozenset([eos]))

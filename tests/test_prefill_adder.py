@@ -1,4 +1,4 @@
-"""Prefill admission alone (sgl.sched.prefill_adder.PrefillAdder), on real host
+"""Prefill admission alone (sgl.sched.prefill.PrefillAdder), on real host
 pools and a real radix cache, no model: the chunk and the budget bound a round,
 a long prompt is chunked and continues round after round, a request whose prefix
 another prefill is computing waits, running requests' reserve blocks admission
@@ -7,37 +7,43 @@ that is not admitted is given back. A Hypothesis property runs random rounds."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sgl.cache.kv_allocator import TokenToKVPoolAllocator
 from sgl.cache.pools import build_kv_pools
-from sgl.cache.radix_cache import RadixCache
-from sgl.cache.req_to_token_pool import ReqToTokenPool
 from sgl.core.protocol import GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.prefill_adder import CLIP_MAX_NEW_TOKENS, IN_BATCH_PREFIX_MIN, PrefillAdder, Verdict, prompt_logprob_rows
+from sgl.sched.kv_cache import KVCache
+from sgl.sched.prefill import CLIP_MAX_NEW_TOKENS, IN_BATCH_PREFIX_MIN, PrefillAdder, Verdict, prompt_logprob_rows
 from sgl.sched.req import Req
 from tests.hypothesis_profiles import PROFILE
 
-Pools = tuple[ReqToTokenPool, TokenToKVPoolAllocator, RadixCache]
+
+class Pools(KVCache):
+    """A KVCache whose parts unpack as (pool, allocator, tree)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.pool, self.allocator, self.tree))
+
+    def __getitem__(self, i: int) -> Any:
+        return (self.pool, self.allocator, self.tree)[i]
 
 
 def make(kv: int = 1000, rows: int = 8, ctx: int = 512, disable: bool = False) -> Pools:
     p = build_kv_pools(1, 1, 1, torch.float32, torch.device("cpu"), ctx, max_total_tokens=kv, max_running_requests=rows)
     assert (p.max_total_tokens, p.max_running_requests) == (kv, rows)
-    return p.req_to_token_pool, p.allocator, RadixCache(p.req_to_token_pool, p.allocator, disable=disable)
+    return Pools(p.req_to_token_pool, p.allocator, disable)
 
 
 def adder(pools: Pools, *, running: Sequence[Req] = (), prefilling: Sequence[Req] = (),
           rids: dict[str, Req] | None = None, budget: int = 16384, chunk: int = 4096, max_running: int = 256,
           ratio: float = 0.7, lp_rows: int = 1 << 20) -> PrefillAdder:
-    pool, alloc, tree = pools
-    return PrefillAdder(tree, pool, alloc, running=running, prefilling=prefilling, rids=rids or {},
+    return PrefillAdder(pools, running=running, prefilling=prefilling, rids=rids or {},
                         max_prefill_tokens=budget, chunk_size=chunk, logprob_rows=lp_rows,
                         max_running_requests=max_running, new_token_ratio=ratio)
 

@@ -33,8 +33,8 @@ from sgl.core.protocol import BatchTokenIDOutput, GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
 from sgl.kernels.flashinfer_attention import graph_indices_len
-from sgl.sched import results
-from sgl.sched.prefill_adder import PrefillAdder
+from sgl.sched.prefill import PrefillAdder
+from sgl.sched.results import ResultProcessor
 from sgl.sched.runner.model_runner import ModelRunner
 from sgl.sched.scheduler import Scheduler
 from tests.conftest import assert_kv_balanced, null_continuation, tiny_model_dir
@@ -70,13 +70,13 @@ class Driver:
                         if fin is not None:
                             self.reasons[rid] = fin
             self.out.msgs.clear()
-            if not (self.inbox.q or s.waiting or s.running or s.prefilling or s.chunked_req or s.pending):
+            if not self.inbox.q and s.idle:
                 return i
         raise AssertionError(f"no progress: not idle after {max_steps} steps: {s.info()}")
 
     def balanced(self) -> None:
         self.s.step()  # idle: the scheduler checks its own invariants (strict in tests)
-        self.s.tree.check_invariants(None)
+        self.s.kv.tree.check_invariants(None)
         assert_kv_balanced(self.s.info())
 
 
@@ -240,14 +240,14 @@ def test_one_requests_result_processing_failure_aborts_it_alone(tiny_dir: str, r
                                                                 monkeypatch: Any, overlap: bool, kind: str) -> None:
     """Processing is per request: batch-mates of the failing one are exact too."""
     if kind == "finish_reason":
-        orig = results.finish_reason
+        orig = ResultProcessor._finish_reason
 
-        def finish_reason(req: Any, *a: Any) -> Any:
+        def finish_reason(self: ResultProcessor, req: Any, tok: int) -> Any:
             if req.rid == "bad" and len(req.output_ids) == 2:
                 raise ValueError("injected processing error")
-            return orig(req, *a)
+            return orig(self, req, tok)
 
-        monkeypatch.setattr(results, "finish_reason", finish_reason)
+        monkeypatch.setattr(ResultProcessor, "_finish_reason", finish_reason)
     else:
         from sgl.cache.radix_cache import RadixCache
 
@@ -301,7 +301,7 @@ def test_unwritten_kv_of_a_failed_chunk_is_not_reused(tiny_dir: str, reference: 
 
 def test_chunked_prefill_is_on_by_default(null_model_dir: str) -> None:
     assert Driver(null_model_dir, load_format="null").s.info()["chunked_prefill_size"] == 2048
-    assert Driver(null_model_dir, load_format="null", chunked_prefill_size=-1).s.chunk_size == 512  # the context
+    assert Driver(null_model_dir, load_format="null", chunked_prefill_size=-1).s.prefill.chunk_size == 512  # the context
     for bad in (0, -2):
         with pytest.raises(ValueError, match="chunked_prefill_size"):
             ServerArgs(chunked_prefill_size=bad)

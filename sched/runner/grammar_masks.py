@@ -8,15 +8,15 @@ matchers' accepts (xgrammar's batch accept, its result read in one call: `accept
 and the fill (its batch fill over FILL_THREADS native threads), with a few lines of
 Python between them. The scheduler meanwhile processes the results and builds and
 prepares the next batch; `finish` waits for both and queues the mask's copy to the
-device. `times` keeps where each step's grammar time went (the scheduler's server info
-shows it).
+device (sgl.sched.runner.step.Step's two hooks). `times` keeps where each step's
+grammar time went (the scheduler's server info shows it).
 
-Why so (the H200's host, 256 rows of a JSON schema): the accepts take ~1 ms and the fill
+Why so (an H200's host, 256 rows of a JSON schema): the accepts take ~1 ms and the fill
 ~1.3 ms, both GIL-free, and the scheduler's thread waits for them only at `finish`,
 after building the next batch. Python on the fill thread waits for the GIL while the
 scheduler's thread runs Python, up to the interpreter's switch interval at each turn:
-at the default 5 ms the accepts did better on the scheduler's thread (session 11), so
-the scheduler's own process runs with a 0.2 ms interval (sgl.runtime.child); a scheduler
+at the default 5 ms the accepts did better on the scheduler's thread, so the
+scheduler's own process runs with a 0.2 ms interval (sgl.runtime.child); a scheduler
 in the caller's process (the in-process transport) keeps the caller's setting.
 
 The bitmasks cover the tokenizer's ids (`GrammarRows.width`), not the model's padded
@@ -29,10 +29,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -40,11 +39,6 @@ from sgl.cache.host_copy import to_device
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.req import Req, beam_offsets
 from sgl.sched.runner.prepare_beams import sampled
-
-if TYPE_CHECKING:
-    from sgl.sched.runner.model_runner import ModelRunner
-
-T = TypeVar("T")
 
 FILL_THREADS = 8  # xgrammar's native threads filling a batch's masks (they overlap the batch's forward)
 CHUNK_MIN = 16  # rows from which those threads pay (8 rows: 0.48 ms threaded, 0.27 alone)
@@ -71,7 +65,7 @@ class GrammarFill:
     errors: dict[int, str]
 
 
-def grammar_rows(batch: ScheduleBatch, runner: ModelRunner) -> GrammarRows | None:
+def grammar_rows(batch: ScheduleBatch, device: torch.device) -> GrammarRows | None:
     """The batch's grammar rows, or None when no sampled row has a grammar."""
     entries: list[int] = []
     reqs: list[Req] = []
@@ -86,15 +80,15 @@ def grammar_rows(batch: ScheduleBatch, runner: ModelRunner) -> GrammarRows | Non
     every = len(entries) == len(batch.reqs)  # the logits rows themselves: no gather and scatter
     dev = mask_rows = None
     if not every:
-        dev = to_device(torch.tensor(entries, dtype=torch.int64), runner.device)
+        dev = to_device(torch.tensor(entries, dtype=torch.int64), device)
         inverse = torch.full((len(batch.reqs),), -1, dtype=torch.int32)
         inverse[entries] = torch.arange(len(entries), dtype=torch.int32)
-        mask_rows = to_device(inverse, runner.device)
-    return GrammarRows(dev, mask_rows, entries, reqs, beams, runner.grammar_vocab)
+        mask_rows = to_device(inverse, device)
+    return GrammarRows(dev, mask_rows, entries, reqs, beams, reqs[0].grammar_width)
 
 
 @dataclass(slots=True)
-class _Started:
+class StartedFill:
     mask: torch.Tensor
     errors: dict[int, str]
     future: Future[None] | None  # the fill, when on the fill thread
@@ -115,15 +109,15 @@ class MaskFiller:
         self.fillers: dict[int, Any] = {}
         # Seconds, summed over steps: `start` on the caller's thread; on the fill thread,
         # the accepts' and the fill's native calls and the whole turn (GIL waits included);
-        # the runner's queueing of the sampling once the masks are in (sgl.sched.runner.model_runner).
+        # the queueing of the sampling once the masks are in (sgl.sched.runner.step.Step.sample).
         self.times = {"mask_start_s": 0.0, "mask_accept_s": 0.0, "mask_fill_s": 0.0, "mask_thread_s": 0.0,
                       "sample_queue_s": 0.0}
 
-    def start(self, g: GrammarRows, just: dict[Req, int] | None = None, background: bool = True) -> _Started:
+    def start(self, g: GrammarRows, just: dict[Req, int] | None = None, background: bool = True) -> StartedFill:
         """Note each row's new token here, then give the matchers their tokens and fill
         the bitmasks (on the fill thread when `background`, else here). `just`: tokens
         sampled but not yet in their requests' output_ids (they are being processed:
-        sgl.sched.results.sampled_tokens). Until `finish`, the fill thread owns these
+        sgl.sched.results.Outcomes.grammar_tokens). Until `finish`, the fill thread owns these
         matchers: nothing else may call them."""
         t0 = time.perf_counter()
         mask = self._rows(len(g.reqs), g.width)
@@ -166,7 +160,7 @@ class MaskFiller:
         if ended:
             mask[ended] = -1
         if not rows:
-            return _Started(mask, errors, None)
+            return StartedFill(mask, errors, None)
 
         entered = threading.Event()
         times = self.times
@@ -190,27 +184,20 @@ class MaskFiller:
 
         if not background:
             accept_and_fill()
-            return _Started(mask, errors, None)
+            return StartedFill(mask, errors, None)
         if self.pool is None:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="sgl-grammar-mask")
         future = self.pool.submit(accept_and_fill)
         entered.wait()  # blocked, this thread lets the fill thread take the GIL and reach the native calls
         times["mask_start_s"] += time.perf_counter() - t0
-        return _Started(mask, errors, future)
+        return StartedFill(mask, errors, future)
 
-    def finish(self, s: _Started) -> GrammarFill:
+    def finish(self, s: StartedFill) -> GrammarFill:
         """Wait for the accepts and the fill; the mask goes to the device (queued, on
         CUDA). The errors are complete only now."""
         if s.future is not None:
             s.future.result()
         return GrammarFill(to_device(s.mask, self.device), s.errors)
-
-    def then(self, rest: Callable[[GrammarFill], T], fill: GrammarFill) -> T:
-        """`rest(fill)`: the runner queueing a step's sampling once its masks are in, timed."""
-        t = time.perf_counter()
-        out = rest(fill)
-        self.times["sample_queue_s"] += time.perf_counter() - t
-        return out
 
     def fill(self, g: GrammarRows) -> GrammarFill:
         """All of it now, on this thread (a batch launched without overlap)."""
@@ -277,7 +264,7 @@ def accept_all(matchers: list[Any], tokens: list[int]) -> list[bool] | None:
     one element at a time, a call into xgrammar's FFI each, and every such call lets
     go of the GIL and must take it back from the scheduler's thread (up to its switch
     interval, each time): 256 of them made the fill thread's step twice as long as the
-    native work (the H200's host, session 16). One call asks whether any was refused."""
+    native work (measured on an H200's host). One call asks whether any was refused."""
     try:
         from xgrammar.base import _core
 

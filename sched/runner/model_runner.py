@@ -1,53 +1,50 @@
-"""ModelRunner: owns the model, the KV pools and the attention backend; turns a
-ScheduleBatch into a ForwardBatch, runs the forward and samples.
+"""ModelRunner: owns the model, the KV pools, the attention backend, the CUDA graphs
+and the sampling state; prepares a ScheduleBatch (sgl.sched.runner.prepare), queues
+its forward and its sampling (sgl.sched.runner.sampling_state) and hands back the
+launched Step (sgl.sched.runner.step). It is complete once constructed: nothing
+outside sets its state.
 
-The pools are sized and built by sgl.cache.pools, batches prepared on the host by
-sgl.sched.runner.prepare; a launched step's handle and results are
-sgl.sched.runner.step's. It decides nothing about which requests run: that is the
-scheduler's job."""
+It decides nothing about which requests run: that is the scheduler's job."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from sgl.cache.pools import build_kv_pools, default_kv_tokens
 from sgl.core.log import get_logger
-from sgl.core.logit_processor import CustomLogitProcessor
+from sgl.core.logit_processor import resolve
 from sgl.core.server_args import ServerArgs
 from sgl.kernels.attention import AttentionBackend
-from sgl.kernels.gumbel_draw import Bitmask
-from sgl.kernels.sampling import FusedDraw
 from sgl.kernels.torch_attention import TorchAttentionBackend
-from sgl.kernels.trie_mask import trie_advance, trie_mask_
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
 from sgl.sched.models.parallel import TPGroup
-from sgl.sched.runner.beam_select import BeamBuffers, select
 from sgl.sched.runner.gpu_timeline import GpuTimeline
-from sgl.sched.runner.grammar_masks import GrammarFill, MaskFiller
+from sgl.sched.runner.grammar_masks import GrammarFill
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
-from sgl.sched.runner.sampler import fused_takes, process_logits, sample
-from sgl.sched.runner.step import CudaLaunched, Deferred, Launched, Ready, StepResult
+from sgl.sched.runner.sampling_state import SamplingState
+from sgl.sched.runner.step import Step, StepResult
 
 if TYPE_CHECKING:
     from sgl.sched.models.model_config import AnyConfig
-    from sgl.sched.req import Req
     from sgl.sched.runner.cuda_graph import CudaGraphRunner
+
+T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # chunked_prefill_size=None: by GPU memory (GiB, exclusive bound -> tokens), SGLang's
 # defaults below 90 GiB; an H200 (141 GB) or larger gets 16384 (vLLM's offline default
 # there; SGLang gives an H200 8192): W3 without the prefix cache (537,600 prefill tokens)
-# ran 4-5% faster with it on one H200 (benchmarks/RESULTS.md, session 9), half as many
+# ran 4-5% faster with it on one H200 (benchmarks/RESULTS.md), half as many
 # prefill batches for the host to build. Prompt-logprob rows are bounded apart
 # (sgl.sched.prefill_adder).
 GPU_CHUNK_DEFAULTS = [(20, 2048), (35, 2048), (60, 4096), (90, 8192)]
@@ -124,9 +121,9 @@ class ModelRunner:
         self.model, self.config = self._load(args, model_path)
         self.startup = {"weights_s": time.perf_counter() - t0}
         self.vocab_size: int = self.model.vocab_size
-        # Grammar bitmasks' width (the tokenizer's ids), set by the scheduler's grammars once one compiled.
-        self.grammar_vocab = self.vocab_size
-        self.masks = MaskFiller(self.device, frozenset())  # grammar bitmasks (sgl.sched.runner.step.Deferred)
+        self.eos_ids = frozenset(eos_ids_of(self.config, model_path))
+        # Every allowed processor is imported at start-up: a bad entry fails the engine's start.
+        self.processors = {name: resolve(name) for name in args.custom_logit_processors}
         # The model's own limit (its rotary table); the null model has none.
         limit: int | None = getattr(self.model, "context_len", None)
         if args.context_length is not None and limit is not None and args.context_length > limit:
@@ -153,22 +150,9 @@ class ModelRunner:
         self.cascade = self.attn_backend.supports_cascade and (
             self.attn_backend.cascade_by_default if on is None else on)
         self.preparer = BatchPreparer(self)
-        self.cascade_steps = 0
-        # The future-token buffer: the last sampled token of each request row.
-        self.next_token = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)
-        # Output-token counts per request row for penalties: allocated when first needed,
-        # each penalised row rewritten from the host at its (re-)prefill, advanced per step.
-        self.counts: torch.Tensor | None = None
-        self._eos_ids: frozenset[int] = frozenset()
-        self.eos_dev = torch.empty(0, dtype=torch.int64, device=self.device)
-        rows = self.req_to_token_pool.size
-        self.beam_buffers = BeamBuffers(torch.zeros(rows, dtype=torch.float32, device=self.device),
-                                        torch.zeros(rows, dtype=torch.int64, device=self.device))
-        self.processors: dict[str, CustomLogitProcessor] = {}
-        self.generator = torch.Generator(self.device)
-        self.generator.manual_seed(args.random_seed if args.random_seed is not None else 0)
-        self.fused_draw = FusedDraw.ready(self.device, args.random_seed or 0, self.vocab_size, self.dtype,
-                                          masks=args.grammar_backend != "none")
+        self.sampling = SamplingState(self.device, self.req_to_token_pool.size, self.vocab_size, self.dtype,
+                                      args.random_seed or 0, self.eos_ids, self.processors,
+                                      masks=args.grammar_backend != "none")
         self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
         t0 = time.perf_counter()
@@ -191,16 +175,6 @@ class ModelRunner:
         """Plain decode's kernel: "triton", "flashinfer", or "torch"."""
         b = self.attn_backend
         return "torch" if not hasattr(b, "triton_decode") else "triton" if b.triton_decode else "flashinfer"
-
-    @property
-    def eos_ids(self) -> frozenset[int]:
-        return self._eos_ids
-
-    @eos_ids.setter
-    def eos_ids(self, ids: frozenset[int]) -> None:
-        self._eos_ids = frozenset(ids)
-        self.masks.stop_ids = self._eos_ids  # a grammar's stop tokens are the model's EOS (sgl.sched.grammar)
-        self.eos_dev = torch.tensor(sorted(ids), dtype=torch.int64, device=self.device)
 
     def _attention_backend(self, args: ServerArgs) -> AttentionBackend:
         choice = args.attention_backend
@@ -242,96 +216,62 @@ class ModelRunner:
                                    seed=args.random_seed or 0, tp=self.tp)
         return model, config  # in eval mode already
 
-    def _mask(self, processed: torch.Tensor, logits: torch.Tensor, p: PreparedBatch,
-              fill: GrammarFill | None) -> torch.Tensor:
-        """Each trie row keeps only its node's children (EOS where a sequence ends), each
-        grammar row only the tokens its bitmask allows."""
-        if processed is logits and p.beam_src is None:
-            processed = processed.to(torch.float32, copy=True)  # never mask the model's own buffer
-        nodes = self.beam_buffers.node
-        for tg in p.tries:
-            if tg.init_rows is not None:
-                nodes[tg.init_rows] = tg.init_nodes  # type: ignore[assignment]
-            rows = processed[tg.entries]
-            trie_mask_(rows, tg.trie, nodes[p.rows[tg.entries]], tg.width, self.eos_dev)
-            processed[tg.entries] = rows
-        if (g := p.grammar) is not None:
-            from xgrammar import apply_token_bitmask_inplace
-
-            assert fill is not None
-            rows = processed if g.entries is None else processed[g.entries]
-            apply_token_bitmask_inplace(rows, fill.mask, vocab_size=g.width)
-            if g.width < rows.shape[1]:
-                rows[:, g.width:] = float("-inf")  # past the tokenizer's ids: never a grammar's token
-            if g.entries is not None:
-                processed[g.entries] = rows
-        return processed
-
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
         """Host side, at build time: every tensor the forward needs, copied from the
         request state so that the scheduler may change it while the batch runs.
         Nothing here waits for the device (sgl.sched.runner.prepare)."""
         return self.preparer.prepare(batch)
 
-    def launch(self, p: PreparedBatch) -> Launched:
-        """Start a prepared batch; `.result()` of the returned handle gives its StepResult
-        on the host. On CUDA the kernels are queued and the results come back through
-        pinned buffers and an event, so the caller works on while the GPU runs (the
-        overlap loop needs no thread there). On CPU the forward runs on the worker
-        thread when there is one, else right away. A batch with grammar rows gives a
-        Deferred handle: its forward is queued now, its masks are filled from `start()`
-        (once the previous step's results are in the matchers) and its sampling queued
-        at `complete()`, so grammar requests keep the overlap loop."""
+    def launch(self, p: PreparedBatch) -> Step:
+        """Queue a prepared batch's forward and, unless it has grammar rows, its sampling
+        (sgl.sched.runner.step.Step). On CUDA the kernels are queued and the results come
+        back through pinned buffers and an event, so the caller works on while the GPU
+        runs (the overlap loop needs no thread there); on a CPU with the overlap loop
+        they run on the worker thread, else right away."""
+        start = None
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            logits = self._logits(p)
+        return Step(self, p, self._submit(self._logits, p), start)
 
-            def rest(fill: GrammarFill | None) -> Launched:
-                step = self._sample(p, logits, fill).to_host(non_blocking=True)
-                done = torch.cuda.Event(enable_timing=True)
-                done.record()
-                return CudaLaunched(step, start, done, self.gpu_timeline, p.attn.is_decode)
-        elif self.worker is not None:
-            worker = self.worker
-            forward = worker.submit(self._logits, p)
+    def queue_sampling(self, p: PreparedBatch, logits: Future[torch.Tensor],
+                       fill: GrammarFill | None) -> tuple[Future[StepResult], torch.cuda.Event | None]:
+        """Queue a launched batch's sampling after its forward: its host results to come,
+        and on CUDA the event that marks them copied."""
+        table = self.req_to_token_pool.mirror
+        if self.device.type != "cuda":
+            return self._submit(lambda: self.sampling.sample(p, logits.result(), fill, table).to_host(False)), None
+        step = self.sampling.sample(p, logits.result(), fill, table).to_host(non_blocking=True)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record()
+        return _done(step), done
 
-            def rest(fill: GrammarFill | None) -> Launched:
-                return worker.submit(lambda: self._sample(p, forward.result(), fill).to_host(non_blocking=False))
-        else:
-            ready = self._logits(p)
+    def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Device work in launch order: on the worker thread where there is one, else now."""
+        if self.worker is not None:
+            return self.worker.submit(fn, *args)
+        return _done(fn(*args))
 
-            def rest(fill: GrammarFill | None) -> Launched:
-                return Ready(self._sample(p, ready, fill).to_host(non_blocking=False))
-        return rest(None) if p.grammar is None else self._deferred(p, rest)
-
-    def _deferred(self, p: PreparedBatch, rest: Callable[[GrammarFill | None], Launched]) -> Deferred:
-        """The handle of a batch with grammar rows: `start` sets its matchers to take the
-        last tokens and fill the bitmasks on the fill threads, `complete` waits for them
-        (or does it all now, if never started) and queues the rest of the step."""
-        assert p.grammar is not None
-        g = p.grammar
-        started: list[Any] = []
-
-        def start(just: dict[Req, int] | None) -> None:
-            started.append(self.masks.start(g, just))
-
-        def complete() -> Launched:
-            return self.masks.then(rest, self.masks.finish(started[0]) if started else self.masks.fill(g))
-
-        return Deferred(start, complete, moves_rows=bool(p.beams))
+    def info(self) -> dict[str, Any]:
+        """The runner's part of the scheduler's server info."""
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "decode_attention": self.decode_attention,
+                "vocab_size": self.vocab_size, "context_length": self.context_length,
+                "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
+                "eos_token_ids": sorted(self.eos_ids), "cascade_steps": self.preparer.cascade_steps,
+                "startup": self.startup, **self.gpu_timeline.info(), **self.sampling.masks.times}
 
     def close(self) -> None:
         """Stop the runner's threads (the forward worker, the grammar fill threads)."""
         if self.worker is not None:
             self.worker.shutdown(wait=False, cancel_futures=True)
-        self.masks.close()
+        self.sampling.close()
 
     @torch.inference_mode()
     def _logits(self, p: PreparedBatch) -> torch.Tensor:
         """Queue one batch's forward: the logits rows it computes, on the device."""
         # Decode inputs are the tokens the previous step sampled, still on the device.
-        input_ids = self.next_token[p.rows] if p.input_ids is None else p.input_ids
+        input_ids = self.sampling.next_token[p.rows] if p.input_ids is None else p.input_ids
         if p.attn.is_decode and self.graphs is not None and self.graphs.can_run(len(p.attn.qo_lens)):
             return self.graphs.replay(p, input_ids)
         self.attn_backend.begin_forward(p.attn)
@@ -346,55 +286,8 @@ class ModelRunner:
         )
         return self.model(fb)
 
-    @torch.inference_mode()
-    def _sample(self, p: PreparedBatch, all_logits: torch.Tensor, fill: GrammarFill | None) -> StepResult:
-        """Queue the rest of one batch after its forward: the sampled next token of each
-        request and, when asked, logprobs (log_softmax of the raw logits, before bias,
-        penalties and temperature), as device tensors. A graph's logits are its output
-        buffer: this is queued before the next forward, so it reads them first."""
-        logits = all_logits if p.sample_rows is None else all_logits[p.sample_rows]
-        counts = None
-        if p.sampling.penalties is not None:
-            assert self.counts is not None
-            if p.counts_reset is not None:
-                rows, at_rows, at_ids = p.counts_reset
-                self.counts[rows] = 0
-                self.counts.index_put_((at_rows, at_ids), torch.ones_like(at_ids, dtype=torch.int32), accumulate=True)
-            counts = self.counts[p.rows]
-        errors: dict[int, str] = {}
-        if p.beam_src is not None:  # beams are scored in log-probabilities, processors included (HF's order)
-            logits = logits.to(torch.float32, copy=True)
-            logits[p.beam_src] = torch.log_softmax(logits[p.beam_src], dim=-1)
-        processed = process_logits(logits, p.sampling, counts, errors)
-        bitmask = None
-        if fill is not None and fill.errors:
-            errors.update(fill.errors)
-        sb, fused = p.sampling, self.fused_draw
-        if ((g := p.grammar) is not None and not p.tries and p.beam_src is None and fused is not None
-                and fused_takes(sb, fused) and fused.one_pass(sb.need_top_k, sb.need_top_p)):
-            assert fill is not None  # the draw applies the bitmask in its one read of the logits: no masked copy
-            bitmask = Bitmask(fill.mask, g.mask_rows, g.width)
-        elif p.tries or g is not None:
-            processed = self._mask(processed, logits, p, fill)
-        next_ids = sample(processed, p.sampling, self.generator, self.fused_draw, bitmask)
-        self.next_token[p.rows] = next_ids
-        if self.counts is not None:
-            self.counts[p.rows, next_ids] += 1
-        for tg in p.tries:
-            if tg.advance is not None:
-                self.beam_buffers.node[tg.advance_rows] = trie_advance(
-                    tg.trie, self.beam_buffers.node[tg.advance_rows], next_ids[tg.advance])
-        table = self.req_to_token_pool.mirror
-        picks = [select(processed, g, table, self.next_token, self.beam_buffers) for g in p.beams]
-        out = StepResult(next_ids, errors=errors, beams=picks or None)
-        if (lp := p.logprobs) is not None:
-            logp = torch.log_softmax(all_logits.float(), dim=-1)
-            assert p.sample_rows is not None
-            targets = lp.targets.index_put((p.sample_rows,), next_ids)
-            out.token = logp.gather(1, targets[:, None])[:, 0]
-            if lp.top_k > 0:
-                vals, ids = logp.topk(min(lp.top_k, logp.shape[-1]), dim=-1)
-                out.top_vals, out.top_ids = vals, ids
-            if lp.id_rows is not None:
-                out.ids_vals = logp.gather(1, lp.id_rows)
-        return out
+
+def _done(value: T) -> Future[T]:
+    f: Future[T] = Future()
+    f.set_result(value)
+    return f

@@ -40,6 +40,7 @@ class LogprobPlan:
 
 @dataclass(slots=True)
 class PreparedBatch:
+    batch: ScheduleBatch  # what it was prepared from
     rows: torch.Tensor
     input_ids: torch.Tensor | None
     positions: torch.Tensor
@@ -58,8 +59,8 @@ class PreparedBatch:
 
 class BatchPreparer:
     """Prepares batches for one runner: it reads the runner's device, request table,
-    vocabulary, EOS ids and processors, allocates the runner's penalty counts when
-    first needed and counts its cascade steps. A decode batch of the same requests in
+    vocabulary, EOS ids and processors, has the sampling state allocate its penalty
+    counts when a batch first needs them, and counts its cascade steps. A decode batch of the same requests in
     the same rows as the last one (the common case: nothing joined, finished or was
     retracted) reuses what depends on them alone: the shared prefix and the sampling."""
 
@@ -67,6 +68,7 @@ class BatchPreparer:
         self.runner = runner
         self._shared: tuple[tuple, int] = ((), 0)  # (decode batch identity, its shared prefix length)
         self._sampling: tuple[tuple, SamplingBatch | None] = ((), None)  # (decode batch identity, its sampling)
+        self.cascade_steps = 0  # decode steps that ran cascade attention
 
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
         r = self.runner
@@ -115,8 +117,8 @@ class BatchPreparer:
         lp = None
         if any(q.return_logprob for q in reqs):
             logits_rows, sample_rows, lp = self._logprob_plan(batch, qo_indptr)
-        if sampling.penalties is not None and r.counts is None:
-            r.counts = torch.zeros(r.req_to_token_pool.size, r.vocab_size, dtype=torch.int32, device=dev)
+        if sampling.penalties is not None:
+            r.sampling.ensure_counts()
         reset = None
         if sampling.penalties is not None and not batch.is_decode:
             pen = [i for i, q in enumerate(reqs) if q.sampling_params.has_penalties]
@@ -130,7 +132,8 @@ class BatchPreparer:
             beams=beams,
             beam_src=torch.cat([g.src for g in beams]) if beams else None,
             tries=tries,
-            grammar=grammar_rows(batch, r) if any(q.grammar is not None for q in reqs) else None,
+            grammar=grammar_rows(batch, dev) if any(q.grammar is not None for q in reqs) else None,
+            batch=batch,
             rows=rows_dev,
             input_ids=ids,
             positions=self._dev(batch.positions),
@@ -187,7 +190,7 @@ class BatchPreparer:
         if p * (len(batch.rows) - 1) < CASCADE_MIN_SAVED_TOKENS:
             return None
         table = self.runner.req_to_token_pool.mirror
-        self.runner.cascade_steps += 1
+        self.cascade_steps += 1
         own = kv_lens - p
         indptr = self._host(indptr_of(own.tolist()))
         return CascadeMeta(p, table[batch.rows[0], :p].clone(), indptr,

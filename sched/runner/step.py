@@ -1,21 +1,32 @@
-"""One launched step and its results: StepResult (the sampled ids and, when asked,
-logprobs, on the device or copied to the host) and the handles `launch` returns,
-whose `.result()` gives the host copy once the step is done (a Deferred one's
-sampling is queued by `complete()` first).
+"""One launched batch (`Step`) and its results (`StepResult`: the sampled ids and, when
+asked, logprobs and beam picks, on the device or copied to the host).
 
-It holds results only: it runs no forward and decides nothing about requests."""
+A step's forward is queued at launch and, for a batch without grammar rows, its
+sampling too. A batch with grammar rows keeps the overlap loop through two hooks:
+`fill_masks` starts filling its bitmasks on the fill thread once the previous step's
+tokens are known (the forward runs meanwhile), and `sample` queues its sampling with
+them, before the next forward (which reads this step's tokens). `result` waits for
+the results on the host.
+
+It runs no model code itself and decides nothing about requests."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from sgl.sched.req import Req
 from sgl.sched.runner.beam_select import BeamPicks
-from sgl.sched.runner.gpu_timeline import GpuTimeline
+from sgl.sched.runner.grammar_masks import StartedFill
+
+if TYPE_CHECKING:
+    from sgl.sched.batch import ScheduleBatch
+    from sgl.sched.runner.model_runner import ModelRunner
+    from sgl.sched.runner.prepare import PreparedBatch
 
 
 @dataclass(slots=True)
@@ -46,55 +57,66 @@ class StepResult:
                           None if self.beams is None else [b.to_host(non_blocking) for b in self.beams])
 
 
-class Launched(Protocol):
-    def result(self) -> StepResult: ...
+class Step:
+    """One launched batch: its forward queued, its sampling queued or awaiting its
+    grammar masks, its results to be read once."""
 
+    __slots__ = ("runner", "prepared", "logits", "start", "done", "_fill", "_out")
 
-class Deferred:
-    """A step whose forward is queued but whose sampling waits: its grammar bitmasks
-    need the previous step's tokens in the matchers. Once the scheduler has processed
-    the previous results it calls `start()`, which fills the masks on a thread while
-    the next batch is built; `complete()` (before the next forward is queued, since
-    that reads this step's tokens) waits for them, queues mask and sampling and gives
-    the step's real handle."""
+    def __init__(self, runner: ModelRunner, prepared: PreparedBatch, logits: Future[torch.Tensor],
+                 start: torch.cuda.Event | None) -> None:
+        self.runner = runner
+        self.prepared = prepared
+        self.logits = logits  # the forward's logits rows (on CUDA done at once: the kernels are queued)
+        self.start = start  # CUDA events around the step's GPU work, for the timeline
+        self.done: torch.cuda.Event | None = None
+        self._fill: StartedFill | None = None
+        self._out: Future[StepResult] | None = None
+        if prepared.grammar is None:
+            self.sample()
 
-    __slots__ = ("start", "complete", "moves_rows")
+    @property
+    def batch(self) -> ScheduleBatch:
+        return self.prepared.batch
 
-    def __init__(self, start: Callable[[dict[Req, int] | None], None], complete: Callable[[], Launched],
-                 moves_rows: bool = False) -> None:
-        self.start = start
-        self.complete = complete
-        # Its sampling moves request-table rows on the device (a beam selection): the next
-        # batch, whose KV indices are gathered from that table, is prepared only after it.
-        self.moves_rows = moves_rows
+    @property
+    def awaits_sampling(self) -> bool:
+        """A grammar batch whose sampling is not queued yet."""
+        return self._out is None
+
+    @property
+    def moves_rows(self) -> bool:
+        """Its sampling moves request-table rows on the device (a beam selection): a batch
+        prepared before that sampling is queued would gather stale KV indices."""
+        return bool(self.prepared.beams)
+
+    def fill_masks(self, tokens: dict[Req, int] | None = None) -> None:
+        """Start filling the grammar bitmasks on the fill thread; `tokens`: the previous
+        step's tokens, sampled but not yet in their requests' output_ids (they are being
+        processed). Nothing for a batch without grammar rows, or one started already."""
+        if self._out is None and self._fill is None:
+            assert self.prepared.grammar is not None
+            self._fill = self.runner.sampling.masks.start(self.prepared.grammar, tokens)
+
+    def sample(self) -> None:
+        """Queue the sampling (a grammar batch's waits for its masks, filled here if they
+        were never started). Nothing if queued already."""
+        if self._out is not None:
+            return
+        fill = None
+        t = time.perf_counter()
+        if (g := self.prepared.grammar) is not None:
+            masks = self.runner.sampling.masks
+            fill = masks.finish(self._fill) if self._fill is not None else masks.fill(g)
+        self._out, self.done = self.runner.queue_sampling(self.prepared, self.logits, fill)
+        if fill is not None:
+            self.runner.sampling.masks.times["sample_queue_s"] += time.perf_counter() - t
 
     def result(self) -> StepResult:
-        raise RuntimeError("a deferred step's sampling was never queued: complete() it first")
-
-
-class Ready:
-    """A step already run to completion (CPU, no worker thread)."""
-
-    __slots__ = ("step",)
-
-    def __init__(self, step: StepResult) -> None:
-        self.step = step
-
-    def result(self) -> StepResult:
-        return self.step
-
-
-class CudaLaunched:
-    """A step queued on the GPU: its results land in pinned buffers once `done` fires;
-    `result` waits for that and records the step's GPU time."""
-
-    __slots__ = ("step", "start", "done", "timeline", "decode")
-
-    def __init__(self, step: StepResult, start: torch.cuda.Event, done: torch.cuda.Event,
-                 timeline: GpuTimeline, decode: bool) -> None:
-        self.step, self.start, self.done, self.timeline, self.decode = step, start, done, timeline, decode
-
-    def result(self) -> StepResult:
-        self.done.synchronize()
-        self.timeline.record(self.start, self.done, self.decode)
-        return self.step
+        """The step's results on the host, once the device is done with them."""
+        assert self._out is not None, "a step's sampling must be queued before its results are read"
+        res = self._out.result()
+        if self.done is not None and self.start is not None:
+            self.done.synchronize()
+            self.runner.gpu_timeline.record(self.start, self.done, self.prepared.attn.is_decode)
+        return res

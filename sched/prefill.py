@@ -1,7 +1,11 @@
-"""Prefill admission for one scheduling round: which chunk of the chunked request
-and which waiting requests go into the next prefill batch.
+"""The waiting queue and prefill admission.
 
-A PrefillAdder holds the round's limits: the token budget (max_prefill_tokens),
+PrefillManager owns the requests on their way to decoding: the waiting queue, the
+chunked request (admitted, with prompt left for later rounds) and the prefilling set
+(admitted, last prefill chunk not processed yet). Each turn, `schedule` runs one
+admission round and builds its batch.
+
+A PrefillAdder holds one round's limits: the token budget (max_prefill_tokens),
 the chunk room left, the prompt-logprob rows left (each prompt token of a request
 asking for prompt logprobs is a [vocab] float32 row in the forward, bounded apart
 from the chunk: PROMPT_LOGPROB_BYTES), the request slots, and the KV room once the running
@@ -15,26 +19,20 @@ A blocked chunk ends the round with nothing admitted: the scheduler's liveness
 argument (sgl.sched.decode) rests on it, as the oldest KV holder's chunk must not
 wait behind requests admitted after it.
 
-A PrefillAdder never allocates KV slots, builds a batch, reorders or edits the
-waiting queue, or sets scheduler state: `prefill_batch`, the scheduler's round, does
-that with `admitted` and `chunked_req`, on the scheduler's state through the
-scheduler."""
+A PrefillAdder never allocates KV slots, builds a batch, or reorders or edits the
+waiting queue: its manager does that with `admitted` and `chunked_req`."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
-from sgl.cache.kv_allocator import TokenToKVPoolAllocator
-from sgl.cache.radix_cache import MatchResult, RadixCache
-from sgl.cache.req_to_token_pool import ReqToTokenPool
+from sgl.cache.radix_cache import MatchResult
 from sgl.sched.batch import ScheduleBatch
+from sgl.sched.kv_cache import KVCache
 from sgl.sched.policy import order_waiting
 from sgl.sched.req import Req
-
-if TYPE_CHECKING:
-    from sgl.sched.scheduler import Scheduler
 
 CLIP_MAX_NEW_TOKENS = 4096
 # The float32 prompt-logprob rows one prefill forward may hold (their log_softmax),
@@ -78,9 +76,7 @@ def reserved_tokens(running: Iterable[Req], new_token_ratio: float) -> int:
 class PrefillAdder:
     def __init__(
         self,
-        tree: RadixCache,
-        pool: ReqToTokenPool,
-        allocator: TokenToKVPoolAllocator,
+        kv: KVCache,
         *,
         running: Collection[Req],
         prefilling: Collection[Req],
@@ -91,9 +87,8 @@ class PrefillAdder:
         max_running_requests: int,
         new_token_ratio: float,
     ) -> None:
-        self.tree = tree
-        self.pool = pool
-        self.allocator = allocator
+        self.kv = kv
+        self.tree = kv.tree
         self.prefilling = prefilling  # admitted in earlier rounds, last prefill chunk not processed yet
         self.rids = rids  # live requests by rid (an n > 1 sibling's leader)
         self.n_running = len(running)
@@ -113,7 +108,7 @@ class PrefillAdder:
 
     def available(self) -> int:
         """KV slots free or evictable now."""
-        return self.allocator.available_size() + self.tree.evictable_size()
+        return self.kv.available()
 
     def room(self) -> int:
         """KV left for this round's requests. Live: locking a matched prefix takes it
@@ -159,7 +154,7 @@ class PrefillAdder:
             return Verdict.FULL
         if req.needs_input_logprobs and self.logprob_rows_left <= 0:
             return Verdict.FULL
-        if self.pool.available_size() < (req.beam.width if req.beam is not None else 1):
+        if self.kv.pool.available_size() < (req.beam.width if req.beam is not None else 1):
             return Verdict.FULL  # a beam request takes a row per beam
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) and lead.is_leader:
             return Verdict.DEFERRED  # waits for its leader's prompt to be in the tree
@@ -218,59 +213,104 @@ class PrefillAdder:
     def _admit(self, req: Req, match: MatchResult, n: int) -> None:
         """Give the request a row holding its cached prefix (locked by the caller) and
         its first `n` tokens to compute."""
-        row = self.pool.alloc()
-        assert row is not None  # add_one checked for a free row
-        req.req_pool_idx = row
-        if req.beam is not None:  # the other beams' rows, filled from this one at the first selection
-            req.beam.rows = [row]
-            for _ in range(req.beam.width - 1):
-                extra = self.pool.alloc()
-                assert extra is not None  # add_one checked for a row per beam
-                req.beam.rows.append(extra)
-        prefix = match.indices
-        req.prefix_indices = prefix
-        req.last_node = match.last_node
-        if len(prefix):
-            self.pool.write(row, 0, prefix)
-        req.kv_len = len(prefix)
-        self.cached_tokens += len(prefix)
-        req.cached_tokens = max(req.cached_tokens, len(prefix)) if req.retractions == 0 else req.cached_tokens
+        self.kv.take_rows(req, match)
+        prefix = len(match.indices)
+        self.cached_tokens += prefix
+        if req.retractions == 0:
+            req.cached_tokens = max(req.cached_tokens, prefix)
         req.extend_len = n
 
 
-def prefill_batch(s: Scheduler) -> ScheduleBatch | None:
-    """The scheduler's admission round: the chunked request's next chunk and the
-    waiting requests that fit, admitted, given their KV slots and built into a batch;
-    None when nothing is admitted. `s.adder` names the round while it runs (a failure
-    aborts its requests)."""
-    if not s.waiting and s.chunked_req is None:
-        return None
-    adder = s.adder = PrefillAdder(
-        s.tree, s.pool, s.allocator, running=s.running, prefilling=s.prefilling, rids=s.rids,
-        max_prefill_tokens=s.args.max_prefill_tokens, chunk_size=s.chunk_size, logprob_rows=s.logprob_rows,
-        max_running_requests=s.runner.max_running_requests, new_token_ratio=s.new_token_ratio)
-    if s.chunked_req is not None and not adder.add_chunked(s.chunked_req):
-        return None
-    adder.add_waiting(s.waiting, s.args.schedule_policy)
-    admitted = adder.admitted
-    for req in admitted:
-        if req in s.waiting:
-            s.waiting.remove(req)
-    s.chunked_req = adder.chunked_req
-    if not admitted:
-        return None
-    s.stats["cached_tokens"] += adder.cached_tokens
-    s.prefilling.update(admitted)
-    total = sum(r.extend_len for r in admitted)
-    loc = s.alloc(total)
-    if loc is None:  # cannot happen: admission kept within available + evictable
-        raise RuntimeError(f"KV allocation of {total} failed after admission: free "
-                           f"{s.allocator.available_size()}, evictable {s.tree.evictable_size()}, "
-                           f"protected {s.tree.protected_size()}, reqs {admitted}")
-    s.stats["prefill_tokens"] += total
-    batch = ScheduleBatch.extend(admitted, loc, s.pool)
-    for req in admitted:
-        if req.is_leader and req.kv_len >= len(req.origin_input_ids):
-            req.is_leader = False
-            s.tree.cache_unfinished_req(req)
-    return batch
+class PrefillManager:
+    """The waiting queue, the chunked request and the prefilling set, and one
+    admission round a turn."""
+
+    def __init__(self, kv: KVCache, *, policy: str, max_prefill_tokens: int, chunk_size: int, vocab_size: int,
+                 max_running_requests: int) -> None:
+        self.kv = kv
+        self.policy = policy
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_size = chunk_size
+        self.logprob_rows = prompt_logprob_rows(vocab_size, chunk_size)
+        self.max_running_requests = max_running_requests
+        self.waiting: list[Req] = []
+        self.chunked: Req | None = None
+        self.prefilling: set[Req] = set()  # admitted, last prefill chunk not processed yet (the chunked one too)
+        self.round: PrefillAdder | None = None  # the round being built (a failure aborts its requests)
+        self.stats = {"prefill_tokens": 0, "cached_tokens": 0}
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request waits or has prompt left to prefill."""
+        return bool(self.waiting) or self.chunked is not None
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def requeue(self, req: Req) -> None:
+        """A retracted request: first in the queue, its KV given back already."""
+        self.remove(req)
+        self.waiting.insert(0, req)
+
+    def remove(self, req: Req) -> bool:
+        """Take the request out of the queue, the chunk and the prefilling set; whether it was waiting."""
+        self.prefilling.discard(req)
+        if req is self.chunked:
+            self.chunked = None
+        if req.req_pool_idx is None and req in self.waiting:  # a waiting request holds no row
+            self.waiting.remove(req)
+            return True
+        return False
+
+    def share_prompt(self, lead: Req) -> None:
+        """n > 1: make the leader's prompt KV reachable through the radix tree for its
+        siblings, now if its prompt is already built into a batch, else once it is."""
+        if lead.finished or lead.to_abort is not None:
+            return
+        if lead.req_pool_idx is not None and lead is not self.chunked and lead.kv_len >= len(lead.origin_input_ids):
+            self.kv.cache_unfinished(lead)
+        else:
+            lead.is_leader = True
+
+    def building(self) -> list[Req]:
+        """The requests the round being built has taken in (a failure aborts them)."""
+        a = self.round
+        return [*a.admitted, *([a.current] if a.current else [])] if a is not None else []
+
+    def schedule(self, running: Collection[Req], rids: Mapping[str, Req],
+                 new_token_ratio: float) -> ScheduleBatch | None:
+        """The round: the chunked request's next chunk and the waiting requests that fit,
+        admitted, given their KV slots and built into a batch; None when nothing is admitted."""
+        self.round = None
+        if not self.waiting and self.chunked is None:
+            return None
+        adder = self.round = PrefillAdder(
+            self.kv, running=running, prefilling=self.prefilling, rids=rids,
+            max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size, logprob_rows=self.logprob_rows,
+            max_running_requests=self.max_running_requests, new_token_ratio=new_token_ratio)
+        if self.chunked is not None and not adder.add_chunked(self.chunked):
+            return None
+        adder.add_waiting(self.waiting, self.policy)
+        admitted = adder.admitted
+        for req in admitted:
+            if req in self.waiting:
+                self.waiting.remove(req)
+        self.chunked = adder.chunked_req
+        if not admitted:
+            return None
+        self.stats["cached_tokens"] += adder.cached_tokens
+        self.prefilling.update(admitted)
+        total = sum(r.extend_len for r in admitted)
+        loc = self.kv.alloc(total)
+        if loc is None:  # cannot happen: admission kept within available + evictable
+            raise RuntimeError(f"KV allocation of {total} failed after admission: {self.kv.info()}, reqs {admitted}")
+        self.stats["prefill_tokens"] += total
+        batch = ScheduleBatch.extend(admitted, loc, self.kv.pool)
+        for req in admitted:
+            if req.is_leader and req.kv_len >= len(req.origin_input_ids):
+                req.is_leader = False
+                self.kv.cache_unfinished(req)
+        return batch
+
+    def info(self) -> dict[str, Any]:
+        return {"waiting": len(self.waiting), "chunked_prefill_size": self.chunk_size, **self.stats}
