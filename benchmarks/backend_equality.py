@@ -5,8 +5,8 @@ leading tokens each pair agrees on.
 
     python -m benchmarks.backend_equality --model SmolLM2-135M-Instruct.Q4_1.gguf [--tokens 32]
 
-On the device the GGUF travels in parts (benchmarks/model_parts.sh says how; then
-benchmarks/gpu_session.sh, step `model`)."""
+On an offline GPU host the GGUF travels in parts (benchmarks/gpu/model_parts.sh says
+how; then benchmarks/gpu/run.sh, step `model`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Build every FlashInfer kernel module the engine and the GPU tests load, in one
-parallel ninja run (on the H200's 16 cores a few minutes, against the same modules
-one after another on first use, ~6 minutes, which would eat a whole device call).
-Modules already installed as AOT (benchmarks/gpu_session.sh installs the carried
-kernel cache that way) are skipped, so with a warm cache this does nothing.
+parallel ninja run (on the H200's 16 cores a few minutes, against ~6 minutes for the
+same modules built one after another on first use). Modules already installed as AOT
+(benchmarks/gpu/run.sh installs a brought-along kernel cache that way) are skipped, so
+with a warm cache this does nothing.
 
-    python -m benchmarks.build_kernels      # step `jit` of gpu_session.sh
+    python -m benchmarks.build_kernels      # step `jit` of benchmarks/gpu/run.sh
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ LOOP_FIELDS = ("decode_steps", "prefill_tokens", "cascade_steps", "build_s", "wa
 def loop_split(before: dict[str, object], after: dict[str, object]) -> dict[str, float]:
     """What the scheduler did between two get_server_info() answers: steps, tokens, its
     loop time (building batches, waiting for results, processing them) and GPU busy/idle."""
-    # .get: an older checkout's scheduler (benchmarks/gpu_session.sh's `old` steps) lacks some fields.
+    # .get: an older checkout's scheduler (benchmarks/gpu/run.sh's `old` steps) lacks some fields.
     return {k: round(float(after.get(k, 0)) - float(before.get(k, 0)), 3) for k in LOOP_FIELDS}  # type: ignore[arg-type]
 
 

@@ -1,4 +1,4 @@
-"""Decode attention, one layer, at the batches W1, W2 and W3 really run (issue 17), through
+"""Decode attention, one layer, at the batches W1, W2 and W3 really run, through
 the engine's own FlashInfer backend: W2's batches mix contexts of 100 to 2,000 tokens
 (its decode attention read the KV at ~3.3 TB/s where W1's uniform batch read it at
 ~4.0), W1's are uniform, W3's cascade suffixes short and uniform. For each batch (the

@@ -1,4 +1,4 @@
-"""The sampler's unfiltered draw on a GPU at the workloads' batches (issue 17, W2: every
+"""The sampler's unfiltered draw on a GPU at the workloads' batches (W2: every
 row sampled at T = 0.6): sgl's one-pass Gumbel-max kernel (kernels/gumbel_draw.py, what
 FusedDraw runs now) against what it replaced, the float32 copy of the logits divided by
 the temperature and FlashInfer's `sampling_from_logits` over that copy, and against the

@@ -1,4 +1,4 @@
-"""What structured output costs (issue 16's measure): the same requests generated under
+"""What structured output costs: the same requests generated under
 a JSON schema and plain, tokens per second each way and their ratio, and where a
 grammar step's host time goes.
 
@@ -11,7 +11,7 @@ Then the matchers alone, off the engine: `--requests` matchers of the schema ste
 together with a random allowed token each, timing per step the bitmask fill one by
 one, xgrammar's batch fill over FILL_THREADS native threads (the engine's, from CHUNK_MIN rows:
 sgl.sched.runner.grammar_masks), the token accepts (one batch call, as the engine; with --config,
-also at the model's width, as before session 11), and on a GPU the bitmask's application.
+also at the model's width, which the engine no longer uses), and on a GPU the bitmask's application.
 
     python -m benchmarks.grammar_cost [--requests 16] [--new-tokens 64] [--model DIR] [--dtype float32]
         [--load-format dummy]   # the H200 run: the default model's config and tokenizer (.lt), random bf16 weights
@@ -101,7 +101,7 @@ async def engine_runs(a: argparse.Namespace, model: str) -> None:
     schema = json.dumps(SCHEMA)
     t0 = time.perf_counter()
     async with sgl.AsyncEngine(model, dtype=a.dtype, transport="ipc", load_format=a.load_format) as e:
-        # Each phase says when it ends: a run that stalls shows where (session 12's printed nothing).
+        # Each phase says when it ends, so a run that stalls shows where.
         print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
         secs, _ = await run(e, prompts[:2], [{"max_new_tokens": 16, "json_schema": schema}] * 2)
         print(f"warm-up with the schema (its compile, then cached) in {secs:.1f} s", flush=True)
@@ -137,7 +137,7 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), max_whitespace_cnt=2)
     ms = [xgr.GrammarMatcher(compiled) for _ in range(n)]
-    # The same matchers at the model's width, as before session 11: xgrammar counts the ids
+    # The same matchers at the model's width (the engine masks the tokenizer's): xgrammar counts the ids
     # past the tokenizer's as special tokens and scans them on each accepted token.
     wide: list[Any] = []
     if columns > vocab:

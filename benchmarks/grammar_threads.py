@@ -1,4 +1,4 @@
-"""How a grammar step's matcher work should be spread over threads (issue 16), off the
+"""How a grammar step's matcher work should be spread over threads, off the
 engine: `--requests` matchers of a JSON schema take one allowed token each and fill their
 next bitmasks while the scheduler's thread runs `--build-ms` of pure Python (standing in
 for building the next batch), at the 0.2 ms GIL switch interval a scheduler's own process
@@ -9,7 +9,7 @@ the masks being done. Two arrangements, at each thread count of `--threads`:
   thread runs xgrammar's batch accept (serial) and then its threaded batch fill (which
   starts a pool of native threads at each call);
 - "parts": contiguous parts on Python threads of their own, each part's accepts and fill
-  on one native thread (tried in session 16 inside the engine's MaskFiller and measured
+  on one native thread (tried inside the engine's MaskFiller and measured
   slower on the H200's host: each part's thread waits for the GIL between its native
   calls; here as that code did it).
 

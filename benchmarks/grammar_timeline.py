@@ -2,9 +2,10 @@
 grammar fill thread's two native calls and the GPU's forward and sampling, each placed
 relative to the moment the previous step's tokens reached the host (the turn's t = 0),
 averaged over the run's steady decode steps, for a JSON-schema run in each arrangement of
-sgl.sched.stepping (EARLY_TOKENS, PREPARE_FIRST) and the same batches plain. Issue 16's
-question: which chain from one step's tokens to the next sampling sets the grammar step
-(session 17: the prepare after the sampling, then the accepts after the processing).
+sgl.sched.stepping (EARLY_TOKENS, PREPARE_FIRST) and the same batches plain: which chain
+from one step's tokens to the next sampling sets the grammar step's time (on an H200,
+benchmarks/RESULTS.md, 2026-12-03: the next batch's preparation after the sampling, then
+the accepts after the processing).
 
 It drives the real Scheduler (overlap, CUDA graphs, its mask filler and fill thread) from
 this process's main thread over the in-process channels, as benchmarks/profile_run does,

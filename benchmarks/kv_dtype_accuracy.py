@@ -1,4 +1,4 @@
-"""How much an engine setting changes greedy outputs on real weights (issue 17's accuracy
+"""How much an engine setting changes greedy outputs on real weights (the accuracy
 check for an FP8 KV cache): the default model (or --model) generates eight prompts'
 greedy continuations under a reference setting and under the one tested; per prompt,
 how many tokens agree before the first difference, and up to there the largest

@@ -5,8 +5,8 @@ then `await AsyncEngine.start(...)`), serves concurrent long prompts, and stops.
     python benchmarks/loop_lag.py [--prompts 16] [--words 1000] [--transport inproc] [--null]
 
 --null: the default model's config and tokenizer with null weights (no arithmetic), so
-serving measures the front end alone (tokenizing, transport, detokenizing): the issue's
-64 x 4k-token prompts on a CPU machine (`--prompts 64 --words 3000 --null`).
+serving measures the front end alone (tokenizing, transport, detokenizing): the target
+shape is 64 x 4k-token prompts on a CPU machine (`--prompts 64 --words 3000 --null`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Where a whole workload's GPU time goes (issue 17: "profile first"): one timed run of
-W1, W2 or W3 through the real scheduler (its own `step()` loop, overlap and CUDA graphs
-as configured), driven from this process's main thread over in-process channels with no
-other role, so that torch.profiler sees every kernel it queues, CUDA-graph replays
-included. (A first version ran an inproc engine instead: on a fresh H200 its start took
-141 s, 126 s of it capturing CUDA graphs, against 2-5 s in the engine's child process in
-later calls; the cause was not found, so this drives the scheduler with no other thread.)
+"""Where a whole workload's GPU time goes: one timed run of W1, W2 or W3 through the
+real scheduler (its own `step()` loop, overlap and CUDA graphs as configured), driven
+from this process's main thread over in-process channels with no other role, so that
+torch.profiler sees every kernel it queues, CUDA-graph replays included. (An inproc
+engine is not used: on a fresh H200 its start took 141 s, 126 s of it capturing CUDA
+graphs, against 2-5 s in the engine's child process; the cause was not found.)
 Prints:
 
 - the kernels by total GPU time (top N) and by kind (decode attention, prefill

@@ -1,4 +1,4 @@
-"""Start-up to ready (issue 17): `sgl.Engine(...)` from the call to its return, ready to
+"""Start-up to ready: `sgl.Engine(...)` from the call to its return, ready to
 serve, on the Qwen3-0.6B architecture with dummy weights (or --config), each start
 in a fresh set of child processes. The first start of a machine pays for cold caches
 (the OS page cache, CUDA's module loading); the later ones are the warm numbers.

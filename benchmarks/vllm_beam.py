@@ -2,7 +2,7 @@
 benchmarks/w6_beam.py, on the same H200, with the same inputs.
 
 Qwen3-0.6B architecture (benchmarks/configs/qwen3-0.6b.json), dummy bf16 weights
-(load_format="dummy"), vLLM's defaults otherwise (as the peer kit runs it).
+(load_format="dummy"), vLLM's defaults otherwise (as the vLLM peer in ../shared/peers/vllm runs it).
 Shapes, in w6_beam's order and with its prompts (random_prompts(requests, input_len,
 151000, seed=60 + shape index)): widths 8, 64 and 200, 128 requests x 256 input ids,
 64 new tokens, `BeamSearchParams(beam_width=W, max_tokens=64, ignore_eos=True,
@@ -17,8 +17,8 @@ model folder gets a synthetic word-level tokenizer (one word per id) unless
 cache reset, then one timed `beam_search` over all requests.
 Throughput = requests x W x new tokens / wall time (beam-tokens/s), as w6_beam counts it.
 
-On the GPU host, with the peer kit unpacked (../shared/peers/vllm/README.md: calls 1
-and 2 bring and unpack the bundle into /tmp/vllm-site; then, while the machine is warm):
+On the GPU host, with the vLLM peer unpacked into /tmp/vllm-site (its parts brought
+along in two commands, ../shared/peers/vllm/README.md; then, while the host is warm):
 
     eval "$(bash .peer/vllm/kit/unpack.sh .peer/vllm)" && python3 -m benchmarks.vllm_beam \\
         [--widths 8,64,200] [--requests 128] [--input-len 256] [--output-len 64] [--no-trie-shape]
@@ -41,7 +41,7 @@ from benchmarks.common import Shape, random_prompts, table
 
 PROMPT_VOCAB = 151000  # as benchmarks/w6_beam.py (and W1, W3)
 WARMUP_REQUESTS = 2
-# As the peer kit's bench.py sets them (only where unset); none changes what is computed.
+# As the vLLM peer's bench.py sets them (only where unset); none changes what is computed.
 ENGINE_ENV = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CACHE_ROOT": "/tmp/vllm-cache",

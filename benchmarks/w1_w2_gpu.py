@@ -8,7 +8,7 @@ for W2 it runs to the longest output, and its throughput counts useful tokens).
 Throughput = requested output tokens / wall time, start-up and warm-up excluded.
 
     python -m benchmarks.w1_w2_gpu [--workloads W1,W2] [--no-hf] [--requests 256]
-        [--config qwen3-8b] [--tp-size 2] [--dp-size 2]   # issue 18: a bigger model over GPUs
+        [--config qwen3-8b] [--tp-size 2] [--dp-size 2]   # a bigger model over GPUs
         [--variant '{"tensor_core_decode_min_batch": 100000}' ...]   # engine options, each run in turn
 """
 

@@ -1,8 +1,7 @@
 """Writing new K and V into the pool's per-layer buffers: two indexed copies, cast (and
 clamped into an FP8 pool's range) to the pool's dtype. The CPU path, and the reference the
 GPU tests hold sgl.kernels.norm_rope_store to: on a GPU the model writes its K and V in
-that fused kernel instead (this module's one-launch Triton writer, which graphs used
-until session 13, went with it).
+that fused kernel instead, which includes the KV write.
 It writes only: which slots a batch gets is the allocator's business."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ rows into balanced chunks. Where four or more query heads share a KV head the se
 always runs. Otherwise (Qwen3-0.6B: 16 query / 8 KV heads), batches of at least
 `tensor_core_min_batch` rows pick per batch (`prefers_tensor_cores`), and each such
 graph size is captured with both kernels. Measured on an H200 (benchmarks/RESULTS.md,
-session 12): the tensor-core kernel is 3-10% faster on W2's mixed contexts from 62
+2026-12-02): the tensor-core kernel is 3-10% faster on W2's mixed contexts from 62
 rows on and 10% slower at 26 rows; 3-11% slower on W1's uniform rows (W1 end to end
 7% slower with it); W3 without cascade (2,000 of each row's 2,100-2,228 slots shared)
 24% faster end to end with it. A cascade's suffix decode keeps the decode kernel: its
@@ -41,8 +41,8 @@ short uniform suffixes read 1.4x faster with it.
 With `triton_decode` (the engine's default where Triton is installed), plain decode runs
 sgl's Triton kernel instead (sgl.kernels.triton_decode): one kernel at every batch size,
 as fast as the faster of FlashInfer's two on bf16 pools and faster on FP8 ones, and no
-plan on the host (session 13: FlashInfer's decode plans took 100-400 us of the
-scheduler's thread a step). Its graphs read the batch's indptr from a buffer per size
+plan on the host (FlashInfer's decode plans took 100-400 us of the scheduler's thread
+a step on an H200 host). Its graphs read the batch's indptr from a buffer per size
 and its indices from the shared index buffer, both written in stream order before the
 replay. Prefill and cascade decode stay FlashInfer's."""
 

@@ -6,7 +6,7 @@ in the same pass.
 Why a kernel of our own: the sampler's unfiltered draw on a GPU (temperature, no top-k,
 top-p or min-p: W2's case) was a float32 copy of the [B, V] logits divided by the
 temperature (92 us a step at 256 rows and Qwen3's 151,936 ids, benchmarks/RESULTS.md,
-session 13) and then FlashInfer's `sampling_from_logits`, which reads that copy again
+2026-12-02) and then FlashInfer's `sampling_from_logits`, which reads that copy again
 (float32 only). Here the bf16 logits are read once and nothing of [B, V] is written.
 
 Work split: one program per (row, chunk of 4 x LANES x TILES ids); each lane keeps its own best

@@ -7,7 +7,7 @@ sgl.cache.kv_write does). In Triton, for CUDA tensors.
 Why: unfused these are five to eight launches a layer (two norms, rotary, two copies to
 make q and k contiguous, the KV write), each a few microseconds at decode batch sizes
 where the whole layer is ~30 us of work besides attention: on an H200 a W2 decode step
-spent ~0.2 ms in them (benchmarks/RESULTS.md, session 13). Each value is rounded to the
+spent ~0.2 ms in them (benchmarks/RESULTS.md, 2026-12-02). Each value is rounded to the
 model's dtype where the unfused path stores it (after the norm, after the rotation), so
 the two agree to the last bit but for the order of float32 operations. It runs for every
 forward on a GPU (eager and captured), so eager and graph decode give the same numbers.

@@ -70,8 +70,8 @@ class FusedDraw:
 
     def warm_up(self, vocab: int, dtype: torch.dtype, masks: bool = False) -> None:
         """Compile the one-pass draw's kernels now, not at the first request that needs
-        one (each compile holds the scheduler's loop ~0.5 s: session 16's W2-like grammar
-        run paid it inside its timed run): sampled rows, and sampled beside greedy; with
+        one (each compile holds the scheduler's loop ~0.5 s on an H200, which a W2-like
+        grammar run otherwise pays inside its timed run): sampled rows, and sampled beside greedy; with
         `masks`, each of those with a bitmask on every row and on some rows. The stream
         starts over after."""
         dev = self.seed.device

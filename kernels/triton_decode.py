@@ -3,11 +3,11 @@ any KV element type the pool holds (bf16/fp16, or FP8 read and widened in regist
 
 Why a kernel of our own: FlashInfer 0.6.5's decode kernels read an FP8 pool slower than
 a bf16 one on an H200 (W1 5% and W2 15% slower end to end, benchmarks/RESULTS.md,
-session 13), and its FP8-fast decode (XQA) needs pages of 16+ slots, which this pool
+2026-12-02), and its FP8-fast decode (XQA) needs pages of 16+ slots, which this pool
 does not have. Decode attention is memory-bound (W2: 70% of the GPU time), so a kernel
 that reads one byte per element where bf16 reads two could nearly halve it; this one
-reads an FP8 pool 11-21% faster than a bf16 one so far, and a bf16 pool as fast as the
-faster of FlashInfer's two decode kernels (session 13).
+reads an FP8 pool 11-21% faster than a bf16 one, and a bf16 pool as fast as the faster
+of FlashInfer's two decode kernels (same measurements).
 
 Work split: one program per (row, KV head, split). It gathers BLOCK_N slots at a time
 (each slot's head row is D contiguous elements), scores them for the KV head's G query
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-# Settings measured on an H200 (decode_balance --sweep, RESULTS.md session 13): 128 slots per
+# Settings measured on an H200 (decode_balance --sweep, RESULTS.md 2026-12-02): 128 slots per
 # iteration, 4 warps, 3 stages were the fastest or within 2% at W1's and W2's batches, bf16 and FP8.
 BLOCK_N = 128  # slots per iteration
 NUM_WARPS = 4

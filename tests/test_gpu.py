@@ -374,7 +374,7 @@ def test_norm_rope_store_equals_the_separate_kernels(hq: int, hkv: int, d: int, 
     float32 (the torch reference path): q and k within a bf16 rounding, the pool holding
     exactly the returned k (cast into the pool, FP8 clamped first: inputs reach past
     e4m3's 448) and v, and no other slot touched. (Not FlashInfer's kernels as reference:
-    at head_dim 80 they and this kernel gave values 7.6 apart on an H200, session 13,
+    at head_dim 80 they and this kernel gave values 7.6 apart on an H200 (2026-12-02),
     while on the CPU, Triton's interpreter, this kernel matched the float32 path.)"""
     from sgl.cache.kv_write import write_kv
     from sgl.kernels.layers import rope_tables

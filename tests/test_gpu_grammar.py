@@ -6,7 +6,7 @@ engine's without overlap (each request alone: the same batches and kernels, exac
 KV balances. Weights are random (dummy, bf16): only the masks make outputs valid.
 
 The model is the default model's config and tokenizer: `.lt/` at the repo root (what
-benchmarks/gpu_session.sh carries) or the default model itself."""
+benchmarks/gpu/README.md says how to make it) or the default model itself."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Why by hand: AutoConfig resolves a model_type by importing its configuration mod
 and in transformers 5 that module's `@auto_docstring` imports transformers' modeling
 registry and generation utilities, and with them torch.distributed.tensor, sympy,
 torch._dynamo and, where installed, sklearn, scipy and pandas: about 12 s of each
-scheduler start on the H200 host (py-spy, benchmarks/RESULTS.md, session 12) for a
+scheduler start on the H200 host (py-spy, benchmarks/RESULTS.md, 2026-12-02) for a
 few numbers. The file's keys are kept as they are; a key it leaves out takes the
 default of transformers' class for its model_type, with the same derived values
 (`head_dim`, `num_key_value_heads`, Qwen's `sliding_window` and `layer_types`), for

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Fill .whl/ with what the lent H200 lacks for this engine, on a machine with package
-# access (run from the repo root; .whl/ is ignored): FlashInfer's two wheels through
-# ../shared/gpu/fetch-wheels.sh, its install script, and the pure dependencies the GPU
-# host does not have (msgspec, structlog, pyzmq, gguf, prometheus_client: without them
+# Fill .whl/ with what the offline GPU host lacks for this engine, on a machine with
+# package access (run from the repository root; .whl/ is ignored): FlashInfer's two wheels
+# through ../shared/gpu/fetch-wheels.sh, its install script, and the pure dependencies the
+# GPU host does not have (msgspec, structlog, pyzmq, gguf, prometheus_client: without them
 # `import sgl` fails there; xgrammar and pydantic's wheels: without them every grammar
-# request is refused there; py-spy for the *spy steps). gpu_session.sh installs them all
-# into /tmp/site.
+# request is refused there; py-spy for the *spy steps). benchmarks/gpu/run.sh installs
+# them all into /tmp/site.
 set -euo pipefail
 bash ../shared/gpu/fetch-wheels.sh .whl
 cp ../shared/gpu/install-wheels.sh .whl/

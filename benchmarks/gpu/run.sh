@@ -1,96 +1,64 @@
 #!/usr/bin/env bash
-# One call on the lent H200 (see ../shared/gpu/README.md): install the carried
-# wheels, install FlashInfer kernels built by an earlier call (.ficache), run the
-# given steps, and hand the kernel cache back under $OUT when this call built more.
+# Drive an offline GPU host (no network): install the wheels brought along in .whl/,
+# install the FlashInfer kernels built on an earlier run (.ficache/) as AOT modules, run
+# the given steps, and leave the kernel cache in the output folder when this run built
+# modules the brought-along cache lacked. benchmarks/gpu/README.md describes the set-up.
 #
-# Usage, through the device's `run` with carry [.whl, .ficache]:
-#   bash benchmarks/gpu_session.sh STEP...
-# Steps: jit tests w1 w12ov w1hf w2 w2hf w3 w3c16k w3rep w3spy w3old w3oldspy w7 grammar06 grammar06old grammarw2 grammarspy grammarthreads grammartimeline cpuinfo startup startupspy tcab tritonab fp8 fp8acc vllmfp8 drawcost decodebal prof1 prof2 prof3 prof8b vllm vllm8b
-#        w6 beamtests tp looplag grammar profile profile2 cascadeprof parts model old
-# (w3rep: W3's three engines with 5 timed runs each, medians; w3spy: the cascade engine's
-# 5 runs under py-spy (its wheel in .whl), folded stacks in $OUT/w3spy.txt; w3old: its 5 runs
-# on the checkout in .old/, run by this checkout's benchmark script; w3oldspy: under py-spy)
-# (prof1/2/3/8b: benchmarks/profile_run.py, W1/W2/W3 (prof8b: W2 at 8B) kernels by kind and
-# batches by size; startup: benchmarks/startup.py; w7: W1 and W2 on the Qwen3-8B architecture;
-# decodebal: benchmarks/decode_balance.py, decode attention at W1's, W2's and W3's real batches)
-# (vllm, vllm8b: the peer kit's bench.py, once its parts are in /tmp (../shared/peers/vllm:
-# carry .peer/vllm/c1 and kit in one call, c2 and kit in the next); vllm8b runs W1,W2 at 8B)
-# A later call on a machine still warm may carry neither .whl nor .ficache: what the first
-# call installed in /tmp (wheels, kernels) is used again.
-# (old: W1, W2 and W3 on an older checkout carried in .old/ (`git archive COMMIT | tar x
-# -C .old`), installed apart in /tmp/oldsite, so a change is measured against what it
-# changed in the same lease)
-# (jit: every kernel module, built in parallel, skipped when carried: benchmarks/build_kernels.py)
-# (model: SmolLM2's GGUF, carried in parts by benchmarks/model_parts.sh and stashed in
-# /tmp by `parts`, through both attention backends: benchmarks/backend_equality.py).
+#   bash benchmarks/gpu/run.sh STEP...        # from the repository root, on the GPU host
 #
-# Before the first call on a new machine: `bash benchmarks/gpu_wheels.sh` fills .whl/.
+# The output folder is SGL_GPU_OUT, else OUT, else /tmp: log.txt there gets everything
+# printed, as it is printed, so a run cut short still shows what it did.
+# GPU_BUDGET_S (default 540) bounds the whole run: each step gets what is left, capped by
+# its own limit, and a step that no longer fits is skipped and says so.
 #
-# What earlier calls taught (each lesson cost device time):
-# - The GPU host lacks msgspec, structlog, pyzmq, gguf and prometheus_client: without
-#   their wheels in .whl (gpu_wheels.sh) the editable install "succeeds" and every
-#   step then dies on `import sgl`.
-# - Everything streams into $OUT/log.txt as it is printed, so a call cut short still
-#   returns what it did. Never pipe a step into `tail`: tail prints nothing until
-#   its input ends, and a killed step then shows nothing at all.
-# - The whole call stays within GPU_BUDGET_S (default 540 s, under the 600 s limit):
-#   each step gets the time left, capped by its own limit; steps that no longer fit
-#   are skipped and say so.
-# - A fresh machine costs 60-120 s of device time before the command starts; a call sent
-#   within 30 s of the last one's return keeps the same machine (and its /tmp).
-# - One lease for the table of issue 17 (carry is 64 MiB a call: c1 is 58 MiB, c2 44 MiB,
-#   .whl 16 MiB, .ficache 36 MiB), each call sent as soon as the last returns:
-#   1. carry c1, kit: `bash .peer/vllm/kit/unpack.sh .peer/vllm` (exits 3: part.01 missing);
-#   2. carry c2, kit, .whl: the same with `-- --timeout 330 --json $OUT/vllm.json` (~200 s),
-#      then `bash benchmarks/gpu_session.sh` with no step (installs the wheels in /tmp/site);
-#   3. carry kit, .ficache: the kit with `-- --config /tmp/qwen3-8b.json --workloads W1,W2
-#      --timeout 200 --json $OUT/vllm8b.json` (cp benchmarks/configs/qwen3-8b.json first;
-#      ~135 s), then `GPU_BUDGET_S=$((570 - SECONDS)) bash benchmarks/gpu_session.sh tests w1 w2 w7`;
-#   4. carry .lt, .old: `W3_REPEAT=3 STARTUP_REPEAT=2 bash benchmarks/gpu_session.sh w3rep
-#      startup grammar06 grammar06old drawcost prof8b`. .lt: the default model's files but its
-#      weights (`d=$(.venv/bin/python -c "from sgl.sched.models.default_model import
-#      default_model_dir as f; print(f())"); mkdir .lt; cp $d/*.json $d/*.jinja .lt/`);
-#      .old: the checkout to compare with (`mkdir .old; git archive COMMIT | tar x -C .old`).
-# - A call that pipes this script's output (`... | tail`) returns only when every process
-#   holding the pipe has ended: session 14 lost ~930 s of device time to the watchdog's
-#   sleep (fixed in stacks_after). Send the next call at once: a machine idle for 30 s goes
-#   back, and the next call then starts a fresh one with no wheels, no /tmp/site and no
-#   kernels (carry .whl and .ficache again).
-# - "No device machine could be started" still costs device time (session 15: four refused
-#   starts took ~520 s of the 1,800). After one, wait the minutes it names before the next call.
-# - An A/B of a change not in the checkout: put `git diff A B -- DIR > ab.patch` in the repo root
-#   (untracked files travel), `patch -p1 < ab.patch` in the command, and turn parts off with
-#   `sed` between steps; restore the file before the next step (session 15, calls 9-11).
-# - The first engine on a fresh machine compiles Triton kernels inside its timed runs: its
-#   grammar06 ratio came out 0.1-0.2 under the next run's (session 16, three machines). Run
-#   an A/B as base, change, base, change and compare the later pairs.
-# - To see what sets a step, time it on a timeline before guessing from sums: `grammartimeline`
-#   (session 17) showed in one call the GPU idle behind the next batch's preparation, which five
-#   calls of per-phase sums in sessions 15-16 had not placed. Its A/B runs in one process.
-# - The *spy steps need py-spy's wheel in .whl (gpu_wheels.sh fetches it since session 16).
-# - Built kernels are installed as FlashInfer AOT modules. Restored as a JIT cache
-#   they are not enough: FlashInfer runs ninja on every load, and the fresh wheel
-#   install makes its headers newer than the cached objects, so ninja rebuilds
-#   (decode ~10 s, each prefill module ~90 s, sampling ~100 s).
+# Steps (each is one case below; the comment beside it says what it measures):
+#   set-up      jit tests beamtests cpuinfo parts
+#   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 tp startup looplag
+#   A/B         old w3old grammar06old tcab tritonab fp8 (engines in turn, see README.md)
+#   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
+#   profiles    profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
+#   py-spy      w3spy w3oldspy startupspy grammarspy (py-spy's wheel in .whl/)
+#   real model  model fp8acc (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
+#   vLLM        vllm vllm8b vllmfp8 (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
+#
+# Notes on the host:
+# - It lacks msgspec, structlog, pyzmq, gguf and prometheus_client: without their wheels in
+#   .whl/ (benchmarks/gpu/wheels.sh) the editable install "succeeds" and every step then dies
+#   on `import sgl`.
+# - On a host still warm from an earlier run, .whl/ and .ficache/ may be left out: what the
+#   first run installed under /tmp (wheels, kernels) is used again. A fresh host has neither.
+# - Never pipe a step into `tail`: tail prints nothing until its input ends, so a step killed
+#   at its limit shows nothing at all. And a command that pipes this script's output returns
+#   only when every process holding the pipe has ended (see stacks_after).
+# - Built kernels are installed as FlashInfer AOT modules. Restored as a JIT cache they are
+#   not enough: FlashInfer runs ninja on every load, and the fresh wheel install makes its
+#   headers newer than the cached objects, so ninja rebuilds (decode ~10 s, each prefill
+#   module ~90 s, sampling ~100 s).
+# - The first engine on a fresh host compiles Triton kernels inside its timed runs: its
+#   grammar06 ratio came out 0.1-0.2 under the next run's. Run an A/B as base, change, base,
+#   change and compare the later pairs.
+# - To see what sets a step's time, put it on a timeline (grammartimeline) before guessing
+#   from per-phase sums.
 set -uo pipefail
-log=${OUT:-/tmp}/log.txt
+results=${SGL_GPU_OUT:-${OUT:-/tmp}}  # the output folder
+log=$results/log.txt
 exec > >(tee -a "$log") 2>&1
 budget=${GPU_BUDGET_S:-540}
 if [ -f .whl/install-wheels.sh ]; then
   eval "$(bash .whl/install-wheels.sh)"
-else  # a warm machine: the first call's /tmp/site
+else  # a warm host: the first run's /tmp/site
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-} FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
   export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
-  [ -d /tmp/site/flashinfer ] || echo "no .whl carried and no /tmp/site: nothing of sgl will import"
+  [ -d /tmp/site/flashinfer ] || echo "no .whl/ brought along and no /tmp/site: nothing of sgl will import"
 fi
 export PATH=/tmp/site/bin:$PATH
 # Bytecode cached across processes: the host's site-packages is not writable, so without
-# this every process compiles transformers' modules again (py-spy, session 10: about 8 s
-# of each start). A user's install has its .pyc files; so do these runs from the 2nd on.
+# this every process compiles transformers' modules again (py-spy: about 8 s of each start).
+# A user's install has its .pyc files; so do these runs from the second process on.
 export PYTHONPYCACHEPREFIX=/tmp/pycache
-# Session 12's py-spy of two starts showed every process compiling its sources on both:
-# the cache above stayed empty. PYTHONDONTWRITEBYTECODE set by the image is one way that
-# happens; the line below says what it was and how full the cache is.
+# The host image sets PYTHONDONTWRITEBYTECODE, which leaves that cache empty (py-spy showed
+# every process compiling its sources); the line below says what it was and how full the
+# cache is, and the variable is then unset.
 echo "bytecode: PYTHONDONTWRITEBYTECODE='${PYTHONDONTWRITEBYTECODE-<unset>}', $(find /tmp/pycache -name '*.pyc' 2>/dev/null | wc -l) cached"
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -112,8 +80,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 # run LIMIT CMD...: CMD under the smaller of LIMIT and the budget left, output unfiltered but for info logs.
 # A step still running 10 s before its limit first has the stacks of every Python process
-# printed (py-spy dump, threads included), so a step that hangs says where (session 12's
-# grammar06 timed out after 231 s with no output at all, and no clue).
+# printed (py-spy dump, threads included), so a step that hangs says where it waits.
 run() {
   local cap=$1 left=$((budget - SECONDS)); shift
   if [ "$left" -lt 20 ]; then echo "skipped: ${left}s of the budget left"; return; fi
@@ -127,22 +94,22 @@ run() {
   return "$rc"  # never the status of the test above: `run A && run B` skipped B when A passed
 }
 stacks_after() {
-  # The sleep is a child of its own: `kill` of this subshell alone left it running, holding
-  # the call's output open until it ended (session 14: two calls whose steps were done in
-  # 19 s and 45 s returned after 407 s and 216 s, each step's whole cap, all of it charged).
+  # The sleep is a child of its own: `kill` of this subshell alone would leave it running,
+  # holding the run's output open until it ended, so a piped run whose steps end early
+  # would still return only after each step's whole cap.
   sleep "$1" & local nap=$!
   trap 'kill "$nap" 2>/dev/null; exit 0' TERM
   wait "$nap" || return 0
   echo "--- still running after ${1}s: every Python process's stacks"
-  command -v py-spy >/dev/null || { echo "(no py-spy: carry .whl)"; return; }
+  command -v py-spy >/dev/null || { echo "(no py-spy: bring its wheel in .whl/)"; return; }
   for p in $(pgrep -f "^[^ ]*python[0-9.]* "); do
     echo "--- pid $p: $(tr '\0' ' ' < /proc/"$p"/cmdline 2>/dev/null | cut -c1-120)"
     timeout 10 py-spy dump --pid "$p" 2>&1 | head -80
   done
 }
-# Carried model parts (benchmarks/model_parts.sh) go to /tmp, which outlives the call
-# while the machine stays warm; carried folders do not.
-# old_site BENCHMARKS: install the checkout carried in .old/ into /tmp/oldsite and put the
+# Model parts brought along (benchmarks/gpu/model_parts.sh) go to /tmp, which outlives the
+# run while the host stays warm; the brought-along folders do not.
+# old_site BENCHMARKS: install the checkout brought along in .old/ into /tmp/oldsite and put the
 # benchmark folder BENCHMARKS (its own, or this checkout's) alone in /tmp/oldrun: run from
 # there, since a checkout's own sgl/ folder on the path (python -m puts the cwd first) would
 # shadow the installed package. False (and says so) when .old is missing or fails to install.
@@ -152,52 +119,62 @@ old_site() {
     rm -rf /tmp/oldrun && mkdir -p /tmp/oldrun && cp -r "$1" /tmp/oldrun/benchmarks
     return 0
   fi
-  echo "no .old checkout carried, or it failed to install"
+  echo "no .old/ checkout brought along, or it failed to install"
   return 1
 }
 stash_parts() { mkdir -p /tmp/sgl-parts && cp .m?/* /tmp/sgl-parts/ 2>/dev/null; }
 for step in "$@"; do
-  echo "=== $step ($(date +%T), ${SECONDS}s into the call)"
+  echo "=== $step ($(date +%T), ${SECONDS}s into the run)"
   case $step in
+    # Every FlashInfer module, built in parallel, skipped when installed (benchmarks/build_kernels.py).
     jit) run 420 python3 -m benchmarks.build_kernels ;;
+    # The GPU tests (-m gpu) of every file that has some; GPU_TESTS names some files only.
     tests) run 400 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
-             ${GPU_TESTS:-$(grep -l "pytest.mark.gpu" tests/*.py)} ;;  # GPU_TESTS: some files only
+             ${GPU_TESTS:-$(grep -l "pytest.mark.gpu" tests/*.py)} ;;
+    # W1/W2 (benchmarks/w1_w2_gpu.py); w12ov adds each without the overlap loop, w1hf and w2hf
+    # add Hugging Face's generate in the same run.
     w1) run 300 python3 -m benchmarks.w1_w2_gpu --workloads W1 --no-hf ;;
     w12ov) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --overlap-off ;;
     w1hf) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1 --overlap-off ;;
     w2) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W2 --no-hf ;;
     w2hf) run 500 python3 -m benchmarks.w1_w2_gpu --workloads W2 ;;
+    # W3 (benchmarks/w3_shared_prefix.py): cascade, radix cache without cascade, no radix cache;
+    # w3c16k with 16,384-token prefill chunks; w3rep W3_REPEAT (5) timed runs each, medians;
+    # w3spy the cascade engine's 5 runs under py-spy (folded stacks in the output folder);
+    # w3old the same 5 runs on the checkout in .old/ (see `old`), w3oldspy under py-spy.
     w3) run 400 python3 -m benchmarks.w3_shared_prefix ;;
     w3c16k) run 400 python3 -m benchmarks.w3_shared_prefix --chunked-prefill-size 16384 ;;
     w3rep) run 400 python3 -m benchmarks.w3_shared_prefix --repeat ${W3_REPEAT:-5} ;;
-    w3spy) run 200 py-spy record -r 400 --nonblocking --subprocesses --format raw -o "${OUT:-/tmp}/w3spy.txt" -- \
+    w3spy) run 200 py-spy record -r 400 --nonblocking --subprocesses --format raw -o "$results/w3spy.txt" -- \
              python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5 ;;
     w3old|w3oldspy)
-      spy=(); [ "$step" = w3oldspy ] && spy=(py-spy record -r 400 --nonblocking --subprocesses --format raw -o "${OUT:-/tmp}/w3spyold.txt" --)
+      spy=(); [ "$step" = w3oldspy ] && spy=(py-spy record -r 400 --nonblocking --subprocesses --format raw -o "$results/w3spyold.txt" --)
       if old_site benchmarks; then
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
           && run 200 "${spy[@]}" python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5)
       fi ;;
+    # W7: W1 and W2 on the Qwen3-8B architecture.
     w7) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf ;;
+    # Start-up to ready (benchmarks/startup.py), STARTUP_REPEAT (3) starts.
     startup) run 200 python3 -m benchmarks.startup --repeat ${STARTUP_REPEAT:-3}
              echo "bytecode cache: $(find /tmp/pycache -name '*.pyc' 2>/dev/null | wc -l) files" ;;
     # Start-up under py-spy (every process, idle included): where the seconds before ready go.
     startupspy) run 200 py-spy record -r 200 --nonblocking --subprocesses --idle --format raw \
-                  -o "${OUT:-/tmp}/startupspy.txt" -- python3 -m benchmarks.startup --repeat 2
-                gzip -f "${OUT:-/tmp}/startupspy.txt" ;;
-    # Tensor-core decode from 48 rows (the default) against the decode kernel at every size,
-    # engines in turn: W1 and W2, then W3 without cascade (3 runs each).
+                  -o "$results/startupspy.txt" -- python3 -m benchmarks.startup --repeat 2
+                gzip -f "$results/startupspy.txt" ;;
     # An FP8 KV cache (kv_cache_dtype): W1 and W2 against the bf16 cache, engines in turn
     # (build its kernels first: step `jit`), then vLLM's FP8 cache on the same inputs (its
     # parts in /tmp, as step vllm).
     fp8) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --variant '{}' \
            --variant '{"kv_cache_dtype": "fp8_e4m3"}' ;;
     vllmfp8) run 540 bash .peer/vllm/kit/unpack.sh .peer/vllm -- --workloads W1,W2 --timeout 520 \
-               --llm-kwargs '{"kv_cache_dtype": "fp8"}' --json "${OUT:-/tmp}/vllmfp8.json" ;;
+               --llm-kwargs '{"kv_cache_dtype": "fp8"}' --json "$results/vllmfp8.json" ;;
     # Plain decode's kernel (decode_attention_backend): sgl's Triton kernel (the default) against
     # FlashInfer's pick, then the Triton kernel on an FP8 cache; W1 and W2, engines in turn.
     tritonab) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --variant '{}' \
                 --variant '{"decode_attention_backend": "flashinfer"}' --variant '{"kv_cache_dtype": "fp8_e4m3"}' ;;
+    # FlashInfer's decode: tensor-core decode from 48 rows (the default) against the decode
+    # kernel at every size, engines in turn: W1 and W2, then W3 without cascade (3 runs each).
     tcab) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --variant '{}' \
             --variant '{"tensor_core_decode_min_batch": 100000}'
           run 200 python3 -m benchmarks.w3_shared_prefix --variants radix --repeat 3
@@ -205,29 +182,34 @@ for step in "$@"; do
             --engine-kw '{"tensor_core_decode_min_batch": 100000}' ;;
     drawcost) run 120 python3 -m benchmarks.draw_cost ;;  # the sampler's one-pass draw against what it replaced
     decodebal) run 200 python3 -m benchmarks.decode_balance ${DECODEBAL_ARGS:-} ;;  # DECODEBAL_ARGS=--others: the kernels not in the engine too
+    # benchmarks/profile_run.py: W1, W2, W3 (prof8b: W2 at 8B), kernels by kind, batches by size.
     prof1) run 200 python3 -m benchmarks.profile_run --workload W1 ;;
     prof2) run 200 python3 -m benchmarks.profile_run --workload W2 ;;
     prof3) run 200 python3 -m benchmarks.profile_run --workload W3 ;;
     prof8b) run 300 python3 -m benchmarks.profile_run --workload W2 --config qwen3-8b ;;
-    vllm) run 540 bash .peer/vllm/kit/unpack.sh .peer/vllm -- --timeout 520 --json "${OUT:-/tmp}/vllm.json" ;;
+    # The vLLM peer's bench.py on W1-W3 (vllm8b: W1 and W2 at 8B), once its parts are
+    # unpacked in /tmp (../shared/peers/vllm/README.md); JSON results in the output folder.
+    vllm) run 540 bash .peer/vllm/kit/unpack.sh .peer/vllm -- --timeout 520 --json "$results/vllm.json" ;;
     vllm8b) cp benchmarks/configs/qwen3-8b.json /tmp/qwen3-8b.json
             run 540 bash .peer/vllm/kit/unpack.sh .peer/vllm -- --config /tmp/qwen3-8b.json --workloads W1,W2 \
-              --timeout 520 --json "${OUT:-/tmp}/vllm8b.json" ;;
+              --timeout 520 --json "$results/vllm8b.json" ;;
+    # One decode step at W1's batch (benchmarks/profile_decode.py); cascadeprof at W3's,
+    # profile2 sampled at T=0.6.
     profile) run 300 python3 -m benchmarks.profile_decode ;;
-    # The front end's loop stalls at the issue's size (carry .lt: the default model's config
+    # The front end's loop stalls with 64 long prompts (.lt: the default model's config
     # and tokenizer files, ~3.4 MB; null weights, so the host's 16 cores serve the front end).
     looplag) run 300 python3 benchmarks/loop_lag.py --prompts 64 --words 3000 --transport ipc --null --model .lt ;;
-    # Issue 16: grammar rows under overlap and graphs (tests/test_gpu_grammar.py), then 256
-    # requests generated plain and under a JSON schema (carry .lt, as looplag).
+    # Grammar rows under overlap and graphs (tests/test_gpu_grammar.py), then 256 requests
+    # generated plain and under a JSON schema (.lt, as looplag).
     grammar) run 200 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
                tests/test_gpu_grammar.py
              run 300 python3 -m benchmarks.grammar_cost --model .lt --load-format dummy --dtype bfloat16 \
                --requests 256 --new-tokens 256 ;;
-    # W2-like (issue 16): the Qwen3-0.6B architecture (dummy bf16) with the default model's
-    # tokenizer (carry .lt), 256 requests under a JSON schema against plain, same lengths.
+    # Structured output's cost: the Qwen3-0.6B architecture (dummy bf16) with the default
+    # model's tokenizer (.lt), 256 requests under a JSON schema against plain, same lengths.
     grammar06) run 200 python3 -m benchmarks.grammar_cost --model .lt --config qwen3-0.6b --load-format dummy \
                  --dtype bfloat16 --requests 256 --new-tokens 256 ;;
-    # grammar06 on the checkout carried in .old/ (see `old`), for an A/B of a grammar change in one lease.
+    # grammar06 on the checkout in .old/ (see `old`), for an A/B of a grammar change on one host.
     grammar06old)
       if old_site benchmarks; then
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
@@ -241,38 +223,44 @@ for step in "$@"; do
     grammartimeline) run 200 python3 -m benchmarks.grammar_timeline --model .lt --config qwen3-0.6b \
                        --requests 256 --new-tokens ${GTL_TOKENS:-128} ;;
     cpuinfo) lscpu | head -30; nproc; cat /proc/loadavg ;;
-    # The grammar step's matcher work off the engine, in parts against xgrammar's own pool (carry .lt).
+    # The grammar step's matcher work off the engine, in parts against xgrammar's own pool (.lt).
     grammarthreads) run 200 python3 -m benchmarks.grammar_threads --model .lt --threads ${GT_THREADS:-2,4,8,12} \
                       --build-ms 0,2 --steps 60 ;;
     # grammar06 under py-spy (threads apart, idle included): where a grammar step's host time goes.
     grammarspy) run 300 py-spy record -r 250 --nonblocking --subprocesses --threads --idle --format raw \
-                  -o "${OUT:-/tmp}/grammarspy.txt" -- python3 -m benchmarks.grammar_cost --model .lt \
+                  -o "$results/grammarspy.txt" -- python3 -m benchmarks.grammar_cost --model .lt \
                   --config qwen3-0.6b --load-format dummy --dtype bfloat16 --requests 256 --new-tokens 256
-                gzip -f "${OUT:-/tmp}/grammarspy.txt" ;;  # 60 MB raw: over what $OUT brings back
+                gzip -f "$results/grammarspy.txt" ;;  # 60 MB raw: too big to bring back
     beamtests) run 300 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
                  tests/test_gpu_beams.py ;;
-    # Issue 18, on nvidia-h200-x2: the TP/DP GPU test, then W1 and W2 on the Qwen3-8B
+    # On a host with 2 GPUs: the TP/DP GPU test, then W1 and W2 on the Qwen3-8B
     # architecture at TP=1, TP=2 and DP=2.
     tp) run 300 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_gpu_tp.py
         for par in "--tp-size 1" "--tp-size 2" "--dp-size 2"; do
           run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf $par
         done ;;
+    # W6, beam search (benchmarks/w6_beam.py); W6_ARGS passes options.
     w6) run 400 python3 -m benchmarks.w6_beam ${W6_ARGS:-} ;;
     cascadeprof) run 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 10 ;;
     profile2) run 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 ;;
+    # Stash the model parts brought along (.m1-.m4) in /tmp, for `model` and `fp8acc`.
     parts) stash_parts; ls /tmp/sgl-parts ;;
+    # W1, W2 and W3 on an older checkout brought along in .old/ (`git archive COMMIT | tar x
+    # -C .old`), installed apart in /tmp/oldsite: the A/B's other side, on the same host.
     old)
       if old_site .old/benchmarks; then
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
           && run 300 python3 -m benchmarks.w1_w2_gpu --workloads ${OLD_WORKLOADS:-W1,W2} --no-hf \
           ; run 300 python3 -m benchmarks.w3_shared_prefix)
       fi ;;
-    model|fp8acc)  # fp8acc: the FP8 cache's greedy outputs against bf16's, real weights, FlashInfer
+    # model: SmolLM2's greedy tokens through both attention backends (benchmarks/backend_equality.py);
+    # fp8acc: the FP8 cache's greedy outputs against bf16's on real weights (kv_dtype_accuracy).
+    model|fp8acc)
       stash_parts
       gguf=/tmp/$(cut -d' ' -f3 /tmp/sgl-parts/SHA256 2>/dev/null)
       cat /tmp/sgl-parts/part.* > "$gguf" 2>/dev/null
       if ! (cd /tmp && sha256sum -c --quiet /tmp/sgl-parts/SHA256); then
-        echo "model parts missing or damaged: $(ls /tmp/sgl-parts | tr '\n' ' ')(the device went cold between calls?)"
+        echo "model parts missing or damaged: $(ls /tmp/sgl-parts | tr '\n' ' ')(the host went cold between runs?)"
       elif [ "$step" = model ]; then
         run 400 python3 -m benchmarks.backend_equality --model "$gguf"
       else
@@ -282,9 +270,9 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac
 done
-# Hand the kernel cache back only when this call built a kernel the carried one lacked.
+# Leave the kernel cache in the output folder only when this run built a module the brought-along one lacked.
 if [ -d "$ws/.cache" ] && [ "$(built)" != "$before" ]; then
-  tar cz -C "$ws" .cache | split -b 15M - "$OUT/ficache.part."
-  echo "kernel cache grew: $OUT/ficache.part.* -> cat > .ficache/cache.tar.gz"
+  tar cz -C "$ws" .cache | split -b 15M - "$results/ficache.part."
+  echo "kernel cache grew: $results/ficache.part.* -> cat > .ficache/cache.tar.gz"
 fi
 echo "=== done (${SECONDS}s)"
