@@ -69,8 +69,10 @@ from sgl.core.log import ROOT as LOG_ROOT
 from sgl.core.protocol import AbortReq, BatchTokenIDOutput, GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
-from sgl.sched import decode, stepping
-from sgl.sched.prefill_adder import PrefillAdder
+from sgl.sched.decode import DecodeManager
+from sgl.sched.kv_cache import KVCache
+from sgl.sched.prefill import PrefillAdder
+from sgl.sched.results import ResultProcessor
 from sgl.sched.req import Req
 from sgl.sched.scheduler import Scheduler
 from tests.conftest import tiny_model_dir
@@ -115,9 +117,10 @@ def make_scheduler(model: str, **kw: Any) -> tuple[Scheduler, QueueReceiver, Lis
 
 
 def close(s: Scheduler) -> None:
-    if s.pending is not None:
-        s.pending[1].result()
-        s.pending = None
+    if s.last is not None:
+        s.last.sample()
+        s.last.result()
+        s.last = None
     if s.runner.worker is not None:
         s.runner.worker.shutdown(wait=True)
 
@@ -180,7 +183,7 @@ class Reference:
         recv.q.append(GenerateReqInput("ref", list(key[0]), params(key)))
         for _ in range(4 * (len(key[0]) + key[1]) + 8):
             s.step()
-            if not (recv.q or s.waiting or s.running or s.chunked_req or s.pending):
+            if not recv.q and s.idle:
                 break
         ids: list[int] = []
         for m in send.msgs:
@@ -370,8 +373,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _live(self) -> list[Req]:
         s = self.s
         assert s is not None
-        chunked = [s.chunked_req] if s.chunked_req is not None and s.chunked_req not in s.prefilling else []
-        return [*s.waiting, *s.running, *s.prefilling, *chunked]
+        p = s.prefill
+        chunked = [p.chunked] if p.chunked is not None and p.chunked not in p.prefilling else []
+        return [*p.waiting, *s.decode.running, *p.prefilling, *chunked]
 
     def _check(self) -> None:
         s = self.s
@@ -381,34 +385,34 @@ class SchedulerMachine(RuleBasedStateMachine):
         held = [r for r in live if r.req_pool_idx is not None]
         self._check_rows(s, held)
         self._check_kv(s, held)
-        self._check_locks(s.tree, held)
+        self._check_locks(s.kv.tree, held)
 
     def _check_requests(self, s: Scheduler, live: list[Req]) -> None:
         names = Counter(r.rid for r in live)
         if max(names.values(), default=1) > 1:
             raise fail("no request lost", f"in two queues at once: {[r for r, c in names.items() if c > 1]}")
-        if s.chunked_req is not None and s.chunked_req not in s.prefilling:
-            raise fail("no request lost", f"chunked {s.chunked_req} is not prefilling")
+        if s.prefill.chunked is not None and s.prefill.chunked not in s.prefill.prefilling:
+            raise fail("no request lost", f"chunked {s.prefill.chunked} is not prefilling")
         if set(s.rids) != set(names) or any(s.rids[r.rid] is not r for r in live):
             raise fail("no request lost", f"rids map {sorted(s.rids)} != live {sorted(names)}")
-        if s.outbox:
-            raise fail("output", f"outbox not flushed: {s.outbox}")
+        if s.outbox.reqs:
+            raise fail("output", f"outbox not flushed: {list(s.outbox.reqs)}")
         queued = Counter(m.rid for m in self.recv.q if isinstance(m, GenerateReqInput))
         for rid, sub in self.subs.items():
             where = names[rid] + queued[rid] + (sub.finish is not None)
             if where != 1:
                 raise fail("no request lost", f"{rid}: live {names[rid]}, queued {queued[rid]}, "
                                               f"finished {sub.finish}")
-        pending = Counter(id(r) for r in s.pending[0].reqs) if s.pending is not None else Counter()
-        decoding = s.pending is not None and s.pending[0].is_decode
+        pending = Counter(id(r) for r in s.last.batch.reqs) if s.last is not None else Counter()
+        decoding = s.last is not None and s.last.batch.is_decode
         for r in live:
             if r.inflight != pending[id(r)]:
                 raise fail("token/KV alignment", f"{r}: inflight {r.inflight}, in the launched batch {pending[id(r)]}")
-            if r in s.running:
+            if r in s.decode.running:
                 expect = r.seq_len - 1 + (1 if decoding and pending[id(r)] else 0)
                 if r.kv_len != expect:
                     raise fail("token/KV alignment", f"running {r}: kv_len {r.kv_len}, expected {expect}")
-            elif r in s.waiting:
+            elif r in s.prefill.waiting:
                 if r.req_pool_idx is not None or r.kv_len or len(r.prefix_indices) or r.last_node is not None:
                     raise fail("rows", f"waiting {r} holds a row or KV: row {r.req_pool_idx}, kv_len {r.kv_len}")
             elif not len(r.prefix_indices) <= r.kv_len <= r.seq_len or r.req_pool_idx is None:
@@ -418,22 +422,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         rows = Counter(r.req_pool_idx for r in held)
         if max(rows.values(), default=1) > 1:
             raise fail("rows", f"rows with two owners: {[k for k, c in rows.items() if c > 1]}")
-        if len(rows) + s.pool.available_size() != s.pool.size or any(s.pool._is_free[k] for k in rows):  # type: ignore[index]
-            raise fail("rows", f"{len(rows)} held + {s.pool.available_size()} free != {s.pool.size} rows")
+        pool = s.kv.pool
+        if len(rows) + pool.available_size() != pool.size or any(pool._is_free[k] for k in rows):  # type: ignore[index]
+            raise fail("rows", f"{len(rows)} held + {pool.available_size()} free != {pool.size} rows")
 
     def _check_kv(self, s: Scheduler, held: list[Req]) -> None:
-        table = s.pool.req_to_token
+        table, tree = s.kv.pool.req_to_token, s.kv.tree
         tails = [table[r.req_pool_idx, len(r.prefix_indices) : r.kv_len].to(torch.int64) for r in held]
         for r in held:
             if not torch.equal(table[r.req_pool_idx, : len(r.prefix_indices)].to(torch.int64), r.prefix_indices):
                 raise fail("locks", f"{r}: row does not start with its prefix_indices")
         n_tails = sum(int(t.numel()) for t in tails)
-        free, ev, prot = s.allocator.available_size(), s.tree.evictable_size(), s.tree.protected_size()
+        free, ev, prot = s.kv.allocator.available_size(), tree.evictable_size(), tree.protected_size()
         if free + ev + prot + n_tails != s.runner.max_total_tokens:
             raise fail("KV accounting", f"free {free} + evictable {ev} + protected {prot} + tails {n_tails} "
                                         f"!= {s.runner.max_total_tokens}")
         try:
-            s.tree.check_invariants(torch.cat(tails) if tails else None)
+            tree.check_invariants(torch.cat(tails) if tails else None)
         except AssertionError as e:
             raise fail("KV accounting", str(e)) from e
 
@@ -465,7 +470,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _idle(self) -> bool:
         s = self.s
         assert s is not None
-        return not (self.recv.q or s.waiting or s.running or s.chunked_req or s.pending)
+        return not self.recv.q and s.idle
 
     def teardown(self) -> None:
         if self.s is None:
@@ -485,14 +490,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             if steps == bound:
                 self.broken = True
                 raise fail("liveness", f"not idle after {bound} steps for {self.tokens_asked} tokens asked: "
-                                       f"waiting {s.waiting}, running {s.running}, chunked {s.chunked_req}")
+                                       f"{s.info()}")
             self._step()
             steps += 1
         self._step()  # an idle turn: the scheduler checks its own accounting (strict: raises)
         STATS["drain_steps"] += steps
         PEAK["drain/bound"] = max(PEAK["drain/bound"], steps / bound)
-        STATS["retractions"] += int(s.stats["retractions"])
-        STATS["examples retracting"] += s.stats["retractions"] > 0
+        retractions = s.info()["retractions"]
+        STATS["retractions"] += retractions
+        STATS["examples retracting"] += retractions > 0
         STATS["requests"] += len(self.subs)
         ref = REFERENCES[self.MODEL]
         for rid, sub in self.subs.items():
@@ -513,8 +519,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         info = s.info()
         if info["kv_protected"] or info["kv_free"] + info["kv_evictable"] != info["max_total_tokens"]:
             raise fail("idle KV", f"{info}")
-        if info["invariant_violations"] or s.pool.available_size() != s.pool.size:
-            raise fail("idle KV", f"violations {info['invariant_violations']}, rows free {s.pool.available_size()}")
+        pool = s.kv.pool
+        if info["invariant_violations"] or pool.available_size() != pool.size:
+            raise fail("idle KV", f"violations {info['invariant_violations']}, rows free {pool.available_size()}")
 
 
 def machine(model: str, overlap: bool) -> type[SchedulerMachine]:
@@ -563,35 +570,35 @@ def test_scheduler_state_machine(model_dir: str, overlap: bool) -> None:
 # ---- planted bugs ----
 
 def _retract_keeps_kv() -> None:
-    """decode.retract_one sends the victim back to the queue without releasing its KV or row."""
-    retract, release = decode.retract_one, Scheduler.release
+    """Retracting out of KV sends the victim back to the queue without releasing its KV or row."""
+    retract, release = DecodeManager._retract_youngest, KVCache.release
     state = {"in": False}
 
-    def retract_one(*args: Any, **kw: Any) -> None:
+    def retract_youngest(*args: Any, **kw: Any) -> None:
         state["in"] = True
         try:
             retract(*args, **kw)
         finally:
             state["in"] = False
 
-    def keep(self: Scheduler, *args: Any, **kw: Any) -> None:
+    def keep(self: KVCache, *args: Any, **kw: Any) -> None:
         if not state["in"]:
             release(self, *args, **kw)
 
-    plant(decode, "retract_one", retract_one)
-    plant(Scheduler, "release", keep)
+    plant(DecodeManager, "_retract_youngest", retract_youngest)
+    plant(KVCache, "release", keep)
 
 
 def _abort_leaks_kv() -> None:
-    """Scheduler.release forgets the row and KV of a client-aborted request instead of freeing them."""
-    release = Scheduler.release
+    """KVCache.release forgets the row and KV of a client-aborted request instead of freeing them."""
+    release = KVCache.release
 
-    def leaky(self: Scheduler, req: Req, *args: Any, **kw: Any) -> None:
+    def leaky(self: KVCache, req: Req, *args: Any, **kw: Any) -> None:
         if req.to_abort is None or req.req_pool_idx is None:
             return release(self, req, *args, **kw)
         req.req_pool_idx, req.prefix_indices, req.last_node, req.kv_len = None, req.prefix_indices[:0], None, 0
 
-    plant(Scheduler, "release", leaky)
+    plant(KVCache, "release", leaky)
 
 
 def _admission_overcommits() -> None:
@@ -609,16 +616,17 @@ def _reserve_ignored() -> None:
 
 def _token_processed_twice() -> None:
     """Every third decode step's results are applied twice."""
-    process = stepping.process
+    apply = ResultProcessor.apply
     calls = Counter[str]()
 
-    def twice(s: Scheduler, batch: Any, *args: Any, **kw: Any) -> None:
-        process(s, batch, *args, **kw)
-        calls["decode"] += batch.is_decode
-        if batch.is_decode and calls["decode"] % 3 == 0:
-            process(s, batch, *args, **kw)
+    def twice(self: ResultProcessor, got: Any) -> None:
+        apply(self, got)
+        decode = got is not None and got.batch.is_decode
+        calls["decode"] += decode
+        if decode and calls["decode"] % 3 == 0:
+            apply(self, got)
 
-    plant(stepping, "process", twice)
+    plant(ResultProcessor, "apply", twice)
 
 
 def _deferred_forever() -> None:
