@@ -13,6 +13,9 @@ Ownership. Every usable KV slot (1..allocator.size) has exactly one owner:
 `cache_unfinished_req` moves slots from a request's tail to the tree;
 `cache_finished_req` moves them to the tree or the free list and releases the row.
 
+Pages are one token, as the allocator's: any prefix can be matched, inserted or
+evicted, and a node's children are keyed by the first token of their keys.
+
 The cache never allocates KV slots, never touches KV tensors and never evicts on its
 own: the scheduler allocates and calls `evict` when it runs short.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -32,14 +35,23 @@ from .req_to_token_pool import ReqToTokenPool
 _node_ids = itertools.count()
 
 
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case, compared in C
+        return n
+    i = 0
+    while a[i] == b[i]:  # stops: a mismatch lies before n
+        i += 1
+    return i
+
+
 class TreeNode:
     """One edge of the radix tree: `key` token ids, `value` their KV slots (int64)."""
 
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
 
     def __init__(self, parent: TreeNode | None, key: list[int], value: torch.Tensor, tick: int) -> None:
-        # Children are keyed by their first token (page_size 1) or first page (a tuple).
-        self.children: dict[int | tuple[int, ...], TreeNode] = {}
+        self.children: dict[int, TreeNode] = {}  # keyed by their key's first token
         self.parent = parent
         self.key = key
         self.value = value
@@ -75,14 +87,10 @@ class RadixCache:
         self,
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_allocator: TokenToKVPoolAllocator,
-        page_size: int = 1,
         disable: bool = False,
     ) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.req_to_token_pool = req_to_token_pool
         self.allocator = token_to_kv_allocator
-        self.page_size = page_size
         self.disable = disable
         self.device = req_to_token_pool.req_to_token.device
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -117,32 +125,32 @@ class RadixCache:
         holding a lock; call it before (or instead of) `allocator.clear()`."""
         if self._protected_size:
             raise RuntimeError(f"reset with {self._protected_size} tokens locked by running requests")
-        values = []
-        stack = [self.root]
+        self.allocator.free(self.slots())
+        self._init_tree()
+
+    # ---- reading the whole tree (for resets, checks and failure paths, never hot ones) ----
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every node below the root, each after its parent. The tree must not change
+        while the walk is under way."""
+        stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
-            for child in node.children.values():
-                values.append(child.value)
-                stack.append(child)
-        if values:
-            self.allocator.free(torch.cat(values))
-        self._init_tree()
+            yield node
+            stack.extend(node.children.values())
+
+    def slots(self) -> torch.Tensor:
+        """Every KV slot the tree holds, int64 on the CPU. It walks the whole tree: for
+        failure paths and checks, never hot ones."""
+        return torch.cat([self._empty.cpu(), *(node.value.cpu() for node in self.nodes())])
 
     # ---- tree operations ----
 
-    def _child_key(self, key: list[int]) -> int | tuple[int, ...]:
-        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
-
-    def _match_len(self, a: list[int], b: list[int]) -> int:
-        """Length of the common prefix of a and b, in whole pages."""
-        n = min(len(a), len(b))
-        if a[:n] == b[:n]:
-            return n
-        p = self.page_size
-        i = 0
-        while a[i : i + p] == b[i : i + p]:  # stops: a mismatch lies before n
-            i += p
-        return i
+    @staticmethod
+    def _child_key(key: list[int]) -> int:
+        """What a node with this key is stored under in its parent's children: its first
+        token. For checks and tests; the tree's own operations index key[0] directly."""
+        return key[0]
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after n tokens; return the new upper node, whose only child it becomes."""
@@ -150,31 +158,31 @@ class RadixCache:
         assert parent is not None
         top = TreeNode(parent, child.key[:n], child.value[:n], child.last_access)
         top.lock_ref = child.lock_ref  # every lock through child also passes through top
-        parent.children[self._child_key(top.key)] = top
+        parent.children[top.key[0]] = top
         child.key = child.key[n:]
         child.value = child.value[n:]
         child.parent = top
-        top.children[self._child_key(child.key)] = child
+        top.children[child.key[0]] = child
         return top
 
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
-        """The longest cached prefix of `key` (whole pages only), splitting the node where
-        the match ends inside it, and marking the matched path as used now (LRU).
+        """The longest cached prefix of `key`, splitting the node where the match ends
+        inside it, and marking the matched path as used now (LRU).
 
         The caller passes at most len(prompt) - 1 tokens, so at least one prompt token is
         always computed: the forward needs it to produce the next token's logits. The match
         is not locked: call `inc_lock_ref(last_node)` before anything can evict."""
         if self.disable:
             return MatchResult(self._empty, self.root)
-        key = list(key[: len(key) // self.page_size * self.page_size])
+        key = list(key)
         self._tick += 1
         node = self.root
         values = []
         while key:
-            child = node.children.get(self._child_key(key))
+            child = node.children.get(key[0])
             if child is None:
                 break
-            n = self._match_len(child.key, key)
+            n = _common_prefix_len(child.key, key)
             if n < len(child.key):
                 child = self._split(child, n)  # the next lookup then fails: the loop ends
             self._touch(child)
@@ -184,22 +192,22 @@ class RadixCache:
         return MatchResult(torch.cat(values) if values else self._empty, node)
 
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
-        """Cache `value` (KV slots) under `key` (whole pages); return the length of the
-        prefix that was already cached. Those first slots of `value` are NOT taken: the
-        caller still owns them and frees those it allocated itself. The rest are the tree's."""
+        """Cache `value` (KV slots) under `key`; return the length of the prefix that was
+        already cached. Those first slots of `value` are NOT taken: the caller still owns
+        them and frees those it allocated itself. The rest are the tree's."""
         if self.disable:
             return 0
-        if len(key) != len(value) or len(key) % self.page_size:
-            raise ValueError(f"insert needs len(key) == len(value), whole pages; got {len(key)}, {len(value)}")
+        if len(key) != len(value):
+            raise ValueError(f"insert needs len(key) == len(value), got {len(key)}, {len(value)}")
         key = list(key)
         self._tick += 1
         node = self.root
         i = 0
         while i < len(key):
-            child = node.children.get(self._child_key(key[i:]))
+            child = node.children.get(key[i])
             if child is None:
                 break
-            n = self._match_len(child.key, key[i:])
+            n = _common_prefix_len(child.key, key[i:])
             if n < len(child.key):
                 child = self._split(child, n)
             self._touch(child)
@@ -207,7 +215,7 @@ class RadixCache:
             i += n
         if i < len(key):
             leaf = TreeNode(node, key[i:], value[i:].to(self.device, torch.int64, copy=True), self._tick)
-            node.children[self._child_key(leaf.key)] = leaf
+            node.children[key[i]] = leaf
             self._evictable_leaves.discard(node)
             self._add_evictable(leaf)
             self._evictable_size += len(leaf.key)
@@ -240,7 +248,7 @@ class RadixCache:
             assert parent is not None
             self.allocator.free(node.value)
             freed += len(node.key)
-            del parent.children[self._child_key(node.key)]
+            del parent.children[node.key[0]]
             self._evictable_leaves.remove(node)
             self._evictable_size -= len(node.key)
             if not parent.children and parent.lock_ref == 0 and parent is not self.root:
@@ -277,22 +285,17 @@ class RadixCache:
         """Hand a finished (or aborted) request's KV to the tree and release its row.
 
         Reads row[0:len(fill_ids)]; slots the request allocated past len(fill_ids) are not
-        seen here: the caller frees them first. Whole pages are inserted; slots already
-        cached (duplicates) that are not the request's own prefix_indices are freed, as is
-        an unaligned tail. Unlocks `last_node`, frees the row, sets req_pool_idx to None."""
+        seen here: the caller frees them first. Slots already cached (duplicates) that are
+        not the request's own prefix_indices are freed. Unlocks `last_node`, frees the row,
+        sets req_pool_idx to None."""
         row = req.req_pool_idx
         if row is None:
             raise ValueError("cache_finished_req on a request whose row is already released")
-        n = len(req.fill_ids)
-        kv = self.req_to_token_pool.req_to_token[row, :n].to(torch.int64, copy=True)
+        tokens = req.fill_ids
         if self.disable:
-            self.allocator.free(kv)
+            self.allocator.free(self._row_slots(row, len(tokens)))
         else:
-            aligned = n // self.page_size * self.page_size
-            self.allocator.free(kv[aligned:])
-            n_cached = self.insert(req.fill_ids[:aligned], kv[:aligned])
-            # kv[:len(prefix_indices)] came from the tree; the rest up to n_cached are our duplicates.
-            self.allocator.free(kv[len(req.prefix_indices) : n_cached])
+            self._insert_written(req, row, tokens)
             self.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(row)
         req.req_pool_idx = None
@@ -300,29 +303,37 @@ class RadixCache:
     def cache_unfinished_req(self, req: CacheableReq) -> None:
         """Insert what a running request has written so far (chunked prefill) and make the
         tree the owner of it: duplicates are freed and replaced in the row by the tree's
-        slots, the lock moves to the new last node, prefix_indices and last_node are updated.
-
-        With page_size > 1 the unaligned tail row[len(prefix_indices):len(fill_ids)] stays
-        the request's (uncached tail), so the next chunk starts at len(fill_ids), which can
-        exceed len(prefix_indices). A disabled cache leaves the request unchanged."""
+        slots, the lock moves to the new last node, prefix_indices and last_node are updated,
+        so that prefix_indices covers all of fill_ids. A disabled cache leaves the request
+        unchanged."""
         if self.disable:
             return
         row = req.req_pool_idx
         if row is None:
             raise ValueError("cache_unfinished_req on a request whose row is already released")
-        aligned = len(req.fill_ids) // self.page_size * self.page_size
-        key = req.fill_ids[:aligned]
-        kv = self.req_to_token_pool.req_to_token[row, :aligned].to(torch.int64, copy=True)
+        tokens = req.fill_ids
         n_old = len(req.prefix_indices)
-        n_cached = self.insert(key, kv)
-        self.allocator.free(kv[n_old:n_cached])
-        new_indices, new_last = self.match_prefix(key)  # all of key: it is cached and nothing evicts in between
+        n_cached = self._insert_written(req, row, tokens)
+        new_indices, new_last = self.match_prefix(tokens)  # all of it: cached, and nothing evicts in between
         # Past n_cached the row already holds the slots the tree just took.
         self.req_to_token_pool.write(row, n_old, new_indices[n_old:n_cached])
         self.inc_lock_ref(new_last)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = new_indices
         req.last_node = new_last
+
+    def _row_slots(self, row: int, n: int) -> torch.Tensor:
+        """A copy of row[0:n], int64: the KV slots of a request's first n tokens."""
+        return self.req_to_token_pool.req_to_token[row, :n].to(torch.int64, copy=True)
+
+    def _insert_written(self, req: CacheableReq, row: int, tokens: list[int]) -> int:
+        """Insert the KV of `tokens` (req.fill_ids) from the request's row and free the
+        request's duplicates; return how many leading tokens were already cached."""
+        kv = self._row_slots(row, len(tokens))
+        n_cached = self.insert(tokens, kv)
+        # kv[:len(prefix_indices)] came from the tree; the rest up to n_cached are the request's duplicates.
+        self.allocator.free(kv[len(req.prefix_indices) : n_cached])
+        return n_cached
 
     # ---- checking ----
 
@@ -331,12 +342,12 @@ class RadixCache:
         slots of all running requests' uncached tails. Walks the whole tree and every slot:
         for tests and an idle scheduler, not for every step.
 
-        Checks: node links; len(key) == len(value) > 0, whole pages; siblings differ in
-        their first token (page); 0 <= lock_ref(child) <= lock_ref(parent); parents used
-        no earlier than children (what makes leaf-first LRU eviction exact); the evictable
-        leaf set and the size counters equal a recount (so `evict`, which takes only from
-        that set, never takes a locked node); free + evictable + protected + tails ==
-        allocator.size, and every slot 1..size has exactly one owner, slot 0 none."""
+        Checks: node links; len(key) == len(value) > 0; siblings differ in their first
+        token; 0 <= lock_ref(child) <= lock_ref(parent); parents used no earlier than
+        children (what makes leaf-first LRU eviction exact); the evictable leaf set and the
+        size counters equal a recount (so `evict`, which takes only from that set, never
+        takes a locked node); free + evictable + protected + tails == allocator.size, and
+        every slot 1..size has exactly one owner, slot 0 none."""
         size = self.allocator.size
         given = running_tail_slots
         tails = self._empty.cpu() if given is None else given.reshape(-1).to("cpu", torch.int64)
@@ -345,34 +356,28 @@ class RadixCache:
             raise AssertionError("the root must have an empty key and value and no lock")
         evictable = protected = 0
         leaves: set[TreeNode] = set()
-        owned = [free, tails]
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            for ck, child in node.children.items():
-                if child.parent is not node:
-                    raise AssertionError(f"{child} is a child of {node} but points to {child.parent}")
-                if len(child.key) != len(child.value) or not child.key:
-                    raise AssertionError(f"{child}: key {len(child.key)} != value {len(child.value)} or empty")
-                if len(child.key) % self.page_size:
-                    raise AssertionError(f"{child}: key of {len(child.key)} tokens is not whole pages")
-                if ck != self._child_key(child.key):
-                    # Children are stored by first token/page, so this also makes siblings differ there.
-                    raise AssertionError(
-                        f"{child} stored under {ck!r} but its key starts {self._child_key(child.key)!r}"
-                    )
-                if child.lock_ref < 0 or (node is not self.root and node.lock_ref < child.lock_ref):
-                    raise AssertionError(f"lock_ref: parent {node}, child {child}")
-                if node is not self.root and node.last_access < child.last_access:
-                    raise AssertionError(f"LRU: parent {node} older than child {child}")
-                if child.lock_ref:
-                    protected += len(child.key)
-                else:
-                    evictable += len(child.key)
-                    if not child.children:
-                        leaves.add(child)
-                owned.append(child.value)
-                stack.append(child)
+        seen: set[TreeNode] = set()
+        for node in self.nodes():
+            parent = node.parent
+            if node in seen:
+                raise AssertionError(f"{node} is reached twice: listed under two parents or two keys")
+            seen.add(node)
+            if len(node.key) != len(node.value) or not node.key:
+                raise AssertionError(f"{node}: key {len(node.key)} != value {len(node.value)} or empty")
+            # The walk reached node through the children dicts; its parent must list it under
+            # its first token, which also makes siblings differ there.
+            if parent is None or parent.children.get(self._child_key(node.key)) is not node:
+                raise AssertionError(f"{node} is not stored under its first token by its parent {parent}")
+            if node.lock_ref < 0 or (parent is not self.root and parent.lock_ref < node.lock_ref):
+                raise AssertionError(f"lock_ref: parent {parent}, child {node}")
+            if parent is not self.root and parent.last_access < node.last_access:
+                raise AssertionError(f"LRU: parent {parent} older than child {node}")
+            if node.lock_ref:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+                if not node.children:
+                    leaves.add(node)
         if leaves != self._evictable_leaves:
             raise AssertionError(f"evictable leaf set: missing {leaves - self._evictable_leaves}, "
                                  f"extra {self._evictable_leaves - leaves}")
@@ -388,7 +393,7 @@ class RadixCache:
             raise AssertionError(
                 f"free {free.numel()} + evictable {evictable} + protected {protected} + tails {tails.numel()} != {size}"
             )
-        slots = torch.cat([s.reshape(-1).to("cpu", torch.int64) for s in owned])
+        slots = torch.cat([free, tails, self.slots()])
         if slots.numel() and (slots.min() < 1 or slots.max() > size):
             raise AssertionError(f"slot out of 1..{size} (slot 0 is padding): min {slots.min()}, max {slots.max()}")
         counts = torch.bincount(slots, minlength=size + 1)

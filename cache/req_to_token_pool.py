@@ -29,8 +29,7 @@ class ReqToTokenPool:
         # Per row, the range [lo, hi) written since the last sync; hi == 0: clean.
         self._lo = torch.full((size,), max_context, dtype=torch.int64)
         self._hi = torch.zeros(size, dtype=torch.int64)
-        self._free: list[int] = list(range(size - 1, -1, -1))  # pop() hands out row 0 first
-        self._is_free = [True] * size  # a row freed twice is an error at once, never a row with two owners
+        self.clear()
 
     def available_size(self) -> int:
         return len(self._free)
@@ -51,8 +50,9 @@ class ReqToTokenPool:
         self._free.append(row)
 
     def clear(self) -> None:
-        self._free = list(range(self.size - 1, -1, -1))
-        self._is_free = [True] * self.size
+        """Every row free."""
+        self._free = list(range(self.size - 1, -1, -1))  # pop() hands out row 0 first
+        self._is_free = [True] * self.size  # a row freed twice is an error at once, never a row with two owners
 
     # ---- writes and the device mirror ----
 

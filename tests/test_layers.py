@@ -1,5 +1,5 @@
 """The package's map, checked: every import points down the layers of DESIGN.md, no
-file of the package passes 400 lines, and sgl/ keeps few top-level modules.
+file of the package passes 600 lines, and sgl/ keeps few top-level modules.
 
 Imports are read with ast from every module (top-level and inside functions, where
 the lazy imports live), so a forbidden import fails here before it ever runs."""
@@ -31,7 +31,7 @@ LAYERS: list[tuple[int, str]] = [
     (9, "sgl.server"),
     (10, "sgl"),
 ]
-MAX_LINES = 400
+MAX_LINES = 600  # a safety net against files that hold too much, not a target to fill up to
 MAX_TOP_LEVEL_MODULES = 10
 
 

@@ -21,12 +21,10 @@ class Req:
     tail: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
 
-def make(
-    size: int = 32, page_size: int = 1, disable: bool = False
-) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator, RadixCache]:
+def make(size: int = 32, disable: bool = False) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator, RadixCache]:
     pool = ReqToTokenPool(4, 64)
     alloc = TokenToKVPoolAllocator(size)
-    return pool, alloc, RadixCache(pool, alloc, page_size=page_size, disable=disable)
+    return pool, alloc, RadixCache(pool, alloc, disable=disable)
 
 
 def put(alloc: TokenToKVPoolAllocator, cache: RadixCache, key: list[int]) -> torch.Tensor:
@@ -76,30 +74,6 @@ def test_split_of_locked_node_keeps_lock() -> None:
     cache.check_invariants()
 
 
-def test_match_and_insert_page_size_4() -> None:
-    pool, alloc, cache = make(page_size=4)
-    slots = put(alloc, cache, [1, 2, 3, 4, 5, 6, 7, 8])
-    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7]).indices.tolist() == slots[:4].tolist()
-    assert len(cache.match_prefix([1, 2, 3, 4, 5, 6, 9, 9]).indices) == 4
-    assert len(cache.match_prefix([1, 2, 3]).indices) == 0
-    assert len(cache.match_prefix([1, 2, 3, 9]).indices) == 0
-    assert len(cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9]).indices) == 8
-    # Sibling pages differing only in their last token stay apart.
-    put(alloc, cache, [1, 2, 3, 4, 5, 6, 7, 0])
-    assert len(cache.root.children[(1, 2, 3, 4)].children) == 2
-    with pytest.raises(ValueError):
-        cache.insert([1, 2, 3], torch.tensor([1, 2, 3]))
-    cache.check_invariants()
-
-
-def test_finished_req_page_size_4_frees_unaligned_tail() -> None:
-    pool, alloc, cache = make(page_size=4)
-    req = start(pool, alloc, cache, list(range(1, 11)))  # 10 tokens: two pages + 2
-    cache.cache_finished_req(req)
-    assert cache.total_size() == 8 and alloc.available_size() == 32 - 8 and req.req_pool_idx is None
-    cache.check_invariants()
-
-
 def test_duplicate_insert_frees_slots() -> None:
     pool, alloc, cache = make()
     assert cache.insert([1, 2, 3], torch.tensor([5, 6, 7])) == 0
@@ -140,17 +114,6 @@ def test_unfinished_req_takes_ownership_and_moves_lock() -> None:
     cache.cache_finished_req(req)
     cache.cache_finished_req(other)
     assert cache.protected_size() == 0 and cache.total_size() == 7
-    cache.check_invariants()
-
-
-def test_unfinished_req_page_size_4_keeps_tail() -> None:
-    pool, alloc, cache = make(page_size=4)
-    req = start(pool, alloc, cache, list(range(1, 7)))  # 6 tokens
-    cache.cache_unfinished_req(req)
-    assert len(req.prefix_indices) == 4 and cache.protected_size() == 4
-    tail = pool.req_to_token[req.req_pool_idx, 4:6]  # still the request's
-    cache.check_invariants(tail)
-    cache.cache_finished_req(req)
     cache.check_invariants()
 
 
@@ -219,6 +182,26 @@ def test_reset_returns_slots() -> None:
     cache.check_invariants()
 
 
+def test_nodes_and_slots_cover_the_tree() -> None:
+    pool, alloc, cache = make()
+    assert list(cache.nodes()) == [] and cache.slots().tolist() == []
+    put(alloc, cache, [1, 2, 3, 4])
+    put(alloc, cache, [1, 2, 5])
+    put(alloc, cache, [1, 2, 5, 6, 7])
+    put(alloc, cache, [8])
+    nodes = list(cache.nodes())
+    assert sorted(tuple(n.key) for n in nodes) == [(1, 2), (3, 4), (5,), (6, 7), (8,)]
+    for i, node in enumerate(nodes):  # each after its parent
+        assert node.parent is cache.root or node.parent in nodes[:i]
+    slots = cache.slots()
+    assert slots.dtype == torch.int64 and slots.device.type == "cpu"
+    assert sorted(slots.tolist()) == sorted(s for n in nodes for s in n.value.tolist())
+    assert len(slots) == cache.total_size() == 8
+    assert cache.evict(3) == 4  # [3, 4], then [6, 7]
+    assert sorted(cache.slots().tolist()) == sorted(s for n in cache.nodes() for s in n.value.tolist())
+    assert len(cache.slots()) == cache.total_size() == 4
+
+
 def test_check_invariants_catches_leak_and_double_owner() -> None:
     pool, alloc, cache = make()
     put(alloc, cache, [1, 2])
@@ -229,3 +212,20 @@ def test_check_invariants_catches_leak_and_double_owner() -> None:
     with pytest.raises(AssertionError, match="more than one owner"):
         cache.check_invariants(torch.cat([leaked[:0], cache.root.children[1].value[:1]]))
     cache.check_invariants(leaked)
+
+
+@pytest.mark.parametrize("break_link", ["wrong key", "wrong parent", "two parents"])
+def test_check_invariants_catches_broken_links(break_link: str) -> None:
+    pool, alloc, cache = make()
+    put(alloc, cache, [1, 2, 3])
+    put(alloc, cache, [4, 5])
+    a, b = cache.root.children[1], cache.root.children[4]
+    cache.check_invariants()
+    if break_link == "wrong key":
+        cache.root.children[9] = cache.root.children.pop(4)
+    elif break_link == "wrong parent":
+        b.parent = a
+    else:
+        a.children[4] = b
+    with pytest.raises(AssertionError, match="first token|reached twice"):
+        cache.check_invariants()

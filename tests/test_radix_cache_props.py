@@ -1,10 +1,11 @@
 """Stateful property test of the radix cache with the allocator and the req pool, driven
-the way the scheduler drives them, against a plain model: the set of cached (page
-aligned) prefixes with their last-use stamps, and what each KV slot was computed for."""
+the way the scheduler drives them, against a plain model: the set of cached prefixes
+with their last-use stamps, and what each KV slot was computed for."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -32,10 +33,9 @@ prompts = st.builds(
 )
 which = st.integers(0, ROWS - 1)
 
-STEPS = Counter()  # invariant checks per page size, for soak-run reports
 # Examples per run: the profile's, but 100 (Hypothesis' default) under "ci" rather than its 200,
-# which doubled the module's time for nothing new: at either page size the first 25 examples
-# already run every line of cache/, and every line-to-line transition, that the 200 run.
+# which doubled the module's time for nothing new: the first 25 examples already run every
+# line of cache/, and every line-to-line transition, that the 200 run.
 EXAMPLES = {"ci": 100}
 
 
@@ -50,33 +50,30 @@ class Req:
 
 
 class RadixMachine(RuleBasedStateMachine):
-    P = 1
+    invariant_checks = 0  # over all examples, for soak-run reports
 
     def __init__(self) -> None:
         super().__init__()
         self.pool = ReqToTokenPool(ROWS, MAX_CONTEXT)
         self.alloc = TokenToKVPoolAllocator(SIZE)
-        self.cache = RadixCache(self.pool, self.alloc, page_size=self.P)
+        self.cache = RadixCache(self.pool, self.alloc)
         self.reqs: list[Req] = []
-        self.cached: dict[tuple[int, ...], int] = {}  # aligned prefix -> last-use stamp
+        self.cached: dict[tuple[int, ...], int] = {}  # prefix -> last-use stamp
         self.kv: dict[int, tuple[int, ...]] = {}  # slot -> the token sequence its KV ends
         self.tick = 0
 
     # ---- model ----
 
-    def _aligned(self, n: int) -> int:
-        return n // self.P * self.P
-
     def _touch(self, key: list[int], n: int) -> None:
         """Model of match/insert: the prefixes of key[:n] are cached and used now."""
         self.tick += 1
-        for i in range(self.P, n + 1, self.P):
+        for i in range(1, n + 1):
             self.cached[tuple(key[:i])] = self.tick
 
     def _model_match(self, key: list[int]) -> int:
         n = 0
-        while n + self.P <= len(key) and tuple(key[: n + self.P]) in self.cached:
-            n += self.P
+        while n < len(key) and tuple(key[: n + 1]) in self.cached:
+            n += 1
         return n
 
     def _row(self, r: Req) -> torch.Tensor:
@@ -85,25 +82,23 @@ class RadixMachine(RuleBasedStateMachine):
     def _pick(self, i: int) -> Req:
         return self.reqs[i % len(self.reqs)]
 
-    def _tree(self) -> list[tuple[TreeNode, list[int]]]:
+    def _tree(self) -> Iterator[tuple[TreeNode, list[int]]]:
         """(node, tokens from the root to its end) for every non-root node."""
-        out, stack = [], [(self.cache.root, [])]
-        while stack:
-            node, path = stack.pop()
-            for child in node.children.values():
-                out.append((child, path + child.key))
-                stack.append((child, path + child.key))
-        return out
+        paths: dict[TreeNode, list[int]] = {self.cache.root: []}
+        for node in self.cache.nodes():  # each after its parent
+            assert node.parent is not None
+            paths[node] = paths[node.parent] + node.key
+            yield node, paths[node]
 
     def _tree_prefixes(self) -> set[tuple[int, ...]]:
         return {
             tuple(path[:i])
             for node, path in self._tree()
-            for i in range(len(path) - len(node.key) + self.P, len(path) + 1, self.P)
+            for i in range(len(path) - len(node.key) + 1, len(path) + 1)
         }
 
     def _locked_prefixes(self) -> set[tuple[int, ...]]:
-        return {tuple(r.fill_ids[:i]) for r in self.reqs for i in range(self.P, len(r.prefix_indices) + 1, self.P)}
+        return {tuple(r.fill_ids[:i]) for r in self.reqs for i in range(1, len(r.prefix_indices) + 1)}
 
     def _evict(self, n: int) -> None:
         before, free_before, evictable = dict(self.cached), self.alloc.available_size(), self.cache.evictable_size()
@@ -111,11 +106,11 @@ class RadixMachine(RuleBasedStateMachine):
         after = self._tree_prefixes()
         assert after <= before.keys(), "eviction added prefixes"
         gone = before.keys() - after
-        assert freed == len(gone) * self.P == self.alloc.available_size() - free_before, (freed, len(gone))
+        assert freed == len(gone) == self.alloc.available_size() - free_before, (freed, len(gone))
         assert freed >= min(n, evictable), f"evict({n}) freed {freed} of {evictable} evictable"
         locked = self._locked_prefixes()
         assert not gone & locked, "a locked prefix was evicted"
-        leaves = after - {t[: -self.P] for t in after} - locked
+        leaves = after - {t[:-1] for t in after} - locked
         if gone and leaves:
             assert max(before[g] for g in gone) <= min(before[s] for s in leaves), "eviction is not LRU"
         self.cached = {k: v for k, v in before.items() if k in after}
@@ -168,7 +163,7 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(i=which)
     def cache_unfinished(self, i: int) -> None:
         r = self._pick(i)
-        n = self._aligned(len(r.fill_ids))
+        n = len(r.fill_ids)
         self.cache.cache_unfinished_req(r)
         self._touch(r.fill_ids, n)
         assert len(r.prefix_indices) == n
@@ -181,7 +176,7 @@ class RadixMachine(RuleBasedStateMachine):
         if r.pending:  # aborted with slots reserved: the caller frees those first
             self.alloc.free(self._row(r)[f : f + r.pending])
         self.cache.cache_finished_req(r)
-        self._touch(r.fill_ids, self._aligned(f))
+        self._touch(r.fill_ids, f)
         assert r.req_pool_idx is None
 
     @rule(n=st.integers(0, 40))
@@ -198,7 +193,6 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(key=prompts)
     def insert(self, key: list[int]) -> None:
-        key = key[: self._aligned(len(key))]
         if self.alloc.available_size() < len(key):
             self._evict(len(key) - self.alloc.available_size())
         slots = self.alloc.alloc(len(key))
@@ -223,21 +217,20 @@ class RadixMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self) -> None:
-        STEPS[self.P] += 1
+        RadixMachine.invariant_checks += 1
         tails = [self._row(r)[len(r.prefix_indices) : len(r.fill_ids) + r.pending] for r in self.reqs]
         self.cache.check_invariants(torch.cat(tails) if tails else None)
         assert self._tree_prefixes() == self.cached.keys(), "tree content differs from the model"
         locks: Counter[TreeNode] = Counter()
+        in_tree = set(self.cache.nodes())
         for r in self.reqs:
             row = self._row(r).tolist()
             p = len(r.prefix_indices)
-            assert p % self.P == 0 and row[:p] == r.prefix_indices.tolist()
+            assert row[:p] == r.prefix_indices.tolist()
             assert all(self.kv[row[j]] == tuple(r.fill_ids[: j + 1]) for j in range(len(r.fill_ids)))
             path, node = [], r.last_node
             while node is not self.cache.root:
-                assert node.parent is not None and node.parent.children.get(self.cache._child_key(node.key)) is node, (
-                    f"{node} locked by a running request is no longer in the tree"
-                )
+                assert node in in_tree, f"{node} locked by a running request is no longer in the tree"
                 locks[node] += 1
                 path = node.value.tolist() + path
                 node = node.parent
@@ -255,10 +248,8 @@ def _soak(test):
 
 
 @_soak
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_radix_cache_state_machine(page_size: int) -> None:
-    machine = type(f"RadixMachinePage{page_size}", (RadixMachine,), {"P": page_size})
-    n0 = STEPS[page_size]
+def test_radix_cache_state_machine() -> None:
+    n0 = RadixMachine.invariant_checks
     run = settings(PROFILE, max_examples=EXAMPLES.get(PROFILE_NAME, PROFILE.max_examples))
-    run_state_machine_as_test(machine, settings=run)
-    print(f"page_size={page_size}: {STEPS[page_size] - n0} invariant checks")
+    run_state_machine_as_test(RadixMachine, settings=run)
+    print(f"{RadixMachine.invariant_checks - n0} invariant checks")
