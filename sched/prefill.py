@@ -252,12 +252,15 @@ class PrefillManager:
         self.remove(req)
         self.waiting.insert(0, req)
 
-    def remove(self, req: Req) -> bool:
-        """Take the request out of the queue, the chunk and the prefilling set; whether it was waiting."""
+    def remove(self, req: Req) -> None:
+        """Take an admitted request out of the chunk and the prefilling set."""
         self.prefilling.discard(req)
         if req is self.chunked:
             self.chunked = None
-        if req.req_pool_idx is None and req in self.waiting:  # a waiting request holds no row
+
+    def unqueue(self, req: Req) -> bool:
+        """Take a request out of the queue (a scan: for aborts and failures); whether it was there."""
+        if req in self.waiting:
             self.waiting.remove(req)
             return True
         return False

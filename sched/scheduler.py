@@ -215,7 +215,7 @@ class Scheduler:
             req = self.rids.get(msg.rid)
             if req is None or req.finished:
                 return
-            if self.prefill.remove(req) or self.grammars.drop(req):  # not started: it ends now
+            if self.prefill.unqueue(req) or self.grammars.drop(req):  # not started: it ends now
                 self.finish(req, {"type": "abort", "message": "aborted by the client"})
             else:
                 req.to_abort = "aborted by the client"  # ended once no launched batch holds it
@@ -256,7 +256,8 @@ class Scheduler:
     # ---- request ends ----------------------------------------------------------
 
     def finish(self, req: Req, reason: dict[str, Any]) -> None:
-        """End a request wherever it is and give back its KV (into the tree, unless aborted)."""
+        """End a request that is not queued (a queued one is unqueued first) and give back
+        its KV (into the tree, unless aborted)."""
         req.finished_reason = reason
         self.prefill.remove(req)
         self.decode.remove(req)
@@ -270,6 +271,7 @@ class Scheduler:
         idle check will report what leaked."""
         if self.rids.get(req.rid) is not req or req.finished:
             return  # ended already
+        self.prefill.unqueue(req)  # a failed admission round's requests are still queued
         try:
             self.finish(req, {"type": "abort", "message": message})
         except Exception:  # a broken release must not take the loop down

@@ -42,7 +42,7 @@ def _processor(ended: dict[Req, dict[str, Any]]) -> ResultProcessor:
         ended[req] = reason
 
     kv = SimpleNamespace(cache_unfinished=lambda req: None)
-    prefill = SimpleNamespace(remove=lambda req: False)
+    prefill = SimpleNamespace(remove=lambda req: None)
     decode = SimpleNamespace(add=lambda req: None)
     return ResultProcessor(kv, prefill, decode, None, Outbox(), None, frozenset([EOS]), 64, 1,  # type: ignore[arg-type]
                            finish, lambda req, message: finish(req, {"type": "abort", "message": message}))
