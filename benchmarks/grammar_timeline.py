@@ -1,11 +1,9 @@
 """Where one decode step's time goes, on a timeline: the scheduler's phases (host), the
 grammar fill thread's two native calls and the GPU's forward and sampling, each placed
-relative to the moment the previous step's tokens reached the host (the turn's t = 0),
-averaged over the run's steady decode steps, for a JSON-schema run in each arrangement of
-sgl.sched.stepping (EARLY_TOKENS, PREPARE_FIRST) and the same batches plain: which chain
-from one step's tokens to the next sampling sets the grammar step's time (on an H200,
-benchmarks/RESULTS.md, 2026-12-03: the next batch's preparation after the sampling, then
-the accepts after the processing).
+relative to the moment the previous step's results start being applied (the turn's t = 0),
+averaged over the run's steady decode steps, for a JSON-schema run and the same batches
+plain (each twice, in turn: the first runs pay what is left to compile): which chain from
+one step's tokens to the next sampling sets the grammar step's time.
 
 It drives the real Scheduler (overlap, CUDA graphs, its mask filler and fill thread) from
 this process's main thread over the in-process channels, as benchmarks/profile_run does,
@@ -35,11 +33,12 @@ from benchmarks.grammar_cost import SCHEMA, with_architecture
 from sgl.core.protocol import GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
-from sgl.sched import scheduler as sched_mod
-from sgl.sched import stepping
 from sgl.sched.models.default_model import default_model_dir
-from sgl.sched.runner import grammar_masks, step
+from sgl.sched.results import ResultProcessor
+from sgl.sched.runner import grammar_masks
 from sgl.sched.runner.model_runner import ModelRunner
+from sgl.sched.runner.sampling_state import SamplingState
+from sgl.sched.runner.step import Step
 from sgl.sched.scheduler import Scheduler
 from sgl.transports.inproc import InprocReceiver, InprocSender
 
@@ -105,17 +104,14 @@ class Timeline:
 
 
 def install(tl: Timeline) -> None:
-    tl.wrap(Scheduler, "_build", "build")
-    tl.wrap(Scheduler, "_flush_outbox", "flush")
-    tl.wrap(sched_mod, "launch", "launch")
-    tl.wrap(stepping, "complete", "complete")
-    tl.wrap(stepping, "start", "start")
-    tl.wrap(stepping, "collect", "collect")
-    tl.wrap(stepping, "process", "process")
-    tl.wrap(stepping, "prepare", "prepare")
+    tl.wrap(Scheduler, "_schedule", "build")
+    tl.wrap(ModelRunner, "prepare", "prepare")
+    tl.wrap(ModelRunner, "launch", "launch")
+    tl.wrap(Step, "sample", "sample (grammar: queued)")
+    tl.wrap(Step, "fill_masks", "masks started")
+    tl.wrap(Step, "result", "gpu wait")
+    tl.wrap(ResultProcessor, "apply", "process")
     tl.wrap(grammar_masks.MaskFiller, "finish", "mask wait")
-    tl.wrap(grammar_masks.MaskFiller, "then", "sampling queued")
-    tl.wrap(step.CudaLaunched, "result", "gpu wait")
     tl.wrap(grammar_masks, "accept_all", "fill thread: accepts")
     orig_filler = grammar_masks.MaskFiller._filler
 
@@ -131,7 +127,7 @@ def install(tl: Timeline) -> None:
 
     grammar_masks.MaskFiller._filler = lambda self, rows: Timed(orig_filler(self, rows))  # type: ignore[method-assign]
     tl.wrap_gpu(ModelRunner, "_logits", "GPU: forward")
-    tl.wrap_gpu(ModelRunner, "_sample", "GPU: sampling")
+    tl.wrap_gpu(SamplingState, "sample", "GPU: sampling")
 
 
 Spans = list[tuple[str, float, float]]
@@ -173,7 +169,7 @@ def drive(s: Scheduler, feed: InprocSender, out: InprocReceiver, reqs: list[Gene
         feed.send(r)
     got: dict[str, int] = {}
     s.step()
-    while s.waiting or s.running or s.chunked_req or s.pending or s.grammars.pending:
+    while not s.idle or s.grammars.pending:
         s.step()
         for msg in out.recv_all_nowait():
             for rid, why, n in zip(getattr(msg, "rids", ()), getattr(msg, "finished_reasons", ()),
@@ -214,28 +210,26 @@ def main() -> None:
                                                               temperature=a.temperature))[:4])
     print(f"warm-up (the schema's compile) {time.perf_counter() - t:.1f} s", flush=True)
     runs: list[tuple[str, float, Spans]] = []
-    lens: list[int] = []
-    # The JSON run in each arrangement of sgl.sched.stepping (EARLY_TOKENS, PREPARE_FIRST):
-    # neither and both twice (base, change, base, change: the first runs pay what is left to
-    # compile), then each alone; then the plain run of the same lengths.
-    for early, first in ((False, False), (True, True), (False, False), (True, True), (True, False), (False, True)):
-        stepping.EARLY_TOKENS, stepping.PREPARE_FIRST = early, first
-        s.tree.reset()
-        tl.begin()
-        t = time.perf_counter()
-        got = drive(s, feed, out, reqs(f"json{len(runs)}-", lambda i: SamplingParams(
-            max_new_tokens=a.new_tokens, json_schema=schema, temperature=a.temperature)))
-        runs.append((f"json, early tokens {early:d}, prepare first {first:d}", time.perf_counter() - t, tl.end()))
-        lens = lens or got
-    s.tree.reset()
-    tl.begin()
-    t = time.perf_counter()
-    drive(s, feed, out, reqs("plain", lambda i: SamplingParams(
-        max_new_tokens=max(1, lens[i]), ignore_eos=True, temperature=a.temperature)))
-    runs.append(("plain", time.perf_counter() - t, tl.end()))
+    lens: list[int] = []  # the JSON run's output lengths, which the plain run asks for
+
+    def plain_params(i: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=max(1, lens[i]), ignore_eos=True, temperature=a.temperature)
+
+    for k in range(2):  # json, plain, json, plain: the first pair pays what is left to compile
+        for kind in ("json", "plain"):
+            s.kv.flush()
+            tl.begin()
+            t = time.perf_counter()
+            if kind == "json":
+                got = drive(s, feed, out, reqs(f"json{k}-", lambda i: SamplingParams(
+                    max_new_tokens=a.new_tokens, json_schema=schema, temperature=a.temperature)))
+                lens[:] = lens or got
+            else:
+                drive(s, feed, out, reqs(f"plain{k}-", plain_params))
+            runs.append((f"{kind} (run {k + 1})", time.perf_counter() - t, tl.end()))
     plain = runs[-1][1]
     for name, secs, _ in runs:
-        print(f"{name:<36} {secs:6.3f} s, plain / this {plain / secs:.3f} ({sum(lens)} tokens)")
+        print(f"{name:<24} {secs:6.3f} s, plain / this {plain / secs:.3f} ({sum(lens)} tokens)")
     for name, _, spans in runs[2:]:
         show(name, spans, a.skip)
     s.close()

@@ -119,7 +119,7 @@ def main() -> None:
         key = "cuda_time_total" if cuda else "cpu_time_total"
         print(f"--- kernels over 5 {name} steps, by {key}")
         print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=50))
-    print(f"cascade steps: {runner.cascade_steps}")
+    print(f"cascade steps: {runner.preparer.cascade_steps}")
     runner.graphs = modes[0][1]  # the host profile is of the engine's own mode: graphs where captured
     if cuda:
         host_profile(runner, reqs)

@@ -67,7 +67,7 @@ def run(s: Scheduler, feed: InprocSender, out: InprocReceiver, prompts: list[lis
     for i, (p, o) in enumerate(zip(prompts, outs)):
         feed.send(GenerateReqInput(f"{tag}{i}", p, SamplingParams(max_new_tokens=o, temperature=temp, ignore_eos=True)))
     s.step()
-    while s.waiting or s.running or s.chunked_req or s.pending:
+    while not s.idle:
         s.step()
         out.recv_all_nowait()
     return time.perf_counter() - t0
@@ -82,18 +82,19 @@ class StepLog:
         self._prev: torch.cuda.Event | None = None
 
     def install(self) -> None:
-        orig = step_mod.CudaLaunched.result
+        orig = step_mod.Step.result
         log = self
 
         def result(h: Any) -> Any:
             out = orig(h)
             if log.on:
                 gap = max(0.0, log._prev.elapsed_time(h.start)) if log._prev is not None else 0.0
-                log.rows.append((h.decode, int(out.next_ids.numel()), h.start.elapsed_time(h.done), gap))
+                log.rows.append((h.prepared.attn.is_decode, int(out.next_ids.numel()), h.start.elapsed_time(h.done),
+                                 gap))
             log._prev = h.done
             return out
 
-        step_mod.CudaLaunched.result = result  # type: ignore[method-assign]
+        step_mod.Step.result = result  # type: ignore[method-assign]
 
 
 def buckets(rows: list[tuple[bool, int, float, float]]) -> list[dict[str, object]]:
@@ -134,7 +135,7 @@ def main() -> None:
     feed, out = InprocSender("profile-run-in"), InprocReceiver("profile-run-out")
     print(f"ready in {time.perf_counter() - t0:.1f} s {s.runner.startup}", flush=True)
     run(s, feed, out, prompts[:8], outs[:8], temp, "warm")
-    s.tree.reset()
+    s.kv.flush()
     log.on = True
     prof = None
     if not a.no_trace:

@@ -14,7 +14,7 @@
 # Steps (each is one case below; the comment beside it says what it measures):
 #   set-up      jit tests beamtests cpuinfo parts
 #   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 tp startup looplag
-#   A/B         old w3old grammar06old tcab tritonab fp8 (engines in turn, see README.md)
+#   A/B         old w3old w7old grammar06old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy (py-spy's wheel in .whl/)
@@ -153,8 +153,13 @@ for step in "$@"; do
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
           && run 200 "${spy[@]}" python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5)
       fi ;;
-    # W7: W1 and W2 on the Qwen3-8B architecture.
+    # W7: W1 and W2 on the Qwen3-8B architecture; w7old on the checkout in .old/ (see `old`).
     w7) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf ;;
+    w7old)
+      if old_site .old/benchmarks; then
+        (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
+          && run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf)
+      fi ;;
     # Start-up to ready (benchmarks/startup.py), STARTUP_REPEAT (3) starts.
     startup) run 200 python3 -m benchmarks.startup --repeat ${STARTUP_REPEAT:-3}
              echo "bytecode cache: $(find /tmp/pycache -name '*.pyc' 2>/dev/null | wc -l) files" ;;
