@@ -80,7 +80,7 @@ class Scheduler:
         self.runner.eos_ids = frozenset(self.eos_ids)
         # Every allowed processor is imported at startup: a bad entry fails the engine's start.
         self.runner.processors = {name: resolve(name) for name in args.custom_logit_processors}
-        tok_path = None if args.skip_tokenizer_init else (args.tokenizer_path or model_path)
+        tok_path = None if args.skip_tokenizer_init else args.model_files(model_path).tokenizer_path
         self.stop_strings = StopStrings(tok_path, args.trust_remote_code)
         self.grammars = Grammars(tok_path, self.runner.vocab_size, self.eos_ids, args.trust_remote_code,
                                  enabled=args.grammar_backend != "none", tp=tp)

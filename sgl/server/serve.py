@@ -116,7 +116,7 @@ async def _serve(args: ServerArgs) -> int:
     try:
         host, port = sock.getsockname()[:2]
         if args.transport == "tcp":
-            _say(f"scheduler at {engine.addresses.to_scheduler}")
+            _say(f"scheduler at {engine.roles.addresses.to_scheduler}")
         _say(f"ready on http://{host}:{port}")
         await server.serve(sockets=[sock])
     finally:
