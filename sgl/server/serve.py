@@ -71,7 +71,7 @@ async def _serve(args: ServerArgs) -> int:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, interrupt, sig)
     _say("starting")
-    # Slow imports (torch) come after the handlers: a signal meanwhile is acted on right after.
+    # Slow imports (uvicorn, the engine) come after the handlers: a signal meanwhile is acted on right after.
     import uvicorn
 
     from sgl.engine import AsyncEngine
