@@ -106,7 +106,7 @@ async def main_async(a: argparse.Namespace) -> int:
     async with sgl.AsyncEngine(null_model_dir(), transport="ipc", load_format="null", skip_tokenizer_init=True,
                                max_total_tokens=a.pool, max_running_requests=64, chunked_prefill_size=256,
                                disable_overlap_schedule=False) as e:
-        pids = {h.name: h.pid for h in e._roles}
+        pids = dict(e.roles.pids())
         pids["tokenizer_manager"] = os.getpid()
         await e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})
         rss0 = {k: rss_mib(p) for k, p in pids.items()}

@@ -44,7 +44,7 @@ async def run(model_dir: str, a: argparse.Namespace, overlap: bool, security: st
                                max_running_requests=a.requests, max_total_tokens=a.requests * (a.input + a.output) + 16,
                                disable_overlap_schedule=not overlap, disable_radix_cache=True) as e:
         await e.generate(input_ids=prompts[:4], sampling_params={**params, "max_new_tokens": 8})
-        pid = next((h.pid for h in e._roles if h.name == "scheduler"), None)
+        pid = e.roles.pids().get("scheduler")
         info0 = await e.get_server_info()
         cpu0 = cpu_seconds(pid) if pid else 0.0
         t0 = time.perf_counter()

@@ -30,6 +30,7 @@ from typing import Any
 from sgl.core.log import get_logger
 from sgl.sched.json_schema_rewrite import for_xgrammar
 from sgl.sched.models.parallel import TPGroup
+from sgl.sched.models.tokenizer import load_tokenizer
 from sgl.sched.req import Req
 
 COMPILE_THREADS = 2  # xgrammar's own threads per compile; one compile at a time here
@@ -155,10 +156,8 @@ def _compiler_for(tokenizer_path: str, trust_remote_code: bool, vocab_size: int,
     of one process (inproc roles, tests) share it instead of each reading the whole
     vocabulary into a TokenizerInfo again (seconds for a 50k vocabulary). xgrammar's
     compiler is safe to call from several threads."""
-    from transformers import AutoTokenizer
-
     xgr = _backend()
-    tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code, local_files_only=True)
+    tok = load_tokenizer(tokenizer_path, trust_remote_code)
     width = tokenizer_width(tok, vocab_size, eos_ids)
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=width, stop_token_ids=list(eos_ids))
     return xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS), width

@@ -66,7 +66,7 @@ class Scheduler:
         self.recv = recv
         self.send = send
         self.runner = r = ModelRunner(args, model_path, tp)
-        tok_path = None if args.skip_tokenizer_init else (args.tokenizer_path or model_path)
+        tok_path = None if args.skip_tokenizer_init else args.model_files(model_path).tokenizer_path
         self.kv = KVCache(r.req_to_token_pool, r.allocator, args.disable_radix_cache)
         self.grammars = Grammars(tok_path, r.vocab_size, set(r.eos_ids), args.trust_remote_code,
                                  enabled=args.grammar_backend != "none", tp=tp)

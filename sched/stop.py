@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from sgl.core.stop_rule import earliest_ending_after
+from sgl.sched.models.tokenizer import load_tokenizer
 
 # Extra tokens decoded beyond the longest stop string's length in characters: a
 # token decodes to at least one character except at broken multi-byte boundaries.
@@ -26,8 +27,6 @@ class StopStrings:
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from sgl.sched.models.tokenizer import load_tokenizer
-
             assert self.path is not None
             self._tokenizer = load_tokenizer(self.path, self.trust_remote_code)
         return self._tokenizer

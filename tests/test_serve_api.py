@@ -417,6 +417,7 @@ def test_attached_engine_over_tcp(server: ServerProc) -> None:
 
     async def main() -> None:
         e = await sgl.AsyncEngine.connect(server.scheduler_address, transport_key=TRANSPORT_KEY)
+        assert isinstance(e, sgl.AttachedEngine) and not isinstance(e, sgl.AsyncEngine)
         try:
             out = await e.generate("Hello", {"max_new_tokens": 4, "temperature": 0}, rid="mine")
             assert out["meta_info"]["id"] == "mine" and len(out["output_ids"]) == 4

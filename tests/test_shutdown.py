@@ -124,7 +124,7 @@ def test_health_says_503_once_a_role_died(null_model_dir: str) -> None:
         transport = httpx.ASGITransport(app=build_app(engine))
         async with httpx.AsyncClient(transport=transport, base_url="http://sgl") as c:
             assert (await c.get("/health")).status_code == 200
-            os.kill(next(h.pid for h in engine._roles if h.name == "scheduler"), signal.SIGKILL)  # type: ignore[attr-defined]
+            os.kill(engine.roles.pids()["scheduler"], signal.SIGKILL)
             deadline = time.monotonic() + 5
             while (r := await c.get("/health")).status_code == 200 and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
@@ -246,7 +246,7 @@ def test_sigterm_of_an_engine_script_removes_its_socket_folder(tmp_path: Path, n
         import sgl
         engine = sgl.Engine({null_model_dir!r}, transport="ipc", load_format="null", skip_tokenizer_init=True,
                             max_total_tokens=100)
-        print(engine._engine.addresses.ipc_dir, *(h.pid for h in engine._engine._roles), flush=True)
+        print(engine._engine.roles.addresses.ipc_dir, *engine._engine.roles.pids().values(), flush=True)
         time.sleep(600)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,

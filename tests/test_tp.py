@@ -92,7 +92,7 @@ def test_tp_with_inproc_is_refused() -> None:
 
 
 def _pid_of(engine: sgl.AsyncEngine, name: str) -> int:
-    return next(h.pid for h in engine._roles if h.name == name)  # type: ignore[attr-defined]
+    return engine.roles.pids()[name]
 
 
 def test_killing_a_rank_fails_pending_requests_within_5s(tmp_path: Path) -> None:

@@ -5,14 +5,17 @@ A request names a processor (a registered name or an importable dotted path,
 `pkg.mod:Class` or `pkg.mod.Class`); nothing but that name travels on the wire,
 never code. Only names in `ServerArgs.custom_logit_processors` may be used.
 This module imports nothing of sgl; it must not import user code except in
-`resolve`, which the scheduler calls."""
+`resolve`, which the scheduler calls, and imports torch only inside a processor's
+call: the caller's side checks names against the allow-list without torch, and
+only the scheduler, which has it loaded already, calls a processor."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Keys the scheduler adds to each row's params (user keys never start with "__").
 OUTPUT_LEN_KEY = "__output_len__"  # tokens the request generated before this one
@@ -61,6 +64,8 @@ class ForceTokens(CustomLogitProcessor):
     name = "force_tokens"
 
     def __call__(self, logits: torch.Tensor, params: list[dict[str, Any]]) -> torch.Tensor:
+        import torch
+
         rows, ids = [], []
         for i, p in enumerate(params):
             toks, k = p.get("tokens", []), p[OUTPUT_LEN_KEY]

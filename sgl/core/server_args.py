@@ -10,6 +10,14 @@ import msgspec
 Transport = Literal["inproc", "ipc", "tcp"]
 
 
+class ModelFiles(msgspec.Struct, frozen=True):
+    """Where an engine's model and its tokenizer are, once found at the engine's start
+    (`ServerArgs.model_files`): what every role loads."""
+
+    model_path: str  # a Hugging Face model directory or a .gguf file
+    tokenizer_path: str  # the same, for the tokenizer
+
+
 class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model_path: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
     tokenizer_path: str | None = None
@@ -154,6 +162,12 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              "not 'inproc'")
         if self.watchdog_interval <= 0:
             raise ValueError(f"watchdog_interval={self.watchdog_interval} is invalid: must be > 0")
+
+    def model_files(self, model_path: str) -> ModelFiles:
+        """The files these args name once the model is found at `model_path` (model_path
+        itself, or the default model's when it is None): the tokenizer is the model's own
+        unless tokenizer_path names another. The one place that default is decided."""
+        return ModelFiles(model_path, self.tokenizer_path or model_path)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

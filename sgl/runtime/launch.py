@@ -1,13 +1,14 @@
-"""Starting and watching the child roles.
+"""One child role's handle, from its start to its exit, and the watchdog over them.
 
 Processes are fresh interpreters (`python -m sgl.runtime.child`), never forks: the
 caller's main module is not re-imported, so no `__main__` guard is needed, and a
 CUDA-initialised caller is safe. Under the inproc transport the roles run on
-daemon threads instead. Either way the caller waits for each role's readiness
-report and re-raises its startup error, blocking (`start_roles`) or on an event
-loop it never blocks (`start_roles_async`, cancellable: the started processes
-are killed); afterwards a watchdog turns a dead role into one callback, never a
-hang. Nothing here installs a signal handler."""
+daemon threads instead. Either way a handle gives the role's readiness report,
+waited for (`wait_ready`) or polled (`poll_ready`), and re-raises its startup
+error; afterwards a watchdog turns a dead role into one callback, never a hang.
+An engine starts and stops its roles together through sgl/runtime/engine_roles.py;
+`off_loop` runs its blocking start and stop work off the caller's loop. Nothing
+here installs a signal handler."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import select
 import subprocess
 import sys
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -206,47 +206,6 @@ def _ready_or_raise(name: str, status: dict[str, Any]) -> dict[str, Any]:
     raise ChildStartupError(f"the {name} failed to start: {status.get('type')}: {msg}")
 
 
-def start_roles(cfgs: list[ChildConfig], in_threads: bool) -> tuple[list[RoleHandle], dict[str, dict[str, Any]]]:
-    """Start every role, then wait for all; on any failure stop the rest and raise."""
-    handles: list[RoleHandle] = []
-    try:
-        for cfg in cfgs:
-            handles.append(ThreadRole(cfg) if in_threads else ProcessRole(cfg))
-        infos = {h.name: h.wait_ready() for h in handles}
-    except BaseException:
-        for h in handles:
-            h.kill()
-            h.stop(5)
-        raise
-    return handles, infos
-
-
-def spawn_roles(cfgs: list[ChildConfig], in_threads: bool) -> list[RoleHandle]:
-    """Start every role without waiting for it (see `await_ready`)."""
-    handles: list[RoleHandle] = []
-    try:
-        for cfg in cfgs:
-            handles.append(ThreadRole(cfg) if in_threads else ProcessRole(cfg))
-    except BaseException:
-        abandon(handles)
-        raise
-    return handles
-
-
-async def await_ready(handles: list[RoleHandle], poll_s: float = 0.05) -> dict[str, dict[str, Any]]:
-    """Each role's info once all reported ready, polling without blocking the loop.
-    Raises the first startup error; the caller cleans up (`abandon`), also when
-    this is cancelled."""
-    infos: dict[str, dict[str, Any]] = {}
-    while len(infos) < len(handles):
-        for h in handles:
-            if h.name not in infos and (info := h.poll_ready()) is not None:
-                infos[h.name] = info
-        if len(infos) < len(handles):
-            await asyncio.sleep(poll_s)
-    return infos
-
-
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` on a daemon thread. Unlike asyncio.to_thread (the loop's default
     executor, which asyncio.run joins at exit), a caller cancelled meanwhile does
@@ -276,16 +235,6 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await fut
 
 
-def abandon(handles: list[RoleHandle]) -> None:
-    """After a failed or cancelled start: kill and reap the processes at once. A
-    thread cannot be killed; as a daemon it ends with the process, or on its own
-    once its channels are closed."""
-    for h in handles:
-        h.kill()
-        if not isinstance(h, ThreadRole):
-            h.stop(1)
-
-
 class Watchdog(threading.Thread):
     """Polls the roles; the first dead one triggers `on_death(handle)` once."""
 
@@ -309,9 +258,3 @@ class Watchdog(threading.Thread):
         self.stopped.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
-
-
-def wait_all(handles: list[RoleHandle], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for h in handles:
-        h.stop(max(0.1, deadline - time.monotonic()))

@@ -10,17 +10,22 @@ label), so SGLang dashboards work unchanged; both carry the same values.
 Each Metrics owns its CollectorRegistry: it must never register anything in
 prometheus_client's global default registry (two engines in one process would
 collide, and a library must not add globals). It imports nothing of sgl and
-never blocks."""
+never blocks.
+
+prometheus_client is imported when the first Metrics is made, not with this module:
+it brings an HTTP server and the email package (tens of ms), which the engine's
+import, often the first thing a caller's loop runs, need not pay for."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING, Any
 
 from sgl.transports.refusals import KINDS, TOTAL
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0, 2.5)
@@ -51,6 +56,8 @@ class Metrics:
     the sglang:* series unless render is given one."""
 
     def __init__(self, model_name: str = "") -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.model_name = model_name
         self.registry = r = CollectorRegistry()
         self.prompt_tokens = Counter("sgl_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
@@ -91,6 +98,8 @@ class Metrics:
     def render(self, info: dict[str, Any] | None, model_name: str | None = None) -> str:
         """Prometheus text format; `info` is the scheduler's server info (None: unreachable,
         and then its gauges are left out but sgl_scheduler_up, which reads 0)."""
+        from prometheus_client import generate_latest
+
         label = self.model_name if model_name is None else model_name
         return generate_latest(_Scrape(self.registry, info, label)).decode()
 
@@ -112,6 +121,8 @@ class _Scrape:
 
 
 def _scheduler_families(info: dict[str, Any] | None) -> Iterator[Metric]:
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
     yield GaugeMetricFamily("sgl_scheduler_up", "1 while the scheduler answers.", 0 if info is None else 1)
     if info is None:
         return
@@ -142,6 +153,8 @@ def _replica_families(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
     """Behind data parallelism, each replica's gauges and routing counts, by dp_rank."""
     if not replicas:
         return
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
     fams: list[GaugeMetricFamily | CounterMetricFamily] = [
             GaugeMetricFamily("sgl_dp_num_running_reqs", "Requests in a replica's running batch.", labels=["dp_rank"]),
             GaugeMetricFamily("sgl_dp_num_queue_reqs", "Requests waiting in a replica.", labels=["dp_rank"]),
@@ -158,6 +171,8 @@ def _replica_families(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
 def _sglang_families(families: Iterable[Metric], model_name: str) -> Iterator[Metric]:
     """Copies of the families SGLang has, renamed to SGLang's names, every sample
     labelled model_name: same values by construction."""
+    from prometheus_client.metrics_core import Metric
+
     for fam in families:
         new = SGLANG_NAMES.get(fam.name)
         if new is None:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import msgspec
 
 from sgl.core.log import get_logger
-from sgl.core.server_args import ServerArgs
+from sgl.core.server_args import ModelFiles, ServerArgs
 from sgl.runtime.identity import Security
 from sgl.transports.channel import Receiver, Sender
 from sgl.transports.factory import Addresses, free_tcp_ports
@@ -25,8 +25,7 @@ Role = Literal["scheduler", "detokenizer"]
 class ChildConfig(msgspec.Struct, frozen=True):
     role: Role
     server_args: ServerArgs
-    model_path: str
-    tokenizer_path: str | None
+    files: ModelFiles
     addresses: Addresses
     # The engine's transport keys. None: from server_args (an ephemeral CURVE set must come from the engine).
     security: Security | None = None
@@ -43,11 +42,10 @@ class ChildConfig(msgspec.Struct, frozen=True):
         return self.role + dp + tp
 
 
-def child_configs(args: ServerArgs, model_path: str, replicas: list[Addresses], addresses: Addresses,
+def child_configs(args: ServerArgs, files: ModelFiles, replicas: list[Addresses], addresses: Addresses,
                   security: Security) -> list[ChildConfig]:
     """One scheduler per tensor-parallel rank of each data-parallel replica (replica 0's
     rank 0 first; each replica's ranks meet at an address of their own), then the detokenizer."""
-    tokenizer_path = args.tokenizer_path or model_path
     inits: list[str | None] = [None] * len(replicas)
     if args.tp_size > 1 and args.dist_init_addr:  # host:port, checked by ServerArgs
         host, _, port = args.dist_init_addr.rpartition(":")
@@ -56,9 +54,9 @@ def child_configs(args: ServerArgs, model_path: str, replicas: list[Addresses], 
         inits = [f"tcp://127.0.0.1:{p}" for p in free_tcp_ports("127.0.0.1", len(replicas))]
     cfgs = []
     for dp, (addrs, dist_init) in enumerate(zip(replicas, inits)):
-        cfgs += [ChildConfig("scheduler", args, model_path, tokenizer_path, addrs, security, tp_rank=rank,
-                             dist_init=dist_init, dp_rank=dp) for rank in range(args.tp_size)]
-    return [*cfgs, ChildConfig("detokenizer", args, model_path, tokenizer_path, addresses, security)]
+        cfgs += [ChildConfig("scheduler", args, files, addrs, security, tp_rank=rank, dist_init=dist_init,
+                             dp_rank=dp) for rank in range(args.tp_size)]
+    return [*cfgs, ChildConfig("detokenizer", args, files, addresses, security)]
 
 
 # Roles of one process (the inproc transport's threads) import transformers' lazily
@@ -106,7 +104,7 @@ def _build(cfg: ChildConfig) -> Any:
         _take_gpu(cfg)
         if args.tp_size == 1:
             recv: Receiver = sec.receiver(a.to_scheduler, "scheduler")
-            sched = Scheduler(args, cfg.model_path, recv, sec.sender(a.to_detokenizer))
+            sched = Scheduler(args, cfg.files.model_path, recv, sec.sender(a.to_detokenizer))
         else:
             sched = _tp_scheduler(cfg, sec)
             recv = sched.recv
@@ -114,11 +112,11 @@ def _build(cfg: ChildConfig) -> Any:
         return sched
     from sgl.runtime.detokenizer import Detokenizer
     from sgl.runtime.output_router import OutputRouter
-    from sgl.runtime.tokenizer_ops import load_tokenizer
+    from sgl.sched.models.tokenizer import load_tokenizer
 
     args = cfg.server_args
-    tok = None if args.skip_tokenizer_init else load_tokenizer(cfg.tokenizer_path or cfg.model_path,
-                                                               args.trust_remote_code, args.chat_template)
+    tok = None if args.skip_tokenizer_init else load_tokenizer(cfg.files.tokenizer_path, args.trust_remote_code,
+                                                               args.chat_template)
     recv = sec.receiver(a.to_detokenizer, "detokenizer")
     return Detokenizer(tok, recv, OutputRouter(sec.sender(a.to_tokenizer), sec.route, sec.identity_bound),
                        replies=lambda: sec.sender(a.to_tokenizer), threads=args.tokenizer_threads)
@@ -140,7 +138,7 @@ def _tp_scheduler(cfg: ChildConfig, sec: Security) -> Any:
         send: Sender = sec.sender(a.to_detokenizer)
     else:
         recv, send = FollowerReceiver(tp), DropSender()
-    return Scheduler(args, cfg.model_path, recv, send, tp=tp)
+    return Scheduler(args, cfg.files.model_path, recv, send, tp=tp)
 
 
 def _take_gpu(cfg: ChildConfig) -> None:

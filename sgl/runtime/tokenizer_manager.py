@@ -9,10 +9,10 @@ formatted in anyio worker threads under the manager's own CapacityLimiter
 (`run_sync`). `fail_all` may be called from any thread (the watchdog) and hops onto
 that loop. Control calls (sgl/runtime/control.py) are matched by req_id and time out.
 
-A tokenizer manager attached from another process (`AsyncEngine.connect`) has a
-client id: its rids go on the wire as "<client_id>:<rid>" and its control
-requests carry `origin=client_id`, so the detokenizer can route replies to it.
-Callers only ever see their own rids.
+The manager of an engine attached from another process (an AttachedEngine) has a
+client id: its rids go on the wire as "<client_id>:<rid>" and its control requests
+carry `origin=client_id`, so the detokenizer can route replies to it. Callers only
+ever see their own rids.
 
 It must not decode token ids into output text (the detokenizer does) nor decide
 when a request ends (the scheduler does). Request options and type checks live in
@@ -94,9 +94,9 @@ class TokenizerManager:
     def __init__(self, tok: Tokenizing | None, send: Sender, recv: Receiver, limits: RequestLimits,
                  model_path: str | None = None, client_id: str = "", metrics: Metrics | None = None,
                  control_timeout: float = CONTROL_TIMEOUT_S, health_timeout: float = HEALTH_TIMEOUT_S) -> None:
-        self.tok: Tokenizing | None = None  # None: skip_tokenizer_init (ids in, ids out)
+        self.tok = tok  # None: skip_tokenizer_init (ids in, ids out)
         if tok is not None:
-            self.use_tokenizer(tok)
+            tok.guard = self._guard
         self.defaults = generation_defaults(model_path)
         self.limits = limits
         self.send = send
@@ -115,10 +115,6 @@ class TokenizerManager:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self.log = get_logger("tokenizer_manager")
-
-    def use_tokenizer(self, tok: Tokenizing) -> None:
-        self.tok = tok
-        tok.guard = self._guard
 
     # ---- requests --------------------------------------------------------------
 
@@ -386,6 +382,15 @@ class TokenizerManager:
         self.control.fail(error)
         if self.tok is not None:
             self.tok.fail(error)
+
+    def close_channels(self, error: BaseException) -> None:
+        """Once the engine stopped (from any thread): fail every pending and later call with
+        `error`, and close the channels and the tokenizer client."""
+        self.fail_all(error)
+        self.send.close()
+        self.recv.close()
+        if self.tok is not None:
+            self.tok.close()
 
     async def close(self) -> None:
         if self._task is not None:

@@ -2,7 +2,7 @@
 caller-side tokenizer work (prompts, chat templates, /tokenize, /detokenize, logprob
 texts) touches a tokenizer. It runs in the tokenizer's process (the detokenizer's,
 on its worker threads) or, for an engine attached from another process, on a thread
-of that process. `load_tokenizer` loads that tokenizer, with the user's chat template.
+of that process. The tokenizer is handed in (sgl.sched.models.tokenizer loads it).
 
 Blocking, thread-safe work with no engine state; it never raises for bad input: the
 reply carries the error text for the caller to raise in its own names."""
@@ -12,16 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from sgl.core.protocol import TokenizerCall, TokenizerCallOutput
-from sgl.runtime.chat_template import apply_chat_template_arg
-
-
-def load_tokenizer(path: str, trust_remote_code: bool, chat_template: str | None) -> Any:
-    """A Hugging Face tokenizer (local files only) with the user's chat template, if any."""
-    from sgl.sched.models.tokenizer import load_tokenizer as load
-
-    tokenizer = load(path, trust_remote_code)
-    apply_chat_template_arg(tokenizer, chat_template)
-    return tokenizer
 
 
 def run_call(tok: Any, call: TokenizerCall) -> TokenizerCallOutput:

@@ -5,7 +5,7 @@ A /generate stream is SGLang's: each chunk holds everything so far (text, output
 ids, logprobs), or only what is new with `incremental_streaming_output`; the
 response's X-SGL-Stream-Output header says which.
 
-Handlers turn HTTP into AsyncEngine calls and back; they hold no request state of
+Handlers turn HTTP into engine calls and back; they hold no request state of
 their own, and never let bad input reach the scheduler unchecked."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from starlette.responses import Response, StreamingResponse
 
 from sgl.core.server_args import redacted
 from sgl.core.version import __version__
+from sgl.engine import AsyncEngine, EngineFrontEnd
 from sgl.server.common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
 
 HEALTH_TIMEOUT_S = 5.0
@@ -31,7 +32,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 @dataclass(slots=True)
 class ServerState:
-    engine: Any  # an AsyncEngine (or one attached with AsyncEngine.connect)
+    engine: EngineFrontEnd  # an AsyncEngine, or an AttachedEngine
     model_name: str
     started: float  # time.monotonic() at start
     started_wall: float  # time.time() at start
@@ -152,7 +153,7 @@ async def health_generate(state: ServerState) -> Response:
 
 def model_info(state: ServerState) -> Response:
     e = state.engine
-    return json_response({"model_path": e.model_path, "tokenizer_path": e.args.tokenizer_path or e.model_path,
+    return json_response({"model_path": e.model_path, "tokenizer_path": e.files.tokenizer_path,
                           "served_model_name": state.model_name, "is_generation": True,
                           "context_length": e.info["context_length"], "vocab_size": e.info["vocab_size"]})
 
@@ -160,9 +161,11 @@ def model_info(state: ServerState) -> Response:
 async def server_info(state: ServerState) -> Response:
     e = state.engine
     info = await e.get_server_info()
-    return json_response({**redacted(e.args), **info, "model_path": e.model_path,
-                          "scheduler_address": e.addresses.to_scheduler,
-                          "role_pids": {h.name: h.pid for h in e._roles if hasattr(h, "pid")},
+    roles: dict[str, Any] = {}  # an attached engine's roles are its server's
+    if isinstance(e, AsyncEngine):
+        roles = {"scheduler_address": e.roles.addresses.to_scheduler,
+                 "role_pids": e.roles.pids()}
+    return json_response({**redacted(e.args), **info, "model_path": e.model_path, **roles,
                           "uptime_s": time.monotonic() - state.started})
 
 

@@ -147,9 +147,9 @@ async def _stream_completion(state: ServerState, req: CompletionRequest,
     if len(prompts) == 1:
         chunks = await primed(state.engine.stream(prompts[0][0], sp, prompts[0][1], req.rid, **opts))
     else:
-        texts, ids = [t for t, _ in prompts], [i for _, i in prompts]
-        chunks = await primed(state.engine.stream(None if texts[0] is None else texts, sp,
-                                                  None if ids[0] is None else ids, **opts))
+        # A batch is all texts or all ids (_prompts).
+        texts, ids = [t for t, _ in prompts if t is not None], [i for _, i in prompts if i is not None]
+        chunks = await primed(state.engine.stream(texts or None, sp, ids or None, **opts))
     echoes = await _echoes(state, prompts) if req.echo else [""] * len(prompts)
     offsets: dict[int, int] = {}  # each choice's text offset so far; absent before its first chunk
 

@@ -71,7 +71,7 @@ async def _serve(args: ServerArgs) -> int:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, interrupt, sig)
     _say("starting")
-    # Slow imports (torch) come after the handlers: a signal meanwhile is acted on right after.
+    # Slow imports (uvicorn, the engine) come after the handlers: a signal meanwhile is acted on right after.
     import uvicorn
 
     from sgl.engine import AsyncEngine
@@ -116,7 +116,7 @@ async def _serve(args: ServerArgs) -> int:
     try:
         host, port = sock.getsockname()[:2]
         if args.transport == "tcp":
-            _say(f"scheduler at {engine.addresses.to_scheduler}")
+            _say(f"scheduler at {engine.roles.addresses.to_scheduler}")
         _say(f"ready on http://{host}:{port}")
         await server.serve(sockets=[sock])
     finally:

@@ -1,0 +1,191 @@
+"""`EngineFrontEnd`: what an engine offers its caller, the same whether it started
+its own roles (`AsyncEngine`) or attached to a running engine's scheduler
+(`AttachedEngine`): generate, stream, abort, the control calls (flush_cache,
+get_server_info, health), liveness, and closing (`aclose`, `async with`).
+
+Requests go to its tokenizer manager, which runs on the caller's loop; the front
+end holds no request state of its own. How an engine stops is its own
+(`_stop`: the roles shut down, or only this client's route detached)."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, TypeVar
+
+from sgl.core.log import get_logger
+from sgl.core.server_args import ModelFiles, ServerArgs
+from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
+from sgl.runtime.launch import off_loop
+from sgl.runtime.metrics import Metrics
+from sgl.runtime.req_options import ReqOptions
+from sgl.runtime.streams import gather_calls, merge_streams
+from sgl.runtime.tokenizer_manager import EngineDeadError, TokenizerManager
+
+E = TypeVar("E", bound="EngineFrontEnd")
+
+
+class EngineFrontEnd(ABC):
+    def __init__(self, args: ServerArgs, files: ModelFiles, info: dict[str, Any], tm: TokenizerManager,
+                 metrics: Metrics) -> None:
+        self.args = args
+        self.files = files
+        self.info = info  # the scheduler's server info when this engine began (its limits, its model)
+        self.tm = tm
+        self.metrics = metrics
+        self.log = get_logger("engine")
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    @property
+    def model_path(self) -> str:
+        """The model's directory or .gguf file (the default model's directory when none was given)."""
+        return self.files.model_path
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer, for the caller's own use (None under skip_tokenizer_init)."""
+
+    # ---- generation ------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        **options: Any,
+    ) -> dict[str, Any] | list[Any]:
+        """One dict for one prompt; a list, in order, for a batch. With n > 1 a prompt
+        gives a list of n dicts (a batch: one such list per prompt); with beam_width >= 1
+        a list of its beams, best first, each meta_info with cumulative_logprob, score
+        and beam_index (never streamed).
+
+        Options (SGLang's request-level arguments; in a batch each may be a list, one
+        per prompt): return_logprob, logprob_start_len, top_logprobs_num,
+        token_ids_logprob, return_text_in_logprobs, custom_logit_processor, detokenize.
+        Logprobs are log_softmax of the model's raw logits (before logit_bias,
+        penalties, processors and temperature), as SGLang returns by default."""
+        items = split_batch(prompt, input_ids, sampling_params, rid)
+        if items is None:
+            p, ids, r = one_request(prompt, input_ids, rid)
+            return await self._one(p, ids, sampling_params, r, options_of(options))
+        opts = batch_options(options, len(items))
+        # One task group: a failed or cancelled prompt cancels its siblings (each sends its abort).
+        return await gather_calls([functools.partial(self._one, *it, o) for it, o in zip(items, opts)])
+
+    async def _one(self, prompt: str | None, input_ids: list[int] | None, sp: Any, rid: str | None,
+                   opts: ReqOptions) -> Any:
+        self._check_open()
+        gen = self.tm.generate(prompt, input_ids, sp, rid, stream=False, opts=opts)
+        try:
+            return await gen.__anext__()
+        finally:
+            await gen.aclose()
+
+    async def stream(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        **options: Any,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Delta chunks: each holds the new text, ids and logprobs; the last has a
+        finish_reason. With n > 1 the samples' chunks interleave, each with its "index".
+        A batch (arguments as for `generate`) interleaves the chunks of all its prompts,
+        each with "index" = the prompt's position, or with n > 1 the count of samples
+        of the prompts before it plus the sample's index (prompt_index * n + sample_index
+        when every prompt has the same n). Leaving the loop early aborts every unfinished
+        request. Options as for `generate`."""
+        self._check_open()
+        items = split_batch(prompt, input_ids, sampling_params, rid)
+        if items is None:
+            p, ids, r = one_request(prompt, input_ids, rid)
+            gen = self.tm.generate(p, ids, sampling_params, r, stream=True, opts=options_of(options))
+        else:
+            gen = self._stream_batch(items, batch_options(options, len(items)))
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:
+            await gen.aclose()
+
+    def _stream_batch(self, items: list[tuple[Any, Any, Any, Any]],
+                      opts: list[ReqOptions]) -> AsyncGenerator[dict[str, Any], None]:
+        offsets = index_offsets([sp for _, _, sp, _ in items])
+        gens = [self.tm.generate(p, ids, sp, r, stream=True, opts=o) for (p, ids, sp, r), o in zip(items, opts)]
+        return merge_streams(gens, offsets)
+
+    async def abort(self, rid: str) -> None:
+        self.tm.abort(rid)
+
+    async def flush_cache(self) -> dict[str, Any]:
+        out = await self.tm.flush_cache()
+        return {"success": out.success, "message": out.message}
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self.tm.server_info()
+
+    async def health(self) -> bool:
+        return await self.tm.health()
+
+    # ---- liveness ----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine has been shut down")
+
+    def dead_reason(self) -> str | None:
+        """Why this engine can no longer serve (shut down, its requests failed), or None
+        while it can. Answered here, without asking the scheduler: a liveness check
+        that a busy forward does not delay."""
+        if self._closed:
+            return "the engine has been shut down"
+        if self.tm.dead is not None:
+            return str(self.tm.dead)
+        return None
+
+    @property
+    def open_requests(self) -> int:
+        """Requests (samples) of this engine still waiting for their outputs."""
+        return len(self.tm.states)
+
+    def end_open_requests(self, message: str) -> None:
+        """End every open request with a RuntimeError(`message`), which its caller
+        sees (a 503 over HTTP, an error event on a stream); each is aborted in the
+        scheduler. Later requests still run: this is no death."""
+        self.tm.fail_requests(message)
+
+    # ---- closing -----------------------------------------------------------------
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """Blocking, once: end what this engine holds beyond its channels (its roles, or
+        its route at the scheduler)."""
+
+    def shutdown(self) -> None:
+        """Stop and free every resource; safe to call twice, from any thread, and at exit."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stop()
+        finally:
+            self.tm.close_channels(EngineDeadError("the engine was shut down"))
+            atexit.unregister(self.shutdown)
+
+    async def aclose(self) -> None:
+        """Shut down without blocking the loop: the blocking part (waiting for the roles
+        to exit, up to 10 s) runs on a thread."""
+        await self.tm.close()
+        await off_loop(self.shutdown)
+
+    async def __aenter__(self: E) -> E:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
