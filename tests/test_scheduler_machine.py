@@ -72,8 +72,8 @@ from sgl.core.server_args import ServerArgs
 from sgl.sched.decode import DecodeManager
 from sgl.sched.kv_cache import KVCache
 from sgl.sched.prefill import PrefillAdder
-from sgl.sched.results import ResultProcessor
 from sgl.sched.req import Req
+from sgl.sched.results import ResultProcessor
 from sgl.sched.scheduler import Scheduler
 from tests.conftest import tiny_model_dir
 from tests.fake_channels import ListSender, QueueReceiver

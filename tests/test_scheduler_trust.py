@@ -301,7 +301,8 @@ def test_unwritten_kv_of_a_failed_chunk_is_not_reused(tiny_dir: str, reference: 
 
 def test_chunked_prefill_is_on_by_default(null_model_dir: str) -> None:
     assert Driver(null_model_dir, load_format="null").s.info()["chunked_prefill_size"] == 2048
-    assert Driver(null_model_dir, load_format="null", chunked_prefill_size=-1).s.prefill.chunk_size == 512  # the context
+    unchunked = Driver(null_model_dir, load_format="null", chunked_prefill_size=-1)
+    assert unchunked.s.prefill.chunk_size == 512  # the context
     for bad in (0, -2):
         with pytest.raises(ValueError, match="chunked_prefill_size"):
             ServerArgs(chunked_prefill_size=bad)
