@@ -14,7 +14,7 @@
 # Steps (each is one case below; the comment beside it says what it measures):
 #   set-up      jit tests beamtests cpuinfo parts
 #   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 tp startup looplag
-#   A/B         old w3old w7old grammar06old tcab tritonab fp8 (engines in turn, see README.md)
+#   A/B         old w3old w7old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy (py-spy's wheel in .whl/)
@@ -214,12 +214,13 @@ for step in "$@"; do
     # model's tokenizer (.lt), 256 requests under a JSON schema against plain, same lengths.
     grammar06) run 200 python3 -m benchmarks.grammar_cost --model .lt --config qwen3-0.6b --load-format dummy \
                  --dtype bfloat16 --requests 256 --new-tokens 256 ;;
-    # grammar06 on the checkout in .old/ (see `old`), for an A/B of a grammar change on one host.
-    grammar06old)
+    # grammar06 and grammarw2 on the checkout in .old/ (see `old`), for an A/B of a grammar change on one host.
+    grammar06old|grammarw2old)
+      shape=(--new-tokens 256); [ "$step" = grammarw2old ] && shape=(--w2)
       if old_site benchmarks; then
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
-          && run 200 python3 -m benchmarks.grammar_cost --model "$OLDPWD/.lt" --config qwen3-0.6b --load-format dummy \
-            --dtype bfloat16 --requests 256 --new-tokens 256)
+          && run 300 python3 -m benchmarks.grammar_cost --model "$OLDPWD/.lt" --config qwen3-0.6b --load-format dummy \
+            --dtype bfloat16 --requests 256 "${shape[@]}")
       fi ;;
     # The same on W2's prompts, output caps and temperature (the schema closes each output).
     grammarw2) run 300 python3 -m benchmarks.grammar_cost --model .lt --config qwen3-0.6b --load-format dummy \
