@@ -8,8 +8,8 @@ from dataclasses import fields
 from typing import Any
 
 from sgl.core.sampling_params import SamplingParams
-from sgl.runtime.beam_results import STREAM_ERROR as BEAM_STREAM_ERROR
 from sgl.runtime.req_options import ReqOptions
+from sgl.runtime.result_format import BEAM_STREAM_ERROR
 
 
 def split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[Any, Any, Any, Any]] | None:

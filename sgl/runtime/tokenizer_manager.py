@@ -17,7 +17,7 @@ ever see their own rids.
 It must not decode token ids into output text (the detokenizer does) nor decide
 when a request ends (the scheduler does). Request options and type checks live in
 sgl/runtime/req_options.py, stream merging in sgl/runtime/streams.py, logprob
-formatting in sgl/runtime/logprob_format.py."""
+formatting in sgl/runtime/result_format.py."""
 
 from __future__ import annotations
 
@@ -48,13 +48,11 @@ from sgl.core.protocol import (
 )
 from sgl.core.request_checks import RequestLimits
 from sgl.core.sampling_params import SamplingParams
-from sgl.runtime.beam_results import STREAM_ERROR as BEAM_STREAM_ERROR
-from sgl.runtime.beam_results import beam_results
 from sgl.runtime.control import ControlCalls
 from sgl.runtime.dp_router import DataParallelSender
-from sgl.runtime.logprob_format import format_logprobs
 from sgl.runtime.metrics import Metrics
 from sgl.runtime.req_options import ReqOptions, check_request, generation_defaults, is_int_list, replace_params
+from sgl.runtime.result_format import BEAM_STREAM_ERROR, beam_results, format_logprobs
 from sgl.runtime.streams import close_all, gather_first, merge_streams
 from sgl.runtime.tokenizer_client import Tokenizing, encode, load_vocab
 from sgl.transports.channel import ChannelClosed, Receiver, Sender

@@ -1,16 +1,32 @@
-"""The logprobs of one output chunk in SGLang's meta_info shape: lists of
-(logprob, token_id, text) triples, text None unless return_text_in_logprobs.
+"""The parts of a result dict the scheduler's numbers become, in SGLang's shapes:
+a chunk's logprobs as (logprob, token_id, text) triples, and a beam request's beams
+as a list of result dicts.
 
 Pure formatting of what the scheduler computed: token texts are looked up in the
 vocabulary's texts (each id decoded alone, by the tokenizer's process); it never
-computes, reorders or drops a logprob."""
+computes, reorders or drops a logprob or a beam."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from sgl.core.protocol import Logprobs
+from sgl.core.protocol import Beam, Logprobs
 from sgl.runtime.req_options import ReqOptions
+
+BEAM_STREAM_ERROR = "stream=True is invalid with beam_width: the beams come back together once they finish"
+
+
+def beam_results(beams: list[Beam] | None, final: dict[str, Any]) -> list[dict[str, Any]]:
+    """The beams of the request whose final dict is `final`. A request that ended
+    without beams (aborted before any finished) gives its final dict alone, as beam 0."""
+    meta = final["meta_info"]
+    if not beams:
+        meta.update(cumulative_logprob=None, score=None, beam_index=0)
+        return [final]
+    return [{"text": b.text, "output_ids": b.output_ids, "meta_info": {
+        **meta, "finish_reason": b.finish_reason, "completion_tokens": len(b.output_ids),
+        "cumulative_logprob": b.cumulative_logprob, "score": b.score, "beam_index": k}}
+        for k, b in enumerate(beams)]
 
 
 def format_logprobs(lp: Logprobs, new_ids: list[int], opts: ReqOptions,
