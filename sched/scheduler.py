@@ -125,7 +125,10 @@ class Scheduler:
                 return False
             self.handle(msg)
         for req, reason in self.grammars.ready():  # compiled: they join the queue, or end
-            self.finish(req, reason) if reason is not None else self.prefill.add(req)
+            if reason is None:
+                self.prefill.add(req)
+            else:
+                self.finish(req, reason)
         for req in self.decode.abort_ready():
             self.finish(req, {"type": "abort", "message": req.to_abort})
         t0 = time.perf_counter()
@@ -133,13 +136,13 @@ class Scheduler:
         batch = self._schedule()
         # The new batch's host work goes first, while the last one's masks fill, unless that
         # batch's sampling moves request-table rows (beams), which the new one reads.
-        early = last is None or not last.moves_rows
-        prepared = self._guard(batch, "prepare", self.runner.prepare, batch) if batch and early else None
+        prepare_first = last is None or not last.moves_rows
+        prepared = self._guard(batch, "prepare", self.runner.prepare, batch) if batch and prepare_first else None
         if last is not None and last.awaits_sampling:
             t = time.perf_counter()
             last = last if self._guard(last.batch, "sampling", last.sample, launched=True) else None
             self.stats["mask_wait_s"] += time.perf_counter() - t
-        if batch and not early:
+        if batch and not prepare_first:
             prepared = self._guard(batch, "prepare", self.runner.prepare, batch)
         step = self._guard(batch, "forward", self.runner.launch, prepared) if batch and prepared else None
         if step is not None:
