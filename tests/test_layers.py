@@ -30,6 +30,7 @@ LAYERS: list[tuple[int, str]] = [
     (8, "sgl.engine"),
     (9, "sgl.server"),
     (10, "sgl"),
+    (11, "sgl.testing"),
 ]
 MAX_LINES = 600  # a safety net against files that hold too much, not a target to fill up to
 MAX_TOP_LEVEL_MODULES = 10
