@@ -40,6 +40,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001  # per decode step
 RETRACT_NEW_TOKEN_RATIO_BUMP = 0.1  # per retraction, up to 1
+CANNOT_FIT = "out of KV cache memory: the request cannot fit"
 
 
 class DecodeManager:
@@ -107,9 +108,13 @@ class DecodeManager:
         """Out of KV in decode: send the youngest KV holder back to the queue (see the
         liveness argument above). The oldest is never retracted while another holds KV."""
         held = self.holders()
-        if len(held) == 1:  # cannot happen (a request that fits alone gets its slots): fail the step
-            raise RuntimeError(f"a lone request ran out of KV: {held[0]}")
-        self.retract(max(held, key=lambda r: r.arrival))
+        victim = max(held, key=lambda r: r.arrival)
+        if len(held) == 1:
+            # Cannot happen (a request that fits alone gets its slots): ending it beats spinning.
+            self.log.error("a lone request ran out of KV", rid=victim.rid, kv_len=victim.kv_len)
+            self.finish(victim, {"type": "abort", "message": CANNOT_FIT})
+            return
+        self.retract(victim)
 
     def retract(self, victim: Req) -> None:
         """Give back the victim's KV and put it first in the queue; what it generated is

@@ -165,10 +165,11 @@ class ResultProcessor:
             return
         batch, res = got.batch, got.res
         row = -1  # the last logits row of the previous request
-        for i, (req, kind, tok, (a, k)) in enumerate(zip(batch.reqs, got.kinds, got.tokens, batch.lp_in)):
+        for i, (req, kind, tok, epoch, (a, k)) in enumerate(
+                zip(batch.reqs, got.kinds, got.tokens, batch.epochs, batch.lp_in)):
             first, row = row + 1, row + 1 + (k if res.token is not None else 0)
-            if kind is Outcome.STALE:
-                continue
+            if kind is Outcome.STALE or req.finished or req.epoch != epoch:
+                continue  # or ended or retracted since the outcomes were decided (a failed next step)
             try:
                 self._apply(batch, res, i, req, kind, tok, first, a, k)
             except Exception as e:  # contained to this request

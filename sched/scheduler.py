@@ -272,16 +272,19 @@ class Scheduler:
         even with batches holding it in flight (their results are dropped, as after a
         retraction). If giving its KV back raises, it is ended all the same and the
         idle check will report what leaked."""
-        if self.rids.get(req.rid) is not req or req.finished:
+        if self.rids.get(req.rid) is not req:
             return  # ended already
         self.prefill.unqueue(req)  # a failed admission round's requests are still queued
-        try:
-            self.finish(req, {"type": "abort", "message": message})
-        except Exception:  # a broken release must not take the loop down
-            self.log.exception("giving back an aborted request's KV failed", rid=req.rid)
-            self.prefill.remove(req)
-            self.decode.remove(req)
-            self._forget(req)
+        if not req.finished:
+            try:
+                self.finish(req, {"type": "abort", "message": message})
+                return
+            except Exception:  # a broken release must not take the loop down
+                self.log.exception("giving back an aborted request's KV failed", rid=req.rid)
+        # Its reason is set but its KV release raised (here or in an earlier finish): ended all the same.
+        self.prefill.remove(req)
+        self.decode.remove(req)
+        self._forget(req)
 
     def _forget(self, req: Req) -> None:
         if self.rids.get(req.rid) is req:

@@ -270,6 +270,28 @@ def test_one_requests_result_processing_failure_aborts_it_alone(tiny_dir: str, r
         assert_kv_balanced(e.get_server_info())
 
 
+def test_a_request_whose_kv_release_raises_still_ends(null_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its finish reason is set before the release raises: it is sent and forgotten all the
+    same (the leaked KV is the idle check's to report), and its batch-mates are untouched."""
+    from sgl.cache.radix_cache import RadixCache
+
+    monkeypatch.setenv("SGL_STRICT_INVARIANTS", "0")  # the leak must be reported, not raised, here
+    d = Driver(null_model_dir, load_format="null")
+    cache = RadixCache.cache_finished_req
+
+    def broken(self: RadixCache, req: Any) -> None:
+        if req.rid == "bad":
+            raise RuntimeError("injected release failure")
+        cache(self, req)
+
+    monkeypatch.setattr(RadixCache, "cache_finished_req", broken)
+    d.submit("bad", [1, 2, 3], 3)
+    d.submit("good", [4, 5, 6], 3)
+    d.run(max_steps=50)
+    assert d.reasons["good"] == {"type": "length", "length": 3} and d.ids["good"] == null_continuation(6, 3)
+    assert "bad" in d.reasons and "bad" not in d.s.rids
+
+
 def test_a_failure_while_building_a_batch_aborts_the_request(tiny_dir: str, reference: sgl.Engine,
                                                              monkeypatch: Any) -> None:
     admit = PrefillAdder._admit

@@ -14,6 +14,7 @@ checked through the real server in tests/test_openai_conformance_more.py."""
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 from collections.abc import Iterator
@@ -470,3 +471,44 @@ def test_beams_under_a_grammar_equal_the_reference(engine: sgl.Engine, pattern: 
         assert abs(b["meta_info"]["score"] - h.score) < 1e-4
         if b["meta_info"]["finish_reason"]["type"] == "stop":
             assert re.fullmatch(pattern, b["text"]), b["text"]
+
+
+def test_a_failed_mask_start_ends_its_requests_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlap: the step after a grammar step (the same requests) fails to start its masks
+    while the grammar step's results are still to be applied. Those results must not reach
+    the requests the failure ended: each ends once, with the abort, and no token after it."""
+    from sgl.sched.runner.grammar_masks import MaskFiller
+    from sgl.sched.scheduler import Scheduler
+    from tests.test_scheduler_trust import Driver
+
+    d = Driver(_null_with_tokenizer(tmp_path), load_format="null", skip_tokenizer_init=False,
+               disable_overlap_schedule=False)
+    eos = set(d.s.runner.eos_ids)
+    start = MaskFiller.start
+    raised: list[bool] = []
+
+    def flaky(self: MaskFiller, g: Any, just: Any = None, background: bool = True) -> Any:
+        if not raised and just and any(t in eos for t in just.values()):  # the step whose tokens end them
+            raised.append(True)
+            raise RuntimeError("injected mask failure")
+        return start(self, g, just, background)
+
+    ends: collections.Counter[str] = collections.Counter()
+    finish = Scheduler.finish
+
+    def counted(self: Scheduler, req: Any, reason: dict[str, Any]) -> None:
+        ends[req.rid] += 1
+        finish(self, req, reason)
+
+    monkeypatch.setattr(MaskFiller, "start", flaky)
+    monkeypatch.setattr(Scheduler, "finish", counted)
+    for i in range(3):
+        d.submit(f"r{i}", [10 + i, 20, 30], 10, regex=r"[0-9]{3}", ignore_eos=False)
+    d.s.step()
+    while d.s.grammars.pending:
+        d.s.step()
+    d.run(max_steps=200)
+    assert raised and set(ends.values()) == {1}, ends
+    assert {r["type"] for r in d.reasons.values()} == {"abort"}, d.reasons
+    assert all(len(ids) == 3 for ids in d.ids.values()), dict(d.ids)  # the grammar's 3 digits, no EOS after
+    d.balanced()

@@ -46,7 +46,7 @@ _KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # there; SGLang gives an H200 8192): W3 without the prefix cache (537,600 prefill tokens)
 # ran 4-5% faster with it on one H200 (benchmarks/RESULTS.md), half as many
 # prefill batches for the host to build. Prompt-logprob rows are bounded apart
-# (sgl.sched.prefill_adder).
+# (sgl.sched.prefill).
 GPU_CHUNK_DEFAULTS = [(20, 2048), (35, 2048), (60, 4096), (90, 8192)]
 GPU_CHUNK_LARGEST = 16384
 # On CPU: the forward's cost grows linearly with its tokens already (no device to fill),

@@ -54,7 +54,7 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # below 90 GiB: 2048 under 35, 4096 under 60, 8192 under 90 (H100); 16384 from 90
     # (H200, B200: measured on an H200, sgl.sched.runner.model_runner); 2048 on CPU);
     # -1: no chunking (a whole prompt in one forward). Prompt-logprob rows are bounded
-    # apart (sgl.sched.prefill_adder.PROMPT_LOGPROB_BYTES).
+    # apart (sgl.sched.prefill.PROMPT_LOGPROB_BYTES).
     chunked_prefill_size: int | None = None
     # Waiting requests past which a new one is refused at once (an abort with status_code
     # 503; retracted requests always requeue). None: unbounded. 4096 is 16 batches of the
