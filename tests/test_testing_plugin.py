@@ -77,7 +77,14 @@ def test_native_streams_in_sse_framing(sgl_served_app):
 MODEL_PATH_TEST = '''
 import asyncio
 
+import pytest
+
 from sgl.testing.engines import null_continuation
+
+
+@pytest.fixture(scope="module")
+def sgl_server_args():
+    return {"max_total_tokens": 2048}  # the CPU default would allocate 3 GB of KV for SmolLM2
 
 
 def test_the_fixture_runs_the_given_model(sgl_null_engine, pytestconfig):
@@ -88,6 +95,7 @@ def test_the_fixture_runs_the_given_model(sgl_null_engine, pytestconfig):
     assert out["meta_info"]["completion_tokens"] == 3
     last = sgl_null_engine.tokenizer.encode(prompt)[-1]
     assert out["output_ids"] != null_continuation(last, 3)  # weights, not the null rule
+    assert asyncio.run(sgl_null_engine.get_server_info())["max_total_tokens"] == 2048
 '''
 
 
@@ -127,6 +135,35 @@ def test_the_fixtures_on_the_null_model_and_on_real_weights(pytester: pytest.Pyt
     model = _start(pytester, "test_model.py", f"--sgl-model-path={model_dir}")
     assert _outcomes(app) == {"passed": 4}
     assert _outcomes(model) == {"passed": 1}
+
+
+LEAK_TESTS = '''
+from sgl.testing.plugin import engine_fixture
+
+
+def fail(engine):
+    raise AssertionError(f"{engine} left a request open")
+
+
+@engine_fixture(after_each_test=fail, scope="function")
+def leaky_engine():
+    return "the leaky engine"
+
+
+def test_uses_it(leaky_engine):
+    pass
+
+
+def test_uses_none():
+    pass
+'''
+
+
+def test_an_engine_fixtures_check_fails_each_test_that_used_it(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_leak=LEAK_TESTS)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_uses_it*", "*the leaky engine left a request open*"])
 
 
 def test_importing_the_plugin_imports_no_torch() -> None:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -115,9 +115,6 @@ class EngineRecipe:
     def real_model(cls, model_path: str, **server_args: Any) -> EngineRecipe:
         return cls(model_path, False, server_args)
 
-    def with_args(self, **server_args: Any) -> EngineRecipe:
-        return replace(self, server_args={**self.server_args, **server_args})
-
     def engine_args(self, model_path: str) -> dict[str, Any]:
         return {**TEST_ENGINE_ARGS, **(NULL_ENGINE_ARGS if self.null else {}), **self.server_args,
                 "model_path": model_path}
@@ -170,11 +167,15 @@ class LoopThread:
     """An event loop on a daemon thread, serving callers on other threads and loops."""
 
     def __init__(self, name: str) -> None:
+        self.name = name
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        if self.loop.is_closed():
+            coro.close()
+            raise RuntimeError(f"{self.name} has stopped")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -193,16 +194,19 @@ class LoopThread:
         items: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
 
         def send(done: bool, item: Any) -> None:
-            caller.call_soon_threadsafe(items.put_nowait, (done, item))
+            try:
+                caller.call_soon_threadsafe(items.put_nowait, (done, item))
+            except RuntimeError:  # the caller's loop has closed: nobody is left to read
+                pass
 
         async def pump() -> None:
             try:
                 async for item in make():
                     send(False, item)
-            except Exception as e:  # noqa: BLE001 - raised to the consumer; a cancellation is its own
+            except BaseException as e:  # the consumer learns of every end, a cancellation too
                 send(True, e)
-            else:
-                send(True, None)
+                raise
+            send(True, None)
 
         pumping = self.submit(pump())
         try:

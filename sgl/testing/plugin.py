@@ -7,10 +7,11 @@ installed): fixtures for engines that tests of an app use, and `--sgl-model-path
 - `sgl_served_app` (module): sgl's HTTP app over that engine on 127.0.0.1 (a ServedApp:
   `url`, `openai_url`, `model_name`, `engine`).
 - `sgl_server_args` (module): the engines' server arguments; override it in a module or a
-  conftest.
+  conftest. `sgl_engine_recipe` (module) is what the engine fixtures start.
 
-After each test that used an engine fixture, the fixture's check runs: for the real
-engine, no request is left open and its KV accounting balances.
+After each test that used an engine fixture, that fixture's check runs: for the real
+engine, no request is left open and its KV accounting balances. `engine_fixture` makes an
+engine fixture and its check in one function.
 
 Importing this module imports neither torch nor the engine (pytest imports it at every
 start, in every project where sgl is installed): the fixtures start engines lazily."""
@@ -94,8 +95,9 @@ def check_idle_and_balanced(engine: IdleCheckable) -> None:
 
 @engine_fixture(after_each_test=check_idle_and_balanced)
 def sgl_null_engine(sgl_engine_recipe: EngineRecipe) -> Iterator[BackgroundEngine]:
-    """A real engine on the null model (all three roles in this process, ready in about a
-    second), or on `--sgl-model-path`'s model; shared by the module's tests."""
+    """A real engine on the null model (all three roles in this process; it starts in under
+    half a second once torch is imported), or on `--sgl-model-path`'s model; shared by the
+    module's tests."""
     with sgl_engine_recipe.background_engine() as engine:
         yield engine
 
@@ -110,6 +112,9 @@ def sgl_served_app(sgl_null_engine: BackgroundEngine) -> Iterator[ServedApp]:
 @pytest.fixture(autouse=True)
 def _sgl_engines_left_clean(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
+    # The test's fixture values as set up: an engine fixture whose start failed is not
+    # started again here (its error already failed the test).
+    values = getattr(request.node, "funcargs", {})
     for name, check in AFTER_EACH_TEST.items():
-        if name in request.fixturenames:
-            check(request.getfixturevalue(name))
+        if name in values:
+            check(values[name])
