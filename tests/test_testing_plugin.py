@@ -133,8 +133,14 @@ def test_the_fixtures_on_the_null_model_and_on_real_weights(pytester: pytest.Pyt
     # Both runs at once: each spends seconds importing torch and starting its engine.
     app = _start(pytester, "test_app.py")
     model = _start(pytester, "test_model.py", f"--sgl-model-path={model_dir}")
-    assert _outcomes(app) == {"passed": 4}
-    assert _outcomes(model) == {"passed": 1}
+    try:
+        assert _outcomes(app) == {"passed": 4}
+        assert _outcomes(model) == {"passed": 1}
+    finally:
+        for proc, _ in (app, model):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 LEAK_TESTS = '''
