@@ -225,7 +225,7 @@ class AbandonsStreams(Planted):
     async def stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
         source = self.engine.stream(*args, **kwargs)
         self.held.append(source)
-        yield await source.__anext__()  # type: ignore[attr-defined]
+        yield await source.__anext__()
 
     async def release(self) -> None:
         for source in self.held:
@@ -436,3 +436,38 @@ def test_leak_rules_after_a_flush_and_with_open_requests() -> None:
 def test_every_rule_has_a_fault_that_trips_it() -> None:
     tested = {p.values[0] for p in [*CASES, *TEXT_CASES]} | {rule for rule, _ in LEAK_CASES}
     assert tested | {"stream-join", "leak-open"} == set(RULES)  # those two: their own tests above
+
+
+class Recorder:
+    """An engine that keeps the arguments of each call and answers with placeholders."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    async def generate(self, **kwargs: Any) -> Any:
+        self.calls.append(("generate", kwargs))
+        return "result"
+
+    async def stream(self, **kwargs: Any) -> AsyncIterator[str]:
+        self.calls.append(("stream", kwargs))
+        for chunk in ("a", "b"):
+            yield chunk
+
+
+class BlockingRecorder(Recorder):
+    def generate(self, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.calls.append(("generate", kwargs))
+        return iter(["a", "b"]) if kwargs.get("stream") else "result"
+
+
+def test_a_request_calls_an_engine_with_its_arguments() -> None:
+    request = GenerateRequest(input_ids=[[1], [2, 3]], sampling_params=[{"n": 2}, {}], options={"detokenize": False},
+                              rid=["x", "y"])
+    args = {"input_ids": [[1], [2, 3]], "sampling_params": [{"n": 2}, {}], "detokenize": False, "rid": ["x", "y"]}
+    engine, blocking = Recorder(), BlockingRecorder()
+    assert asyncio.run(request.run(engine)) == "result" == request.run_sync(blocking)
+    assert asyncio.run(request.streamed().run(engine)) == ["a", "b"] == request.streamed().run_sync(blocking)
+    assert engine.calls == [("generate", args), ("stream", args)]
+    assert blocking.calls == [("generate", args), ("generate", {**args, "stream": True})]
+    assert [(i.position, i.input_ids, i.params.n, i.rid, i.first_index) for i in request.items()] == [
+        (0, [1], 2, "x", 0), (1, [2, 3], 1, "y", 2)]

@@ -63,7 +63,7 @@ RULES: dict[str, str] = {
     "chunk-count": "a chunk's completion_tokens counts its sample's output ids so far; its id does not change",
     "chunk-logprobs": "a chunk carries one output logprob entry per new output id",
     "stream-join": "a deterministic request's joined chunks equal its non-streamed result: text, output_ids, "
-                   "finish_reason, token counts and logprob ids",
+                   "finish_reason, token counts, and logprobs (values within 1e-3)",
     "leak-requests": "an idle engine runs, queues and compiles nothing",
     "leak-open": "no request is left open in the engine's front end",
     "leak-kv": "every KV slot is free or evictable (after a flush: free)",
@@ -198,7 +198,9 @@ class SampleRules:
                 f"{len(out['output_ids'])} output_ids for completion_tokens={n}")
         fin = meta["finish_reason"]
         self.finish_reason(fin)
-        self.length(fin, n, out["output_ids"])
+        self.length(fin, n)
+        if fin["type"] == "stop":
+            self.stop(fin["matched"], n, out["output_ids"])
         self.detokenize(out["text"])
         self.stop_trim(out["text"], fin)
         self.text(out["text"], out["output_ids"], fin)
@@ -249,7 +251,7 @@ class SampleRules:
             ok = False
         require(ok, "finish-reason", self.where, f"finish_reason {short(fin)}")
 
-    def length(self, fin: dict[str, Any], n: int, ids: list[int]) -> None:
+    def length(self, fin: dict[str, Any], n: int) -> None:
         p, kind = self.p, fin["type"]
         low = 0 if kind == "abort" else p.min_new_tokens
         require(low <= n <= p.max_new_tokens, "length", self.where,
@@ -257,12 +259,13 @@ class SampleRules:
         if kind == "length":
             require(fin["length"] == n == p.max_new_tokens, "finish-length", self.where,
                     f"length={fin['length']} with completion_tokens={n}, max_new_tokens={p.max_new_tokens}")
-        if kind != "stop":
-            return
-        grammar = self.p.grammar is not None
+
+    def stop(self, matched: int | str, n: int, ids: list[int]) -> None:
+        """A stop finish: what it matched, and when."""
+        p = self.p
+        grammar = p.grammar is not None  # a complete grammar ends at EOS whatever else holds
         require(grammar or n > p.min_new_tokens, "finish-stop", self.where,
                 f"stopped after {n} tokens, within min_new_tokens={p.min_new_tokens}")
-        matched = fin["matched"]
         if isinstance(matched, str):
             require(matched in p.stop_strs, "finish-stop", self.where,
                     f"matched {matched!r}, not one of the stop strings {p.stop_strs}")
@@ -422,7 +425,7 @@ class LogprobRules:
 
     def triples(self, key: str, entries: Any, ids: list[int] | None, first_none: bool) -> None:
         require(isinstance(entries, list), "logprob-shape", self.where, f"{key} is {short(entries)}")
-        got = [self.triple(key, e, none_ok=first_none and i == 0) for i, e in enumerate(entries)]
+        got = [self.triple(key, e, at_prompt_start=first_none and i == 0) for i, e in enumerate(entries)]
         require(ids is None or got == list(ids), "logprob-shape", self.where,
                 f"{key} has ids {short(got)}, the tokens are {short(ids)}")
 
@@ -435,24 +438,27 @@ class LogprobRules:
             require(isinstance(value, list) and len(value) == count, "logprob-shape", self.where,
                     f"{key} logprob rows: {len(value) if isinstance(value, list) else short(value)}, want {count}")
             for i, row in enumerate(value):
-                if row is None and first_none and i == 0:
+                if first_none and i == 0:  # nothing predicts the prompt's first token
+                    require(row is None, "logprob-shape", self.where, f"{key} row 0 is {short(row)}, not None")
                     continue
                 require(isinstance(row, list), "logprob-shape", self.where, f"{key} row {i} is {short(row)}")
-                ids = [self.triple(key, e, none_ok=False) for e in row]
+                ids = [self.triple(key, e, at_prompt_start=False) for e in row]
                 if key == "top":
                     vals = [e[0] for e in row]
-                    require(len(row) == k and all(a >= b for a, b in zip(vals, vals[1:])), "logprob-shape",
-                            self.where, f"top row {i} of {len(row)} entries (asked {k}), not best first: {short(row)}")
+                    require(len(row) == k == len(set(ids)) and all(a >= b for a, b in zip(vals, vals[1:])),
+                            "logprob-shape", self.where,
+                            f"top row {i} of {len(row)} entries (asked {k}), not distinct best first: {short(row)}")
                 else:
                     require(ids == list(self.o.token_ids_logprob or ()), "logprob-shape", self.where,
                             f"token_ids row {i} has ids {ids}, asked {self.o.token_ids_logprob}")
 
-    def triple(self, key: str, entry: Any, none_ok: bool) -> int:
-        """The entry's token id, once it is a (logprob, token_id, text) triple."""
+    def triple(self, key: str, entry: Any, at_prompt_start: bool) -> int:
+        """The entry's token id, once it is a (logprob, token_id, text) triple (its logprob
+        None at the prompt's first position, which nothing predicts)."""
         ok = isinstance(entry, (tuple, list)) and len(entry) == 3
         require(ok, "logprob-shape", self.where, f"{key} entry {short(entry)} is no (logprob, id, text) triple")
         value, token, text = entry
-        good_value = (value is None and none_ok) or (is_number(value) and value <= _LOGPROB_TOL)
+        good_value = value is None if at_prompt_start else is_number(value) and value <= _LOGPROB_TOL
         require(good_value, "logprob-shape", self.where, f"{key} entry {short(entry)}: logprob {value!r}")
         require(is_int(token) and token >= 0, "logprob-shape", self.where, f"{key} entry {short(entry)}: id")
         named = self.o.return_text_in_logprobs
