@@ -102,7 +102,7 @@ def engine_settings(share: int) -> settings:
 
 
 def test_the_contract_holds_on_the_null_model(null: Driven) -> None:
-    @engine_settings(2)
+    @engine_settings(4)
     @given(generate_requests(null.limits))
     def run(request: GenerateRequest) -> None:
         null.check_round_trip(request)

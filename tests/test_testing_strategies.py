@@ -50,7 +50,7 @@ def request_limits(limits: Limits) -> RequestLimits:
 
 @pytest.mark.parametrize("limits", LIMITS)
 def test_drawn_requests_pass_the_engines_checks(limits: Limits) -> None:
-    @settings(PROFILE)
+    @settings(PROFILE, max_examples=PROFILE.max_examples // 2)
     @given(sgs.generate_requests(limits))
     def run(request: GenerateRequest) -> None:
         items = request.items()  # the engine's batch splitting and SamplingParams: a ValueError if refused
@@ -89,7 +89,7 @@ def assert_names_field(limits: Limits, bad: InvalidRequest) -> None:
 
 @pytest.mark.parametrize("limits", LIMITS)
 def test_invalid_requests_are_refused_naming_their_field(limits: Limits) -> None:
-    @settings(PROFILE)
+    @settings(PROFILE, max_examples=PROFILE.max_examples // 2)
     @given(sgs.invalid_requests(limits))
     def run(bad: InvalidRequest) -> None:
         assert_names_field(limits, bad)
