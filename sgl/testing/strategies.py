@@ -120,6 +120,10 @@ def stop_strings(max_count: int = 3) -> st.SearchStrategy[str | list[str]]:
     return st.one_of(one, st.lists(one, min_size=1, max_size=max_count))
 
 
+def _as(name: str) -> Callable[[Any], dict[str, Any]]:
+    return lambda value: {name: value}
+
+
 def _unit(low: float, high: float) -> st.SearchStrategy[float]:
     return st.floats(low, high, allow_nan=False, allow_subnormal=False)
 
@@ -139,7 +143,7 @@ def _optional(draw: Draw, out: dict[str, Any], name: str, values: st.SearchStrat
         out[name] = draw(values)
 
 
-def _grammar(limits: Limits) -> st.SearchStrategy[dict[str, str]]:
+def _grammar() -> st.SearchStrategy[dict[str, str]]:
     return st.one_of(json_schemas().map(lambda s: {"json_schema": json.dumps(s)}),
                      regexes().map(_as("regex")))
 
@@ -174,7 +178,7 @@ def plain_sampling_params(draw: Draw, limits: Limits, prompt_tokens: int | None 
     if constrained == 6:
         out["constraint"] = draw(_trie(limits))
     elif constrained == 7 and limits.grammars:
-        out.update(draw(_grammar(limits)))
+        out.update(draw(_grammar()))
     else:
         _optional(draw, out, "min_new_tokens", st.integers(0, m))
     return out
@@ -269,19 +273,15 @@ def generate_requests(draw: Draw, limits: Limits, stream: bool | None = None, ba
 
 # ---- invalid requests -------------------------------------------------------------------------
 
+Breaks = list[tuple[str, st.SearchStrategy[dict[str, Any]]]]  # (the field named, what breaks it)
+
+
 @dataclass(frozen=True)
 class InvalidRequest:
     """A request the engine refuses with a ValueError whose message names `field`."""
 
     request: GenerateRequest
     field: str
-
-
-Breaks = list[tuple[str, st.SearchStrategy[dict[str, Any]]]]  # (the field named, what breaks it)
-
-
-def _as(name: str) -> Callable[[Any], dict[str, Any]]:
-    return lambda value: {name: value}
 
 
 def _breaks(limits: Limits, prompt: int) -> Breaks:
