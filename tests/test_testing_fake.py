@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+import typing
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -22,6 +23,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sgl
+from sgl.core.protocol import (
+    AbortReq,
+    AttachReq,
+    DetachReq,
+    FlushCacheReq,
+    GenerateReqInput,
+    GetServerInfoReq,
+    HealthCheckReq,
+    Message,
+    ShutdownReq,
+)
 from sgl.engine.async_engine import AsyncEngine
 from sgl.runtime.tokenizer_client import chat_ids
 from sgl.sched.models.default_model import default_model_dir
@@ -66,6 +78,14 @@ def test_fake_engine_has_async_engines_surface() -> None:
 
 def test_fake_sync_engine_has_engines_surface() -> None:
     assert surface(FakeSyncEngine) == surface(sgl.Engine)
+
+
+def test_the_scripted_scheduler_answers_every_request_the_front_end_sends() -> None:
+    requests = {t for t in typing.get_args(Message) if t.__name__.endswith(("Req", "ReqInput"))}
+    # Attaching, detaching and shutting down are not the fake's: it has no route and no roles. A new
+    # request message must be answered in sgl/testing/scripted.py (ScriptedScheduler.handle) first.
+    assert requests == {GenerateReqInput, AbortReq, FlushCacheReq, GetServerInfoReq, HealthCheckReq,
+                        AttachReq, DetachReq, ShutdownReq}
 
 
 NO_TORCH = """
@@ -327,7 +347,16 @@ def test_a_dead_engine_fails_every_pending_and_later_call() -> None:
             with pytest.raises(sgl.EngineDeadError):
                 await e.health()
             assert e.dead_reason() is not None and "planted" in e.dead_reason()  # type: ignore[operator]
+
+    async def at_a_control_call() -> None:
+        async with FakeEngine(faults=FaultPlan()) as e:
+            e.faults.add(Die(), Control("server_info"))
+            with pytest.raises(sgl.EngineDeadError):
+                await e.get_server_info()
+            with pytest.raises(sgl.EngineDeadError):
+                await e.generate("x")
     run_virtual(main())
+    run_virtual(at_a_control_call())
 
 
 def test_busy_refusals_by_plan_and_by_a_full_queue() -> None:

@@ -222,7 +222,6 @@ class Responses:
         return self.responder(prompt, params)
 
 
-
 # ---- the channels ----------------------------------------------------------------------
 
 
@@ -288,8 +287,6 @@ class DetokenizerStage(Sender):
         pass
 
 
-
-
 # ---- the engines -----------------------------------------------------------------------
 
 
@@ -315,7 +312,7 @@ class FakeEngine(EngineFrontEnd):
     def __init__(self, responder: Responder = DEFAULT_TEXT, *, model_path: str | None = None,
                  faults: FaultPlan | None = None, first_token_s: float = 0.0, per_token_s: float = 0.0,
                  **server_args: Any) -> None:
-        args = ServerArgs.from_kwargs(model_path=model_path, transport="inproc", **server_args)
+        args = ServerArgs.from_kwargs(model_path=model_path or BUILTIN_MODEL, transport="inproc", **server_args)
         path = args.tokenizer_path or model_path
         tok = FakeTokenizer.from_dir(path, args.chat_template) if path else FakeTokenizer.byte_level(args.chat_template)
         config = _json(model_path, "config.json") if model_path else {}
@@ -368,7 +365,7 @@ class FakeSyncEngine(Engine):
     for FakeEngine."""
 
     def __init__(self, responder: Responder = DEFAULT_TEXT, *, virtual_time: bool = False, **options: Any) -> None:
-        self._loop = virtual_loop() if virtual_time else asyncio.new_event_loop()
+        self._loop = VirtualTimeLoop() if virtual_time else asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sgl-fake-engine-loop", daemon=True)
         self._thread.start()
         self._closed = False
@@ -432,14 +429,9 @@ class _JumpingSelector(selectors.DefaultSelector):
         return ready
 
 
-def virtual_loop(start: float = 0.0) -> asyncio.AbstractEventLoop:
-    """A new event loop on virtual time (VirtualTimeLoop), its clock at `start`."""
-    return VirtualTimeLoop(start)
-
-
 def run_virtual(main: Awaitable[T], start: float = 0.0) -> T:
     """`asyncio.run(main)` on virtual time: the tasks it leaves are cancelled."""
-    loop = virtual_loop(start)
+    loop = VirtualTimeLoop(start)
     asyncio.set_event_loop(loop)
     try:
         return loop.run_until_complete(main)

@@ -29,9 +29,9 @@ ControlCall = Literal["flush_cache", "server_info", "health"]
 
 
 class Die(msgspec.Struct, tag="die", frozen=True):
-    """The engine dies once the request has `after_tokens` output tokens (0: as it
-    arrives; for a control call: instead of its answer): that call and every pending
-    and later one raise `sgl.EngineDeadError`."""
+    """The engine dies once the request has `after_tokens` output tokens (0: when its
+    first token would come; a control call: instead of its answer): that call and every
+    pending and later one raise `sgl.EngineDeadError`."""
 
     after_tokens: int = 0
 

@@ -301,8 +301,8 @@ class ScriptedScheduler:
         self.inbox = inbox
         self.send = send
         self.on_death = on_death
-        filler = next(t for t in range(model.vocab_size) if t not in model.eos_ids)
-        self.rule = FinishRule(model.eos_ids, model.context_length, TokenizerStops(tokenizer), filler)
+        self.rule = FinishRule(model.eos_ids, model.context_length, TokenizerStops(tokenizer),
+                               tokenizer.encode(" ", add_special_tokens=False)[-1])
         self.memory = PrefixMemory()
         self.live: dict[str, _Run] = {}
         self.waiting: deque[_Run] = deque()
