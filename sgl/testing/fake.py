@@ -16,8 +16,10 @@ latencies and timeouts pass without real waiting; the fake runs no thread, so vi
 time never jumps past work in flight.
 
 It imports no torch: its tokenizer is a `tokenizers` one (a model directory's
-tokenizer.json, or a byte-level one built in). Only a grammar request whose responder's
-text does not match imports xgrammar (and torch with it) to write text that does."""
+tokenizer.json, or a byte-level one built in), and a chat renders through transformers'
+template renderer, which needs none. Only a grammar request that needs xgrammar (an
+ebnf, or a json_schema or regex its responder's text does not match) imports xgrammar,
+and torch with it."""
 
 from __future__ import annotations
 

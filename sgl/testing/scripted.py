@@ -359,6 +359,7 @@ class ScriptedScheduler:
     def _arrive(self, msg: GenerateReqInput) -> None:  # the checks of sgl.sched.intake, then its plan
         p, ids = msg.sampling_params, msg.input_ids
         r = _Run(msg, self.faults.for_request(msg.rid, ids, self._prompt(ids), p, msg.stream))
+        r.logprobs = Logprobs() if msg.return_logprob else None  # a refused request sends its empty lists
         bound = self.args.max_queued_requests
         try:
             if msg.rid in self.live:
@@ -370,10 +371,8 @@ class ScriptedScheduler:
             self._plan(r)
         except Refused as e:
             return self._end(r, e.reason)
-        if msg.return_logprob:
-            r.logprobs = Logprobs()
-            if r.logprob_start == 0:  # the first prompt token has no logprob: None, as SGLang reports it
-                self._add_logprob(r, ids[0], None, into="input")
+        if r.logprob_start == 0:  # the first prompt token has no logprob: None, as SGLang reports it
+            self._add_logprob(r, ids[0], None, into="input")
         if p.max_new_tokens == 0 and r.logprob_start < 0:
             return self._end(r, {"type": "length", "length": 0})  # nothing to compute
         self.live[msg.rid] = r
