@@ -15,11 +15,11 @@ import pytest
 
 import sgl
 from sgl.sched.models.null import null_next_token
+from sgl.testing.contract import assert_no_leaks
 from sgl.testing.engines import (
     PLAIN_VOCAB,
     TOKENIZER_EOS,
     BackgroundEngine,
-    assert_kv_balanced,
     null_continuation,
     null_engine,
     null_model_dir,
@@ -59,7 +59,7 @@ def test_the_async_helper_gives_the_continuation_through_text_and_ids() -> None:
             chunks = [c async for c in engine.stream(PROMPT, {"max_new_tokens": 6})]
             prompt_ids = engine.tokenizer.encode(PROMPT)
             text = engine.tokenizer.decode(null_continuation(prompt_ids[-1], 6), skip_special_tokens=True)
-            assert_kv_balanced(await server_info_when_idle(engine))
+            assert_no_leaks(await server_info_when_idle(engine))
             return by_text, by_ids, chunks, prompt_ids, text
 
     by_text, by_ids, chunks, prompt_ids, text = asyncio.run(main())
@@ -82,7 +82,7 @@ def test_the_sync_twin_and_the_end_of_sequence_id() -> None:
     assert stopped["output_ids"] == [TOKENIZER_EOS]
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": TOKENIZER_EOS}
     assert info["max_total_tokens"] == 1024
-    assert_kv_balanced(info)
+    assert_no_leaks(info)
 
 
 def test_without_a_tokenizer_ids_in_ids_out(tmp_path: Path) -> None:
@@ -91,7 +91,7 @@ def test_without_a_tokenizer_ids_in_ids_out(tmp_path: Path) -> None:
     async def main() -> Any:
         async with null_engine(model_path=model, skip_tokenizer_init=True) as engine:
             out = await engine.generate(input_ids=[3, 4], sampling_params={"max_new_tokens": 5, "ignore_eos": True})
-            assert_kv_balanced(await server_info_when_idle(engine))
+            assert_no_leaks(await server_info_when_idle(engine))
             return out
 
     assert asyncio.run(main())["output_ids"] == null_continuation(4, 5, PLAIN_VOCAB)
@@ -133,7 +133,7 @@ def test_cancelling_a_call_or_leaving_a_stream_aborts_it(sgl_null_engine: Backgr
     info = sgl_null_engine.idle_server_info()
     # Both ended early: 16,000 tokens would have taken far more decode steps than the two requests ran.
     assert info["decode_steps"] < 8000
-    assert_kv_balanced(info)
+    assert_no_leaks(info)
 
 
 def test_a_background_engine_has_the_async_engines_calls() -> None:

@@ -202,12 +202,12 @@ class Leftovers:
 
 
 @pytest.mark.parametrize(("leftover", "message"), [
-    (Leftovers(open_requests=1), "requests still open"),
-    (Leftovers(running=1), "1 running"),
-    (Leftovers(waiting=2), "2 waiting"),
-    (Leftovers(kv_protected=3), "locked"),
-    (Leftovers(kv_free=80), "lost"),
-    (Leftovers(invariant_violations=1), "failed 1 checks"),
+    (Leftovers(open_requests=1), r"\[leak-open\]"),
+    (Leftovers(running=1), r"\[leak-requests\].*'running': 1"),
+    (Leftovers(waiting=2), r"\[leak-requests\].*'waiting': 2"),
+    (Leftovers(kv_protected=3), r"\[leak-protected\]"),
+    (Leftovers(kv_free=80), r"\[leak-kv\]"),
+    (Leftovers(invariant_violations=1), r"\[leak-invariants\]"),
 ])
 def test_the_check_names_what_was_left(leftover: Leftovers, message: str) -> None:
     with pytest.raises(AssertionError, match=message):

@@ -1,7 +1,62 @@
-"""sgl.testing: a kit for testing apps that embed sgl, without a GPU or weights.
+"""sgl.testing: a kit for testing apps that embed sgl, without a GPU or weights
+(docs/testing.md).
 
-Everything here that does not start a real engine imports neither torch nor
-transformers. The pieces: a fake engine with the engine's public surface and its
-rules, a real engine on the public null model that starts in about a second, faults
-on demand, Hypothesis strategies for requests, the engine's contract as a checker,
-and a pytest plugin with fixtures for all of them (docs/testing.md)."""
+- `FakeEngine` / `FakeSyncEngine`: the engines' public surface and rules, no model;
+  `VirtualTimeLoop` / `run_virtual` run them on virtual time.
+- Faults on demand (`FaultPlan` with effects and selectors).
+- A real engine on the public null model that starts in about a second (`null_engine`,
+  `null_sync_engine`, `null_model_dir`, `null_continuation`).
+- The engine's contract as a checker (`check_result`, `check_stream`, `assert_no_leaks`,
+  `assert_engine_clean`).
+- Hypothesis strategies in `sgl.testing.strategies` (imported on its own: it needs
+  hypothesis), and a pytest plugin (`sgl.testing.plugin`, registered as `sgl`).
+
+Importing this package, and everything in it but a real engine, imports neither torch
+nor transformers."""
+
+from sgl.testing.contract import (
+    RULES,
+    Contract,
+    ContractViolation,
+    EngineFacts,
+    GenerateRequest,
+    assert_engine_clean,
+    assert_no_leaks,
+    check_result,
+    check_stream,
+    tokenizer_decoder,
+)
+from sgl.testing.engines import (
+    BackgroundEngine,
+    EngineRecipe,
+    ServedApp,
+    null_continuation,
+    null_engine,
+    null_model_dir,
+    null_sync_engine,
+    server_info_when_idle,
+)
+from sgl.testing.fake import FakeEngine, FakeSyncEngine, FakeTokenizer, Responder, VirtualTimeLoop, run_virtual
+from sgl.testing.faults import (
+    Abort,
+    Always,
+    Busy,
+    Control,
+    Die,
+    Fail,
+    Fault,
+    FaultPlan,
+    Hang,
+    Nth,
+    Rid,
+    SlowFirstToken,
+    Where,
+)
+
+__all__ = [
+    "RULES", "Abort", "Always", "BackgroundEngine", "Busy", "Contract", "ContractViolation", "Control", "Die",
+    "EngineFacts", "EngineRecipe", "Fail", "FakeEngine", "FakeSyncEngine", "FakeTokenizer", "Fault", "FaultPlan",
+    "GenerateRequest", "Hang", "Nth", "Responder", "Rid", "ServedApp", "SlowFirstToken", "VirtualTimeLoop", "Where",
+    "assert_engine_clean", "assert_no_leaks", "check_result", "check_stream", "null_continuation", "null_engine",
+    "null_model_dir", "null_sync_engine", "run_virtual", "server_info_when_idle", "tokenizer_decoder",
+]

@@ -351,20 +351,6 @@ async def server_info_when_idle(engine: Any, timeout: float = IDLE_TIMEOUT_S) ->
         await asyncio.sleep(0.01)
 
 
-def assert_kv_balanced(info: dict[str, Any]) -> None:
-    """The scheduler's info of an idle engine: nothing runs or waits, no KV is locked, every
-    slot is free or held by the radix cache, and no accounting check failed."""
-    if info["running"] or info["waiting"]:
-        raise AssertionError(f"requests left over: {info['running']} running, {info['waiting']} waiting")
-    if info["kv_protected"]:
-        raise AssertionError(f"{info['kv_protected']} KV slots still locked by requests")
-    if info["kv_free"] + info["kv_evictable"] != info["max_total_tokens"]:
-        raise AssertionError(f"KV slots lost: {info['kv_free']} free + {info['kv_evictable']} cached "
-                             f"!= {info['max_total_tokens']}")
-    if info["invariant_violations"]:
-        raise AssertionError(f"the scheduler's KV accounting failed {info['invariant_violations']} checks")
-
-
 # ---- the HTTP app --------------------------------------------------------------------
 
 class ServedApp:

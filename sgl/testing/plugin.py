@@ -23,7 +23,8 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import pytest
 
-from sgl.testing.engines import BackgroundEngine, EngineRecipe, ServedApp, assert_kv_balanced
+from sgl.testing.contract import assert_no_leaks
+from sgl.testing.engines import BackgroundEngine, EngineRecipe, ServedApp
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -87,10 +88,7 @@ def check_idle_and_balanced(engine: IdleCheckable) -> None:
     engine is left alone: its own error already failed the test that killed it."""
     if engine.dead_reason() is not None:
         return
-    info = engine.idle_server_info()
-    if engine.open_requests:
-        raise AssertionError(f"{engine.open_requests} requests still open after the test")
-    assert_kv_balanced(info)
+    assert_no_leaks(engine.idle_server_info(), open_requests=engine.open_requests)
 
 
 @engine_fixture(after_each_test=check_idle_and_balanced)
