@@ -1,9 +1,9 @@
 """sgl.testing.contract against real engines. Over requests drawn by
 sgl.testing.strategies, every result and stream (each stream joined against the same
 request's result) keeps the contract on the null model and on the default model
-(SmolLM2, float32, CPU, with its tokenizer's decode for the exact-text rule), and
-nothing leaks after each. Engines wrapped to break one rule on the way out (a stop
-string left in, a sample dropped, a chunk sent twice, a finish reason dropped, a
+(SmolLM2, float32, CPU, with its tokenizer's decode for the exact-text rule), and on
+FakeEngine (its built-in tokenizer), and nothing leaks after each. Engines wrapped to
+break one rule on the way out (a stop string left in, a sample dropped, a chunk sent twice, a finish reason dropped, a
 stream abandoned without its abort) are caught by the rule's id, and every rule in
 RULES is tripped by a result or server info broken on purpose."""
 
@@ -86,10 +86,27 @@ def smol() -> Iterator[Driven]:
     d.close()
 
 
+def fake_answer(prompt: Any, params: Any) -> str:
+    """Text that varies with the request (stop strings and lengths meet it differently)."""
+    words = ["the", "quick", "brown", "fox", ",", "1", "2", "3", ".", "ok", "\n", "jumps", "over"]
+    key = sum(prompt) if isinstance(prompt, list) else len(prompt or "")
+    return " ".join(words[(key + i * 7) % len(words)] for i in range(12))
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[Driven]:
+    from sgl.testing.fake import FakeEngine
+
+    d = Driven(FakeEngine(fake_answer, max_total_tokens=4000), has_tokenizer=True,  # type: ignore[arg-type]
+               max_new_tokens=16, grammars=False)
+    yield d
+    d.close()
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    for name in ("null", "smol"):
+    for name in ("null", "smol", "fake"):
         if name in request.fixturenames:
             d: Driven = request.getfixturevalue(name)
             assert_kv_balanced(d.run(assert_engine_clean(d.engine)))
@@ -115,6 +132,15 @@ def test_the_contract_holds_on_the_default_model(smol: Driven) -> None:
     @given(generate_requests(smol.limits))
     def run(request: GenerateRequest) -> None:
         smol.check_round_trip(request)
+
+    run()
+
+
+def test_the_contract_holds_on_the_fake_engine(fake: Driven) -> None:
+    @engine_settings(2)
+    @given(generate_requests(fake.limits))
+    def run(request: GenerateRequest) -> None:
+        fake.check_round_trip(request)
 
     run()
 
