@@ -24,7 +24,7 @@ test: lint typecheck
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check sgl transports sched cache kernels tests benchmarks
+	$(BIN)/ruff check sgl transports sched cache kernels tests benchmarks examples
 
 # mypy reads the package as it installs: sgl.transports, sgl.sched, ... live in their
 # own top-level folders (pyproject's package-dir), so a tree of links puts them where

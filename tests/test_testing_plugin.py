@@ -1,8 +1,8 @@
 """The `sgl` pytest plugin, as an app's test suite meets it: pytester runs small test files
 that use its fixtures (the null engine from any loop, the served app with the openai
-client and httpx, server arguments, `--sgl-model-path` with the default model), in a
-fresh interpreter as an installed plugin is loaded. Its after-test check fails on
-leftovers, and importing it imports no torch."""
+client and httpx, server arguments, `--sgl-model-path` with the default model, the fake
+engine and its responder), in a fresh interpreter as an installed plugin is loaded. Its
+after-test checks fail on leftovers, and importing it imports no torch."""
 
 from __future__ import annotations
 
@@ -162,14 +162,102 @@ def test_uses_it(leaky_engine):
 
 def test_uses_none():
     pass
+
+
+class Closable:
+    closed = False
+
+
+def still_open(engine):
+    assert not engine.closed, "checked after its teardown"
+
+
+@engine_fixture(after_each_test=still_open, scope="function")
+def closing_engine():
+    engine = Closable()
+    yield engine
+    engine.closed = True
+
+
+def test_uses_one_its_teardown_closes(closing_engine):
+    pass
 '''
 
 
 def test_an_engine_fixtures_check_fails_each_test_that_used_it(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_leak=LEAK_TESTS)
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")
-    result.assert_outcomes(passed=2, errors=1)
+    result.assert_outcomes(passed=3, errors=1)
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_uses_it*", "*the leaky engine left a request open*"])
+
+
+FAKE_TESTS = '''
+import asyncio
+
+import pytest
+
+import sgl
+from sgl.testing import Die, run_virtual
+
+LOOP = asyncio.new_event_loop()  # a loop that outlives each test, as some async test frameworks keep one
+KEPT = []
+
+
+def test_the_default_answer(sgl_fake_engine):
+    assert asyncio.run(sgl_fake_engine.generate("Hi"))["text"] == "This is a fake answer."
+
+
+def test_a_new_engine_for_each_tests_loop(sgl_fake_engine):
+    assert run_virtual(sgl_fake_engine.generate("Hi"))["text"] == "This is a fake answer."
+
+
+class TestAScriptedResponder:
+    @pytest.fixture
+    def sgl_fake_responder(self):
+        return lambda prompt, params: prompt.upper()
+
+    def test_it_answers(self, sgl_fake_engine):
+        assert asyncio.run(sgl_fake_engine.generate("shout"))["text"] == "SHOUT"
+
+
+def test_a_stream_left_early_closes_on_its_loop(sgl_fake_engine):
+    async def main():
+        async for _ in sgl_fake_engine.stream("Hi"):
+            break
+
+    LOOP.run_until_complete(main())
+
+
+def test_a_dead_engine_is_left_alone(sgl_fake_engine):
+    async def main():
+        kept = sgl_fake_engine.stream("Hi")
+        await kept.__anext__()
+        KEPT.append(kept)
+        sgl_fake_engine.faults.next_request(Die(after_tokens=2))
+        with pytest.raises(sgl.EngineDeadError):
+            async for _ in sgl_fake_engine.stream("Hello"):
+                pass
+
+    LOOP.run_until_complete(main())
+    assert sgl_fake_engine.open_requests == 1
+
+
+def test_a_stream_kept_open(sgl_fake_engine):
+    async def main():
+        stream = sgl_fake_engine.stream("Hi")
+        await stream.__anext__()
+        KEPT.append(stream)
+
+    LOOP.run_until_complete(main())
+'''
+
+
+def test_the_fake_engine_fixture(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_fake=FAKE_TESTS)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+    result.assert_outcomes(passed=6, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_a_stream_kept_open*",
+                                 "*[[]leak-open[]] engine: 1 request(s) still open*"])
 
 
 def test_importing_the_plugin_imports_no_torch() -> None:

@@ -6,30 +6,40 @@ installed): fixtures for engines that tests of an app use, and `--sgl-model-path
   model at PATH instead, so the same tests run on real weights.
 - `sgl_served_app` (module): sgl's HTTP app over that engine on 127.0.0.1 (a ServedApp:
   `url`, `openai_url`, `model_name`, `engine`).
-- `sgl_server_args` (module): the engines' server arguments; override it in a module or a
-  conftest. `sgl_engine_recipe` (module) is what the engine fixtures start.
+- `sgl_server_args` (module): the real engine's server arguments; override it in a module
+  or a conftest. `sgl_engine_recipe` (module) is what `sgl_null_engine` starts.
+- `sgl_fake_engine` (function): a FakeEngine answering with `sgl_fake_responder`
+  (function; override it to script the answers).
 
 After each test that used an engine fixture, that fixture's check runs: for the real
-engine, no request is left open and its KV accounting balances. `engine_fixture` makes an
-engine fixture and its check in one function.
+engine, no request is left open and its KV accounting balances; for the fake, no request
+is left open. `engine_fixture` makes an engine fixture and its check in one function.
 
 Importing this module imports neither torch nor the engine (pytest imports it at every
 start, in every project where sgl is installed): the fixtures start engines lazily."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import pytest
 
-from sgl.testing.contract import assert_no_leaks
+from sgl.testing.contract import ContractViolation, assert_no_leaks
 from sgl.testing.engines import BackgroundEngine, EngineRecipe, ServedApp
+
+if TYPE_CHECKING:
+    from sgl.testing.fake import FakeEngine, Responder
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Engine fixtures by name, each with what must hold of its engine after every test that used it.
 AFTER_EACH_TEST: dict[str, Callable[[Any], None]] = {}
+# Loop time a fake engine's check gives streams left early to close.
+FAKE_SETTLE_S = 1.0
 
 
 Scope = Literal["session", "package", "module", "class", "function"]
@@ -40,13 +50,39 @@ def engine_fixture(after_each_test: Callable[[Any], None], scope: Scope = "modul
     test that used it (or used a fixture built on it). An engine fixture is one such function:
 
         @engine_fixture(after_each_test=check_fake_engine_idle, scope="function")
-        def sgl_fake_engine(...) -> FakeEngine: ..."""
+        def sgl_fake_engine(...) -> FakeEngine: ...
+
+    `fn` may return its engine or yield it (code after the yield is its teardown). A
+    function-scoped fixture's check runs before that teardown, which may close the engine."""
 
     def register(fn: F) -> Any:
+        if scope == "function":
+            return pytest.fixture(_checked_before_teardown(fn, after_each_test))
         AFTER_EACH_TEST[fn.__name__] = after_each_test
         return pytest.fixture(scope=scope)(fn)
 
     return register
+
+
+def _checked_before_teardown(fn: Callable[..., Any], check: Callable[[Any], None]) -> Callable[..., Iterator[Any]]:
+    """`fn` as a generator fixture that gives its value, checks it after the test, then
+    runs `fn`'s own teardown (even when the check fails)."""
+
+    @functools.wraps(fn)  # pytest reads the fixture's arguments through __wrapped__
+    def fixture(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        made = fn(*args, **kwargs)
+        if not inspect.isgenerator(made):
+            yield made
+            check(made)
+            return
+        value = next(made)
+        try:
+            yield value
+            check(value)
+        finally:
+            next(made, None)
+
+    return fixture
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -98,6 +134,52 @@ def sgl_null_engine(sgl_engine_recipe: EngineRecipe) -> Iterator[BackgroundEngin
     module's tests."""
     with sgl_engine_recipe.background_engine() as engine:
         yield engine
+
+
+@pytest.fixture
+def sgl_fake_responder() -> Responder:
+    """What `sgl_fake_engine` answers: a FakeEngine responder (a text, a list of texts, a
+    mapping from prompt to text, or a callable (prompt, SamplingParams) -> text). The
+    default is FakeEngine's fixed text; override this fixture to script the answers."""
+    from sgl.testing.fake import DEFAULT_TEXT
+
+    return DEFAULT_TEXT
+
+
+def check_fake_engine_idle(engine: FakeEngine) -> None:
+    """No request left open in a fake engine (`leak-open`): every generate returned, every
+    stream ended or was closed. A dead engine is left alone.
+
+    A stream left early closes on its loop's next turns: when the test's loop is still open
+    and idle, it turns (up to a second of loop time) until none is open. The fake's
+    scheduler side is not read: the test's loop is usually gone by now, so an abort sent as
+    it ended may never have reached it (`await assert_engine_clean(engine)` inside a test
+    checks it)."""
+    if engine.dead_reason() is not None:
+        return
+    loop = engine.tm.loop
+    if engine.open_requests and loop is not None and not loop.is_closed() and not loop.is_running():
+        loop.run_until_complete(_requests_closed(engine, FAKE_SETTLE_S))
+    if engine.open_requests:
+        raise ContractViolation("leak-open", f"engine: {engine.open_requests} request(s) still open")
+
+
+async def _requests_closed(engine: FakeEngine, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while engine.open_requests and loop.time() < deadline:
+        await asyncio.sleep(0.001)
+
+
+@engine_fixture(after_each_test=check_fake_engine_idle, scope="function")
+def sgl_fake_engine(sgl_fake_responder: Responder) -> Iterator[FakeEngine]:
+    """A FakeEngine answering with `sgl_fake_responder`, new for each test (a fake belongs
+    to the first event loop that uses it); shut down after the test and its check."""
+    from sgl.testing.fake import FakeEngine
+
+    engine = FakeEngine(sgl_fake_responder)
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
