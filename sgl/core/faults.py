@@ -1,13 +1,14 @@
 """Faults on demand: a plan of what goes wrong, and for which request, that an engine's
-scheduler side consults as requests arrive and produce tokens.
+scheduler consults as requests arrive and produce tokens: a FakeEngine's scripted one,
+or a real one's (sgl.sched.faults, installed by a SetFaultsReq).
 
 A `Fault` pairs an effect (the engine dies, a full queue refuses the request, the
 request or a control call gets no answer, the request is aborted or its batch fails
 after some tokens, its first token is slow) with a selector (every request, the nth,
 a rid, a control call, or a predicate on the request) and how many times it may fire.
 Effects and the selectors other than `Where` are msgspec Structs, so a plan is data
-that can travel to a scheduler in another process; `Where` holds a Python predicate
-and works in-process only.
+(`FaultPlan.specs`) that travels to a real scheduler as every message does, encoded;
+`Where` holds a Python predicate and works with a FakeEngine only.
 
 Data and matching only: it never sleeps, sends or ends a request itself (the engine
 side that consults it does), and imports neither torch nor any engine."""
@@ -24,6 +25,9 @@ import msgspec
 from sgl.core.sampling_params import SamplingParams
 
 ControlCall = Literal["flush_cache", "server_info", "health"]
+# Where a real engine's batch can fail (sgl.sched.scheduler's containment), and what it raises.
+FailStage = Literal["prepare", "forward", "result processing"]
+FailError = Literal["RuntimeError", "OutOfMemoryError"]
 
 # ---- effects -------------------------------------------------------------------------
 
@@ -60,11 +64,13 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
 class Fail(msgspec.Struct, tag="fail", frozen=True):
     """The request's batch fails in `stage` after `after_tokens` tokens: the request
     ends with the abort reason a failed batch gives, "internal error in forward
-    (RuntimeError): a planted fault", and the engine goes on serving."""
+    (RuntimeError): a planted fault", and the engine goes on serving. On a real engine
+    the whole batch fails (its other requests end alike), and an OutOfMemoryError is
+    a CUDA out-of-memory: the batch's requests are retracted once first."""
 
     after_tokens: int = 0
-    stage: str = "forward"
-    error: str = "RuntimeError"
+    stage: FailStage = "forward"
+    error: FailError = "RuntimeError"
     message: str = "a planted fault"
 
     @property
@@ -88,7 +94,7 @@ Effect = Die | Busy | Hang | Abort | Fail | SlowFirstToken
 class FaultRequest:
     """What a selector sees of a generate request as it reaches the scheduler side.
     `index` counts generate requests from 1 in arrival order (each sample of n > 1
-    is one); `prompt` is the prompt's ids decoded ("" where no tokenizer is at hand)."""
+    is one); `prompt` is the prompt's ids decoded ("" in a real engine's scheduler)."""
 
     rid: str
     index: int
@@ -140,7 +146,7 @@ class Control(msgspec.Struct, tag="control", frozen=True):
 
 @dataclass(frozen=True, slots=True)
 class Where:
-    """The generate requests for which `predicate` is true (in-process only)."""
+    """The generate requests for which `predicate` is true (a FakeEngine's only: a predicate is no data)."""
 
     predicate: Callable[[FaultRequest], bool]
 
@@ -149,6 +155,7 @@ class Where:
 
 
 Selector = Always | Nth | Rid | Control | Where
+DataSelector = Always | Nth | Rid | Control  # those a plan sent to a real engine may hold
 
 
 @dataclass(slots=True)
@@ -165,6 +172,21 @@ class Fault:
         return self.times is not None and self.fired >= self.times
 
 
+class FaultSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A fault as data, what a real engine's scheduler is sent (its count of firings starts at 0)."""
+
+    effect: Effect
+    when: DataSelector
+    times: int | None = None
+
+
+def control_misuse(effect: Effect, when: Selector) -> str | None:
+    """Why `effect` cannot apply to what `when` selects, or None."""
+    if isinstance(when, Control) and isinstance(effect, (Busy, Abort, Fail, SlowFirstToken)):
+        return f"{type(effect).__name__} is for generate requests: a control call can only die or hang"
+    return None
+
+
 class FaultPlan:
     """The faults an engine applies, consulted as each request arrives. Faults may be
     added while the engine runs; each applies to the requests that arrive after it.
@@ -178,12 +200,33 @@ class FaultPlan:
 
     def add(self, effect: Effect, when: Selector | None = None, times: int | None = None) -> Fault:
         """Plant `effect` for what `when` selects (every request by default), at most `times` times."""
-        if isinstance(when, Control) and isinstance(effect, (Busy, Abort, Fail, SlowFirstToken)):
-            raise ValueError(f"{type(effect).__name__} is for generate requests: a control call can only "
-                             "die or hang")
-        fault = Fault(effect, when if when is not None else Always(), times)
+        when = when if when is not None else Always()
+        if (why := control_misuse(effect, when)) is not None:
+            raise ValueError(why)
+        fault = Fault(effect, when, times)
         self.faults.append(fault)
         return fault
+
+    def specs(self) -> list[FaultSpec]:
+        """The plan's faults as data for a real engine, each with its `times` (what fired
+        here is not counted there); ValueError for a `Where` selector or a value the
+        engine's messages do not allow."""
+        out = []
+        for f in self.faults:
+            if isinstance(f.when, Where):
+                raise ValueError("Where holds a Python predicate, and a real engine's scheduler gets its plan "
+                                 "as an encoded message on every transport (inproc too): select with Always, "
+                                 "Nth, Rid or Control there (Where works with a FakeEngine)")
+            out.append(FaultSpec(f.effect, f.when, f.times))
+        try:  # encoding checks no value: decoding does, as the scheduler's receiver would
+            return msgspec.convert(msgspec.to_builtins(out), list[FaultSpec])
+        except msgspec.ValidationError as e:
+            raise ValueError(f"fault plan: {e}") from None
+
+    @classmethod
+    def from_specs(cls, specs: list[FaultSpec]) -> FaultPlan:
+        """A plan of these faults, none fired yet, arrivals counted from 1."""
+        return cls(*(Fault(s.effect, s.when, s.times) for s in specs))
 
     def next_request(self, effect: Effect) -> Fault:
         """Plant `effect` for the next generate request alone."""
