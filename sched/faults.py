@@ -30,6 +30,7 @@ from sgl.core.faults import (
 )
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.decode import DecodeManager
+from sgl.sched.grammar import Grammars
 from sgl.sched.prefill import PrefillManager
 from sgl.sched.req import Req
 
@@ -39,16 +40,15 @@ class PlantedDeath(RuntimeError):
 
 
 class FaultInjector:
-    """The installed plan and the requests it acts on. `unstart` takes back a request
-    that has not started (queued or compiling), `queue` queues an accepted one, `abort`
-    ends one as a client's abort does: the scheduler's."""
+    """The installed plan and the requests it acts on. `queue` queues an accepted request,
+    `abort` ends one as a client's abort does: the scheduler's."""
 
-    def __init__(self, prefill: PrefillManager, decode: DecodeManager, unstart: Callable[[Req], bool],
+    def __init__(self, prefill: PrefillManager, decode: DecodeManager, grammars: Grammars,
                  queue: Callable[[Req], None], abort: Callable[[Req, str], None], tp_size: int) -> None:
         self.plan: FaultPlan | None = None
         self.prefill = prefill
         self.decode = decode
-        self.unstart = unstart
+        self.grammars = grammars
         self.queue = queue
         self.abort = abort
         self.tp_size = tp_size
@@ -127,7 +127,7 @@ class FaultInjector:
         """Hang: the request leaves the queue, the compiler, the prefill or the running set
         for good, keeping what KV it holds; results in flight for it are dropped."""
         self.fails.pop(req, None)
-        if self.delayed.pop(req, None) is None and not self.unstart(req):
+        if self.delayed.pop(req, None) is None and not (self.prefill.unqueue(req) or self.grammars.drop(req)):
             self.prefill.remove(req)
             self.decode.remove(req)
             req.epoch += 1  # its launched batches' results are stale: no further output

@@ -83,7 +83,7 @@ class Scheduler:
                                       chunk_size=r.chunked_prefill_size or r.context_length, vocab_size=r.vocab_size,
                                       max_running_requests=r.max_running_requests)
         self.decode = DecodeManager(self.kv, self.prefill, r.context_length, self.finish)
-        self.faults = FaultInjector(self.prefill, self.decode, self._unstart, self._queue, self._abort, tp.size)
+        self.faults = FaultInjector(self.prefill, self.decode, self.grammars, self._queue, self._abort, tp.size)
         self.outbox = Outbox()
         self.results = ResultProcessor(self.kv, self.prefill, self.decode,
                                        BeamSearch(self.kv, r.eos_ids, r.context_length, self.finish), self.outbox,
@@ -150,13 +150,13 @@ class Scheduler:
         # The new batch's host work goes first, while the last one's masks fill, unless that
         # batch's sampling moves request-table rows (beams), which the new one reads.
         prepare_first = last is None or not last.moves_rows
-        prepared = self._guard(batch, "prepare", self._prepare, batch) if batch and prepare_first else None
+        prepared = self._guard(batch, "prepare", self.runner.prepare, batch) if batch and prepare_first else None
         if last is not None and last.awaits_sampling:
             t = time.perf_counter()
             last = last if self._guard(last.batch, "sampling", last.sample, launched=True) else None
             self.stats["mask_wait_s"] += time.perf_counter() - t
         if batch and not prepare_first:
-            prepared = self._guard(batch, "prepare", self._prepare, batch)
+            prepared = self._guard(batch, "prepare", self.runner.prepare, batch)
         step = self._guard(batch, "forward", self.runner.launch, prepared) if batch and prepared else None
         if step is not None:
             for r in step.batch.unique_reqs:
@@ -221,6 +221,8 @@ class Scheduler:
         `batch` fails (its requests end) and the result is None. `launched`: the batch
         counts in its requests' `inflight` until now."""
         try:
+            if stage == "prepare" and self.faults.plan is not None:
+                self.faults.strike(batch, stage)  # a planted failure (the forward's and the results': at their wait)
             out = call(*args)
             return True if out is None else out
         except Exception as e:  # noqa: BLE001 - contained to this batch
@@ -229,33 +231,19 @@ class Scheduler:
             self.results.fail(batch, e, stage, kv_written=False)
             return None
 
-    def _prepare(self, batch: ScheduleBatch) -> Any:
-        if self.faults.plan is not None:
-            self.faults.strike(batch, "prepare")
-        return self.runner.prepare(batch)
-
     # ---- input -----------------------------------------------------------------
 
     def handle(self, msg: Message) -> None:
+        call = CONTROL_CALLS.get(type(msg)) if self.faults.plan is not None else None
+        if call is not None and self.faults.control(call):
+            return  # a planted hang: no answer
         if isinstance(msg, GenerateReqInput):
             self._add(msg)
         elif isinstance(msg, AbortReq):
             req = self.rids.get(msg.rid)
             if req is not None and not req.finished:
                 self._abort(req, "aborted by the client")
-        elif isinstance(msg, (FlushCacheReq, GetServerInfoReq, HealthCheckReq)):
-            if self.faults.plan is None or not self.faults.control(CONTROL_CALLS[type(msg)]):  # else a planted hang
-                self._answer(msg)
-        elif isinstance(msg, SetFaultsReq):
-            why = self.faults.install(msg.faults)
-            self.send.send(SetFaultsReqOutput(why is None, why or "", msg.origin, msg.req_id))
-        elif isinstance(msg, (AttachReq, DetachReq)):
-            self.send.send(msg)  # routing is the detokenizer's business
-        else:
-            self.log.warning("ignored unexpected message", type=type(msg).__name__)
-
-    def _answer(self, msg: FlushCacheReq | GetServerInfoReq | HealthCheckReq) -> None:
-        if isinstance(msg, FlushCacheReq):
+        elif isinstance(msg, FlushCacheReq):
             idle = self.idle and not self.grammars.pending and not (self.faults.delayed or self.faults.hung)
             if idle:
                 self.kv.flush()
@@ -265,8 +253,15 @@ class Scheduler:
             self.send.send(out)
         elif isinstance(msg, GetServerInfoReq):
             self.send.send(GetServerInfoReqOutput(info=self.info(), origin=msg.origin, req_id=msg.req_id))
-        else:
+        elif isinstance(msg, HealthCheckReq):
             self.send.send(HealthCheckOutput(ok=True, origin=msg.origin, req_id=msg.req_id))
+        elif isinstance(msg, SetFaultsReq):
+            why = self.faults.install(msg.faults)
+            self.send.send(SetFaultsReqOutput(why is None, why or "", msg.origin, msg.req_id))
+        elif isinstance(msg, (AttachReq, DetachReq)):
+            self.send.send(msg)  # routing is the detokenizer's business
+        else:
+            self.log.warning("ignored unexpected message", type=type(msg).__name__)
 
     def _add(self, msg: GenerateReqInput) -> None:
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.stream, msg)
@@ -292,14 +287,10 @@ class Scheduler:
         else:
             self.prefill.add(req)
 
-    def _unstart(self, req: Req) -> bool:
-        """Take back a request that has not started (queued or compiling); whether it had not."""
-        return self.prefill.unqueue(req) or self.grammars.drop(req)
-
     def _abort(self, req: Req, message: str) -> None:
         """End a live request as a client's abort does: now if it has not started (or a
         planted fault holds it), else once no launched batch holds it."""
-        if self._unstart(req) or self.faults.release(req):
+        if self.prefill.unqueue(req) or self.grammars.drop(req) or self.faults.release(req):
             self.finish(req, {"type": "abort", "message": message})
         else:
             req.to_abort = message
