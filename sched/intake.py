@@ -33,14 +33,15 @@ class RequestIntake:
                                     allowed_processors, max_top_logprobs_num,
                                     max_running_requests=r.max_running_requests)
 
-    def check(self, req: Req, live: Mapping[str, Req], queued: int) -> dict[str, Any] | None:
+    def check(self, req: Req, live: Mapping[str, Req], queued: int, busy: bool = False) -> dict[str, Any] | None:
         """The abort reason a new request ends with at once, or None: then it is accepted,
-        its trie, `serial` and place in arrival order set."""
+        its trie, `serial` and place in arrival order set. `busy`: refused as by a full
+        queue (a planted fault)."""
         error = self._error(req, live)
         if error is not None:
             return {"type": "abort", "message": error}
         bound = self.max_queued_requests
-        if bound is not None and queued >= bound:
+        if busy or (bound is not None and queued >= bound):
             # Refused at once, not queued: the HTTP layer maps status_code to 503.
             return {"type": "abort", "status_code": 503,
                     "message": f"server busy: {queued} queued requests (max_queued_requests={bound}); retry later"}

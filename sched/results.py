@@ -140,19 +140,25 @@ class ResultProcessor:
         self.log = get_logger("scheduler")
         self.failures = 0  # batches and requests ended by an internal error
 
-    def wait(self, step: Step) -> Outcomes | None:
+    def wait(self, step: Step, strike: Callable[[ScheduleBatch, str], None] | None = None) -> Outcomes | None:
         """A launched step's results on the host, each entry's outcome decided; None if the
-        step failed (its requests then end). It stops counting in its requests' `inflight`."""
+        step failed (its requests then end). It stops counting in its requests' `inflight`.
+        `strike`: raises a planted failure of the forward or of result processing, as
+        they would raise here (sgl.sched.faults)."""
         batch = step.batch
         for req in batch.unique_reqs:
             req.inflight -= 1  # first: whatever fails below, this batch holds none of them any more
         try:
             step.sample()  # a grammar step never sampled (shutting down): now
             res = step.result()
+            if strike is not None:
+                strike(batch, "forward")
         except Exception as e:  # noqa: BLE001 - the forward or sampling failed: that batch's requests end
             self.fail(batch, e, "forward", kv_written=False)
             return None
         try:
+            if strike is not None:
+                strike(batch, "result processing")
             return Outcomes(batch, res)
         except Exception as e:  # noqa: BLE001 - the whole batch's results are unreadable
             self.fail(batch, e, "result processing", kv_written=True)

@@ -8,9 +8,10 @@ work hides behind the GPU's; without it each batch is processed in the turn that
 launched it. The state lives with its owners: the waiting queue and admission
 (sgl.sched.prefill), the running set, decode steps and retraction (sgl.sched.decode),
 KV ownership (sgl.sched.kv_cache), grammars (sgl.sched.grammar), a new request's
-checks (sgl.sched.intake), results and failures (sgl.sched.results); the model, its
-pools and sampling are the runner's (sgl.sched.runner). The scheduler itself holds
-the live requests by rid and ends them (`finish`, `abort_now`).
+checks (sgl.sched.intake), results and failures (sgl.sched.results), a test's planted
+faults (sgl.sched.faults); the model, its pools and sampling are the runner's
+(sgl.sched.runner). The scheduler itself holds the live requests by rid and ends them
+(`finish`, `abort_now`).
 
 Bad input ends that request with an abort reason, and a batch that fails (building,
 prepare, the forward, sampling or its results) ends that batch's requests: neither
@@ -21,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from sgl.core.faults import Busy, ControlCall
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
     AbortReq,
@@ -34,12 +36,15 @@ from sgl.core.protocol import (
     HealthCheckOutput,
     HealthCheckReq,
     Message,
+    SetFaultsReq,
+    SetFaultsReqOutput,
     ShutdownReq,
 )
 from sgl.core.server_args import ServerArgs
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.beam import BeamSearch
 from sgl.sched.decode import DecodeManager
+from sgl.sched.faults import FaultInjector
 from sgl.sched.grammar import Grammars
 from sgl.sched.intake import RequestIntake
 from sgl.sched.kv_cache import KVCache
@@ -53,6 +58,8 @@ from sgl.sched.stop import StopStrings
 from sgl.transports.channel import Receiver, Sender
 
 IDLE_POLL_S = 0.5
+CONTROL_CALLS: dict[type, ControlCall] = {FlushCacheReq: "flush_cache", GetServerInfoReq: "server_info",
+                                          HealthCheckReq: "health"}
 # With only grammars compiling, the loop waits this long on its input per turn: polling held
 # the GIL against the compile thread, whose tokenizer loading and imports are Python.
 GRAMMAR_POLL_S = 0.001
@@ -76,6 +83,7 @@ class Scheduler:
                                       chunk_size=r.chunked_prefill_size or r.context_length, vocab_size=r.vocab_size,
                                       max_running_requests=r.max_running_requests)
         self.decode = DecodeManager(self.kv, self.prefill, r.context_length, self.finish)
+        self.faults = FaultInjector(self.prefill, self.decode, self.grammars, self._queue, self._abort, tp.size)
         self.outbox = Outbox()
         self.results = ResultProcessor(self.kv, self.prefill, self.decode,
                                        BeamSearch(self.kv, r.eos_ids, r.context_length, self.finish), self.outbox,
@@ -93,10 +101,13 @@ class Scheduler:
         return not (self.prefill.busy or self.prefill.prefilling or self.decode.running or self.last is not None)
 
     def info(self) -> dict[str, Any]:
-        return {"model_path": self.args.model_path, "max_queued_requests": self.args.max_queued_requests,
-                "max_top_logprobs_num": self.args.max_top_logprobs_num, **self.runner.info(), **self.kv.info(),
-                **self.prefill.info(), **self.decode.info(), "grammars_compiling": len(self.grammars.pending),
-                "failures": self.results.failures, **self.stats}
+        out = {"model_path": self.args.model_path, "max_queued_requests": self.args.max_queued_requests,
+               "max_top_logprobs_num": self.args.max_top_logprobs_num, **self.runner.info(), **self.kv.info(),
+               **self.prefill.info(), **self.decode.info(), "grammars_compiling": len(self.grammars.pending),
+               "failures": self.results.failures, **self.stats}
+        out["waiting"] += len(self.faults.delayed)  # held back by a planted fault: waiting all the same
+        out["running"] += len(self.faults.hung)
+        return out
 
     # ---- the loop --------------------------------------------------------------
 
@@ -124,6 +135,8 @@ class Scheduler:
                 self.send.send(msg)
                 return False
             self.handle(msg)
+        if self.faults.plan is not None:
+            self.faults.step()
         for req, reason in self.grammars.ready():  # compiled: they join the queue, or end
             if reason is None:
                 self.prefill.add(req)
@@ -151,7 +164,10 @@ class Scheduler:
             if not self.runner.overlap:
                 last, step = step, None  # processed in this turn
         t1 = time.perf_counter()
-        got = self.results.wait(last) if last is not None else None  # its results on the host, or None
+        if last is not None:  # its results on the host, or None
+            got = self.results.wait(last, self.faults.strike if self.faults.plan is not None else None)
+        else:
+            got = None
         t2 = time.perf_counter()
         if step is not None and step.prepared.grammar is not None:  # its masks fill while `got` is applied
             tokens = got.grammar_tokens() if got is not None else None
@@ -173,9 +189,13 @@ class Scheduler:
             return self.recv.recv_all_nowait()
         compiling = bool(self.grammars.pending)
         if not compiling:
-            self.kv.check_idle()
+            if not self.faults.hung:  # a hung request keeps its KV
+                self.kv.check_idle()
             self.runner.gpu_timeline.reset_gap()
-        first = self.recv.recv((GRAMMAR_POLL_S if compiling else IDLE_POLL_S) if block else 0)
+        timeout = (GRAMMAR_POLL_S if compiling else IDLE_POLL_S) if block else 0
+        if (due := self.faults.first_due_s()) is not None:
+            timeout = min(timeout, due)
+        first = self.recv.recv(timeout)
         return [first, *self.recv.recv_all_nowait()] if first is not None else []
 
     def _schedule(self) -> ScheduleBatch | None:
@@ -201,6 +221,8 @@ class Scheduler:
         `batch` fails (its requests end) and the result is None. `launched`: the batch
         counts in its requests' `inflight` until now."""
         try:
+            if stage == "prepare" and self.faults.plan is not None:
+                self.faults.strike(batch, stage)  # a planted failure (the forward's and the results': at their wait)
             out = call(*args)
             return True if out is None else out
         except Exception as e:  # noqa: BLE001 - contained to this batch
@@ -212,18 +234,17 @@ class Scheduler:
     # ---- input -----------------------------------------------------------------
 
     def handle(self, msg: Message) -> None:
+        call = CONTROL_CALLS.get(type(msg)) if self.faults.plan is not None else None
+        if call is not None and self.faults.control(call):
+            return  # a planted hang: no answer
         if isinstance(msg, GenerateReqInput):
             self._add(msg)
         elif isinstance(msg, AbortReq):
             req = self.rids.get(msg.rid)
-            if req is None or req.finished:
-                return
-            if self.prefill.unqueue(req) or self.grammars.drop(req):  # not started: it ends now
-                self.finish(req, {"type": "abort", "message": "aborted by the client"})
-            else:
-                req.to_abort = "aborted by the client"  # ended once no launched batch holds it
+            if req is not None and not req.finished:
+                self._abort(req, "aborted by the client")
         elif isinstance(msg, FlushCacheReq):
-            idle = self.idle and not self.grammars.pending
+            idle = self.idle and not self.grammars.pending and not (self.faults.delayed or self.faults.hung)
             if idle:
                 self.kv.flush()
             out = FlushCacheReqOutput(idle, "" if idle else "cannot flush the cache while requests are running "
@@ -234,6 +255,9 @@ class Scheduler:
             self.send.send(GetServerInfoReqOutput(info=self.info(), origin=msg.origin, req_id=msg.req_id))
         elif isinstance(msg, HealthCheckReq):
             self.send.send(HealthCheckOutput(ok=True, origin=msg.origin, req_id=msg.req_id))
+        elif isinstance(msg, SetFaultsReq):
+            why = self.faults.install(msg.faults)
+            self.send.send(SetFaultsReqOutput(why is None, why or "", msg.origin, msg.req_id))
         elif isinstance(msg, (AttachReq, DetachReq)):
             self.send.send(msg)  # routing is the detokenizer's business
         else:
@@ -241,7 +265,9 @@ class Scheduler:
 
     def _add(self, msg: GenerateReqInput) -> None:
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.stream, msg)
-        refusal = self.intake.check(req, self.rids, len(self.prefill.waiting))  # sets its arrival if accepted
+        effects = self.faults.arrive(req) if self.faults.plan is not None else None
+        busy = effects is not None and any(isinstance(e, Busy) for e in effects)
+        refusal = self.intake.check(req, self.rids, len(self.prefill.waiting), busy)  # sets its arrival if accepted
         if refusal is not None:
             self.finish(req, refusal)
             return
@@ -251,10 +277,23 @@ class Scheduler:
         self.rids[req.rid] = req
         if req.prefill_only and not req.needs_input_logprobs:
             self.finish(req, {"type": "length", "length": 0})  # nothing to compute
-        elif req.sampling_params.grammar is not None:
-            self.grammars.submit(req)  # it joins the queue once compiled
+        elif not (effects and self.faults.accept(req, effects)):  # unless a planted fault holds it back
+            self._queue(req)
+
+    def _queue(self, req: Req) -> None:
+        """An accepted request joins the queue (a grammar request once compiled)."""
+        if req.sampling_params.grammar is not None:
+            self.grammars.submit(req)
         else:
             self.prefill.add(req)
+
+    def _abort(self, req: Req, message: str) -> None:
+        """End a live request as a client's abort does: now if it has not started (or a
+        planted fault holds it), else once no launched batch holds it."""
+        if self.prefill.unqueue(req) or self.grammars.drop(req) or self.faults.release(req):
+            self.finish(req, {"type": "abort", "message": message})
+        else:
+            req.to_abort = message
 
     # ---- request ends ----------------------------------------------------------
 

@@ -10,7 +10,8 @@
   or a CUDA OOM (retracted and retried once, aborted the second time) ends that
   batch's requests (or that request) with an abort reason; later requests finish
   exactly as on a reference engine, KV balances, and KV that a failed chunk never
-  wrote is not served from the radix cache afterwards.
+  wrote is not served from the radix cache afterwards. Batch failures are planted
+  with sgl.testing.inject_faults where a request's token count places them.
 - Chunked prefill is on by default and prompt logprobs do not depend on the chunk.
 - A bounded waiting queue refuses past max_queued_requests with status_code 503.
 - A decode batch sums a shared prefix once per request: the accounting of the
@@ -18,13 +19,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +38,7 @@ from sgl.sched.prefill import PrefillAdder
 from sgl.sched.results import ResultProcessor
 from sgl.sched.runner.model_runner import ModelRunner
 from sgl.sched.scheduler import Scheduler
+from sgl.testing.faults import Fail, FaultPlan, Rid, inject_faults
 from tests.conftest import assert_kv_balanced, null_continuation, tiny_model_dir
 from tests.fake_channels import ListSender, QueueReceiver
 from tests.hypothesis_profiles import PROFILE
@@ -181,9 +183,16 @@ def inject(monkeypatch: pytest.MonkeyPatch, rid: str, nth: int | None, make: Cal
     return seen
 
 
-def _engine(tiny_dir: str, overlap: bool, **kw: Any) -> sgl.Engine:
-    return sgl.Engine(tiny_dir, transport="inproc", skip_tokenizer_init=True, disable_overlap_schedule=not overlap,
-                      max_total_tokens=2048, **kw)
+def _engine(tiny_dir: str, overlap: bool, *faults: Fail, **kw: Any) -> sgl.Engine:
+    """An engine whose request "bad" meets `faults`."""
+    e = sgl.Engine(tiny_dir, transport="inproc", skip_tokenizer_init=True, disable_overlap_schedule=not overlap,
+                   max_total_tokens=2048, **kw)
+    if faults:
+        plan = FaultPlan()
+        for f in faults:
+            plan.add(f, Rid("bad"))
+        asyncio.run(inject_faults(e, plan))
+    return e
 
 
 def _run_mix(e: sgl.Engine, reference: sgl.Engine, bad_must: str) -> dict[str, Any]:
@@ -208,29 +217,26 @@ def _run_mix(e: sgl.Engine, reference: sgl.Engine, bad_must: str) -> dict[str, A
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-@pytest.mark.parametrize("stage, nth", [("forward", 1), ("forward", 3), ("prepare", 2)],
+@pytest.mark.parametrize("stage, after", [("forward", 0), ("forward", 2), ("prepare", 1)],
                          ids=["forward-prefill", "forward-decode", "prepare"])
-def test_a_failing_batch_aborts_its_requests_only(tiny_dir: str, reference: sgl.Engine, monkeypatch: Any,
-                                                 overlap: bool, stage: str, nth: int) -> None:
-    inject(monkeypatch, "bad", nth, lambda: RuntimeError("injected kernel error"), stage)
-    with _engine(tiny_dir, overlap) as e:
+def test_a_failing_batch_aborts_its_requests_only(tiny_dir: str, reference: sgl.Engine, overlap: bool, stage: Any,
+                                                 after: int) -> None:
+    with _engine(tiny_dir, overlap, Fail(after, stage, message="injected kernel error")) as e:
         bad = _run_mix(e, reference, "abort")
         assert "injected kernel error" in bad["message"] and stage in bad["message"]
         assert e.get_server_info()["failures"] >= 1
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_cuda_oom_retracts_once_then_aborts(tiny_dir: str, reference: sgl.Engine, monkeypatch: Any,
-                                            overlap: bool) -> None:
-    def oom() -> BaseException:
-        return torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+def test_cuda_oom_retracts_once_then_aborts(tiny_dir: str, reference: sgl.Engine, overlap: bool) -> None:
+    def oom(after: int) -> Fail:
+        return Fail(after, error="OutOfMemoryError", message="injected: CUDA out of memory")
 
-    seen = inject(monkeypatch, "bad", 2, oom)  # its first decode step: retracted, re-prefilled, done
-    with _engine(tiny_dir, overlap) as e:
+    with _engine(tiny_dir, overlap, oom(1)) as e:  # its first decode step: retracted, re-prefilled, done
         _run_mix(e, reference, "length")
-        assert e.get_server_info()["retractions"] >= 1 and seen["bad"] > 2
-    inject(monkeypatch, "bad", None, oom)  # every time: the retry fails too
-    with _engine(tiny_dir, overlap) as e:
+        info = e.get_server_info()
+        assert info["retractions"] >= 1 and info["failures"] >= 1
+    with _engine(tiny_dir, overlap, oom(0), oom(0)) as e:  # its prefill, and the retry too
         assert "OutOfMemoryError" in _run_mix(e, reference, "abort")["message"]
 
 

@@ -32,6 +32,7 @@ from sgl.core.protocol import (
     GetServerInfoReq,
     HealthCheckReq,
     Message,
+    SetFaultsReq,
     ShutdownReq,
 )
 from sgl.engine.async_engine import AsyncEngine
@@ -84,7 +85,7 @@ def test_the_scripted_scheduler_answers_every_request_the_front_end_sends() -> N
     requests = {t for t in typing.get_args(Message) if t.__name__.endswith(("Req", "ReqInput"))}
     # Attaching, detaching and shutting down are not the fake's: it has no route and no roles. A new
     # request message must be answered in sgl/testing/scripted.py (ScriptedScheduler.handle) first.
-    assert requests == {GenerateReqInput, AbortReq, FlushCacheReq, GetServerInfoReq, HealthCheckReq,
+    assert requests == {GenerateReqInput, AbortReq, FlushCacheReq, GetServerInfoReq, HealthCheckReq, SetFaultsReq,
                         AttachReq, DetachReq, ShutdownReq}
 
 

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from sgl.core.faults import FaultSpec
 from sgl.core.sampling_params import SamplingParams
 
 # {"type": "stop", "matched": int | str} | {"type": "length", "length": int} |
@@ -135,6 +136,22 @@ class HealthCheckOutput(msgspec.Struct, tag="health_out", forbid_unknown_fields=
     req_id: int = 0  # the request's
 
 
+class SetFaultsReq(msgspec.Struct, tag="set_faults", forbid_unknown_fields=True):
+    """A test's fault plan for the scheduler (sgl.testing.inject_faults): it replaces the
+    one installed; None removes it."""
+
+    faults: list[FaultSpec] | None
+    origin: str = ""  # the asking tokenizer manager's client id ("": the engine's own)
+    req_id: int = 0  # echoed in the reply, which the tokenizer manager matches by it
+
+
+class SetFaultsReqOutput(msgspec.Struct, tag="set_faults_out", forbid_unknown_fields=True):
+    success: bool
+    message: str = ""  # why the plan was refused
+    origin: str = ""
+    req_id: int = 0  # the request's
+
+
 class AttachReq(msgspec.Struct, tag="attach", forbid_unknown_fields=True):
     """A tokenizer manager in another process asks for its outputs at `address`.
 
@@ -210,6 +227,8 @@ Message = (
     | GetServerInfoReqOutput
     | HealthCheckReq
     | HealthCheckOutput
+    | SetFaultsReq
+    | SetFaultsReqOutput
     | AttachReq
     | AttachReqOutput
     | DetachReq
@@ -219,4 +238,4 @@ Message = (
 )
 
 # Control replies travel scheduler -> detokenizer -> tokenizer manager unchanged.
-CONTROL_REPLIES = (FlushCacheReqOutput, GetServerInfoReqOutput, HealthCheckOutput)
+CONTROL_REPLIES = (FlushCacheReqOutput, GetServerInfoReqOutput, HealthCheckOutput, SetFaultsReqOutput)

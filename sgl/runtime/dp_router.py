@@ -25,6 +25,7 @@ from sgl.core.protocol import (
     GetServerInfoReqOutput,
     HealthCheckOutput,
     Message,
+    SetFaultsReqOutput,
 )
 from sgl.transports.channel import Sender
 
@@ -130,6 +131,9 @@ def merge_replies(replies: list[Message]) -> Message:
     if isinstance(first, FlushCacheReqOutput):
         ok = all(r.success for r in replies if isinstance(r, FlushCacheReqOutput))
         return msgspec.structs.replace(first, success=ok)
+    if isinstance(first, SetFaultsReqOutput):
+        refused = [r for r in replies if isinstance(r, SetFaultsReqOutput) and not r.success]
+        return refused[0] if refused else first
     if isinstance(first, HealthCheckOutput):
         return msgspec.structs.replace(first, ok=all(r.ok for r in replies if isinstance(r, HealthCheckOutput)))
     return first

@@ -99,8 +99,8 @@ class EngineRoles:
 
     def abandon(self) -> None:
         """After a failed or cancelled start: kill and reap the processes at once (a thread
-        cannot be killed; as a daemon it ends with the process, or on its own once its
-        channels are closed), close the receiving end and remove the socket folder."""
+        cannot be killed: it is asked to stop, and as a daemon it ends with the process at
+        the latest), close the receiving end and remove the socket folder."""
         for h in self.handles:
             h.kill()
             if not isinstance(h, ThreadRole):
@@ -133,7 +133,7 @@ class EngineRoles:
         return None
 
     def kill(self) -> None:
-        """Kill and reap every role (a thread cannot be killed): once one died the engine is
+        """Kill and reap every role (a thread is asked to stop): once one died the engine is
         unusable, and a clean stop would wait on the dead one."""
         for h in self.handles:
             h.kill()

@@ -27,7 +27,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from sgl.core.protocol import ShutdownReq
 from sgl.runtime.roles import ChildConfig, run_role
+from sgl.transports.factory import open_sender
 
 T = TypeVar("T")
 
@@ -53,7 +55,7 @@ class RoleHandle(ABC):
 
     @abstractmethod
     def kill(self) -> None:
-        """Force the role to stop now and reap it (a thread cannot be forced: no-op)."""
+        """Force the role to stop now and reap it (a thread cannot be forced: it is asked to stop)."""
 
     @abstractmethod
     def stop(self, timeout: float) -> None:
@@ -155,6 +157,7 @@ class ProcessRole(RoleHandle):
 class ThreadRole(RoleHandle):
     def __init__(self, cfg: ChildConfig) -> None:
         self.name = cfg.name
+        self.inbox = cfg.addresses.to_scheduler if cfg.role == "scheduler" else cfg.addresses.to_detokenizer
         self._reports: queue.Queue[dict[str, Any]] = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(cfg,), name=f"sgl-{cfg.role}", daemon=True)
@@ -190,7 +193,10 @@ class ThreadRole(RoleHandle):
         return _ready_or_raise(self.name, report)
 
     def kill(self) -> None:
-        pass
+        """A ShutdownReq on the role's own channel: it stops at its next read (once started, if
+        it is starting). Without it, a role whose peer died would wait on its input for good."""
+        if self.alive():
+            open_sender(self.inbox).send(ShutdownReq())
 
     def stop(self, timeout: float) -> None:
         self.thread.join(timeout)

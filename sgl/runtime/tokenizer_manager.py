@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from sgl.core.faults import FaultSpec
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
     AbortReq,
@@ -44,6 +45,8 @@ from sgl.core.protocol import (
     HealthCheckOutput,
     HealthCheckReq,
     Message,
+    SetFaultsReq,
+    SetFaultsReqOutput,
     TokenizerCallOutput,
 )
 from sgl.core.request_checks import RequestLimits
@@ -264,6 +267,10 @@ class TokenizerManager:
     async def health(self) -> bool:
         return (await self.control_call(HealthCheckReq(origin=self.client_id), HealthCheckOutput,
                                         self.health_timeout)).ok
+
+    async def set_faults(self, faults: list[FaultSpec] | None) -> SetFaultsReqOutput:
+        """Install a fault plan on the scheduler (every replica and rank), or remove it (None)."""
+        return await self.control_call(SetFaultsReq(faults, origin=self.client_id), SetFaultsReqOutput)
 
     # ---- receive loop ----------------------------------------------------------
 

@@ -3,7 +3,8 @@
 
 - `FakeEngine` / `FakeSyncEngine`: the engines' public surface and rules, no model;
   `VirtualTimeLoop` / `run_virtual` run them on virtual time.
-- Faults on demand (`FaultPlan` with effects and selectors).
+- Faults on demand (`FaultPlan` with effects and selectors): a FakeEngine obeys one;
+  `inject_faults` installs one on a real engine.
 - A real engine on the public null model that starts in about a second (`null_engine`,
   `null_sync_engine`, `null_model_dir`, `null_continuation`).
 - The engine's contract as a checker (`check_result`, `check_stream`, `assert_no_leaks`,
@@ -51,12 +52,13 @@ from sgl.testing.faults import (
     Rid,
     SlowFirstToken,
     Where,
+    inject_faults,
 )
 
 __all__ = [
     "RULES", "Abort", "Always", "BackgroundEngine", "Busy", "Contract", "ContractViolation", "Control", "Die",
     "EngineFacts", "EngineRecipe", "Fail", "FakeEngine", "FakeSyncEngine", "FakeTokenizer", "Fault", "FaultPlan",
     "GenerateRequest", "Hang", "Nth", "Responder", "Rid", "ServedApp", "SlowFirstToken", "VirtualTimeLoop", "Where",
-    "assert_engine_clean", "assert_no_leaks", "check_result", "check_stream", "null_continuation", "null_engine",
-    "null_model_dir", "null_sync_engine", "run_virtual", "server_info_when_idle", "tokenizer_decoder",
+    "assert_engine_clean", "assert_no_leaks", "check_result", "check_stream", "inject_faults", "null_continuation",
+    "null_engine", "null_model_dir", "null_sync_engine", "run_virtual", "server_info_when_idle", "tokenizer_decoder",
 ]

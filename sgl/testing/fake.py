@@ -9,7 +9,7 @@ the scheduler is scripted (`ScriptedScheduler`): a request's output is its respo
 text (or ids), tokenized and ended by the scheduler's rules (max_new_tokens and
 min_new_tokens, stop ids and EOS, stop strings through the scheduler's own matcher, the
 context length, grammars), sent one token per step on the loop's clock with simulated
-latency, under the faults of a `FaultPlan` (sgl/testing/faults.py).
+latency, under the faults of a `FaultPlan` (sgl/core/faults.py).
 
 Time is the event loop's. On a virtual-time loop (`VirtualTimeLoop`, `run_virtual`)
 latencies and timeouts pass without real waiting; the fake runs no thread, so virtual
@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from sgl.core.faults import FaultPlan
 from sgl.core.protocol import (
     BatchTokenIDOutput,
     Message,
@@ -54,7 +55,6 @@ from sgl.runtime.metrics import Metrics
 from sgl.runtime.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl.runtime.tokenizer_ops import run_call
 from sgl.sched.models.tokenizer import load_chat_template
-from sgl.testing.faults import FaultPlan
 from sgl.testing.scripted import Latency, ModelFacts, Output, ScriptedScheduler, call_on_loop
 from sgl.transports.channel import ChannelClosed, Receiver, Sender
 from sgl.transports.codec import Codec

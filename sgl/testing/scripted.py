@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sgl.core.faults import Abort, Busy, ControlCall, Die, Effect, Fail, FaultPlan, Hang, SlowFirstToken, control_misuse
 from sgl.core.protocol import (
     AbortReq,
     BatchTokenIDOutput,
@@ -37,11 +38,12 @@ from sgl.core.protocol import (
     HealthCheckReq,
     Logprobs,
     Message,
+    SetFaultsReq,
+    SetFaultsReqOutput,
 )
 from sgl.core.sampling_params import SamplingParams, TrieConstraint
 from sgl.core.server_args import ServerArgs
 from sgl.sched.stop import StopStrings
-from sgl.testing.faults import Abort, Busy, ControlCall, Die, Effect, Fail, FaultPlan, Hang, SlowFirstToken
 from sgl.transports.channel import Sender
 
 Output = str | list[int]  # a text, or the output's token ids as they are
@@ -355,6 +357,11 @@ class ScriptedScheduler:
                 self._finish(r, {"type": "abort", "message": "aborted by the client"})
         elif isinstance(msg, (FlushCacheReq, GetServerInfoReq, HealthCheckReq)):
             self._control(msg)
+        elif isinstance(msg, SetFaultsReq):  # as the scheduler installs a plan sent as data
+            why = next(filter(None, (control_misuse(f.effect, f.when) for f in msg.faults or ())), None)
+            if why is None:
+                self.faults = FaultPlan.from_specs(msg.faults) if msg.faults is not None else FaultPlan()
+            self.send.send(SetFaultsReqOutput(why is None, why or "", msg.origin, msg.req_id))
 
     def _arrive(self, msg: GenerateReqInput) -> None:  # the checks of sgl.sched.intake, then its plan
         p, ids = msg.sampling_params, msg.input_ids
