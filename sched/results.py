@@ -88,13 +88,14 @@ class Outbox:
     def add(self, req: Req) -> None:
         self.reqs[req] = None
 
-    def flush(self) -> BatchTokenIDOutput | None:
+    def flush(self, weight_version: str) -> BatchTokenIDOutput | None:
         """The outbox's requests as one message to the detokenizer: each one's ids and
-        logprobs since its last message, which are marked sent; None when empty."""
+        logprobs since its last message, which are marked sent; None when empty.
+        `weight_version`: of the weights that made them."""
         if not self.reqs:
             return None
         reqs, self.reqs = list(self.reqs), {}
-        out = BatchTokenIDOutput([], [], [], [], [], [], [], [], [], [], [], [], [])
+        out = BatchTokenIDOutput([], [], [], [], [], [], [], [], [], [], [], [], [], weight_version)
         for r in reqs:
             out.rids.append(r.rid)
             out.new_ids.append(r.output_ids[r.sent_len :])

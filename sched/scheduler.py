@@ -91,6 +91,7 @@ class Scheduler:
                                        tp.size, self.finish, self.abort_now)
         self.rids: dict[str, Req] = {}  # the live requests: queued, compiling, prefilling or running
         self.last: Step | None = None  # launched, results not processed yet (the overlap loop's)
+        self.weight_version = "default"
         # The loop's time: building and launching batches (mask_wait_s of it: queueing a grammar
         # batch's sampling once its masks are in), waiting for results, processing them.
         self.stats = {"build_s": 0.0, "mask_wait_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
@@ -174,7 +175,7 @@ class Scheduler:
             step = step if self._guard(step.batch, "sampling", step.fill_masks, tokens, launched=True) else None
         self.results.apply(got)
         self.last = step
-        if (out := self.outbox.flush()) is not None:
+        if (out := self.outbox.flush(self.weight_version)) is not None:
             self.send.send(out)
         st = self.stats
         st["build_s"] += t1 - t0

@@ -86,6 +86,7 @@ class BatchTokenIDOutput(msgspec.Struct, tag="batch_token_ids", forbid_unknown_f
     # A finished beam-search request's beams, best first (None for other requests). Its
     # new_ids are empty: the beams carry the ids.
     beams: list[list[Beam] | None] = []
+    weight_version: str = "default"  # of the weights that made these tokens
 
 
 class BatchStrOutput(msgspec.Struct, tag="batch_str", forbid_unknown_fields=True):
@@ -100,6 +101,7 @@ class BatchStrOutput(msgspec.Struct, tag="batch_str", forbid_unknown_fields=True
     cached_tokens: list[int]
     logprobs: list[Logprobs | None]
     beams: list[list[Beam] | None] = []  # with each beam's text, as in BatchTokenIDOutput
+    weight_version: str = "default"
 
 
 class FlushCacheReq(msgspec.Struct, tag="flush_cache", forbid_unknown_fields=True):
@@ -150,6 +152,165 @@ class SetFaultsReqOutput(msgspec.Struct, tag="set_faults_out", forbid_unknown_fi
     message: str = ""  # why the plan was refused
     origin: str = ""
     req_id: int = 0  # the request's
+
+
+# ---- the control plane: pause, abort all, weights, memory (sgl.sched.control) ----
+
+# abort: running and waiting requests end (reason "abort"); retract: running requests go
+# back to waiting with their progress kept; in_place: nothing moves, nothing is scheduled.
+PauseMode = Literal["abort", "retract", "in_place"]
+MemoryTag = Literal["weights", "kv_cache"]
+MEMORY_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache")
+
+
+class ControlReqOutput(msgspec.Struct, tag="control_out", forbid_unknown_fields=True, kw_only=True):
+    """The reply to every control-plane request below: `message` says why on failure
+    (the engine is then as it was); `data` holds the call's results (e.g.
+    "weight_version", "num_paused_requests", "parameter", "aborted")."""
+
+    success: bool
+    message: str = ""
+    data: dict[str, Any] = {}
+    origin: str = ""
+    req_id: int = 0  # the request's
+
+
+class PauseGenerationReq(msgspec.Struct, tag="pause", forbid_unknown_fields=True, kw_only=True):
+    """Stop generating (PauseMode). New requests wait for `ContinueGenerationReq`, or
+    with `refuse_new` end at once with a 503-like abort reason."""
+
+    mode: PauseMode = "abort"
+    refuse_new: bool = False
+    origin: str = ""
+    req_id: int = 0
+
+
+class ContinueGenerationReq(msgspec.Struct, tag="continue", forbid_unknown_fields=True, kw_only=True):
+    origin: str = ""
+    req_id: int = 0
+
+
+class AbortAllReq(msgspec.Struct, tag="abort_all", forbid_unknown_fields=True, kw_only=True):
+    """Abort every live request (queued, compiling, prefilling, running); reply once they ended."""
+
+    origin: str = ""
+    req_id: int = 0
+
+
+class WeightUpdate(msgspec.Struct, kw_only=True):
+    """What every weight update shares. flush_cache: drop the radix cache (its KV was
+    made by the old weights; requests holding KV are retracted and recompute it);
+    abort_all_requests: abort every live request first, else the update waits until no
+    request runs (a paused engine's requests wait for it); weight_version: the new
+    version (default: the count of updates so far, as a string)."""
+
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    origin: str = ""
+    req_id: int = 0
+
+
+class UpdateWeightsFromDiskReq(WeightUpdate, tag="update_weights_disk", forbid_unknown_fields=True, kw_only=True):
+    """Load a checkpoint of the same architecture (a safetensors directory or a .gguf file)."""
+
+    model_path: str
+    load_format: str | None = None  # None: as the engine was started ("auto" finds the format)
+
+
+class TensorEntry(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    name: str  # a Hugging Face parameter name (q_proj, not our fused qkv_proj)
+    dtype: str  # torch's name without "torch.": float32, bfloat16, float16
+    shape: list[int]
+    offset: int  # bytes from the buffer's start
+
+
+class CudaIpcHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """torch's CUDA IPC share of one storage (UntypedStorage._share_cuda_), field for field."""
+
+    device: int
+    handle: bytes
+    size: int
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class SharedTensors(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Named tensors packed in one buffer another process opens without pickle: a CPU
+    shared-memory block (`shm_name`) or a CUDA allocation (`cuda`); made by
+    sgl.weights.share_tensors, which the sender keeps open until the update returned."""
+
+    entries: list[TensorEntry]
+    nbytes: int
+    shm_name: str = ""
+    cuda: CudaIpcHandle | None = None
+
+
+class UpdateWeightsFromTensorReq(WeightUpdate, tag="update_weights_tensor", forbid_unknown_fields=True,
+                                 kw_only=True):
+    tensors: SharedTensors
+
+
+class InitWeightsUpdateGroupReq(msgspec.Struct, tag="init_update_group", forbid_unknown_fields=True, kw_only=True):
+    """Join a trainer's torch.distributed group as rank `rank_offset + tp_rank`; the
+    trainer is rank 0 and broadcasts. backend: "nccl" (GPU) or "gloo" (CPU)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+    origin: str = ""
+    req_id: int = 0
+
+
+class UpdateWeightsFromDistributedReq(WeightUpdate, tag="update_weights_dist", forbid_unknown_fields=True,
+                                      kw_only=True):
+    """Receive each named tensor from rank 0's broadcast in the group, in this order."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+
+
+class DestroyWeightsUpdateGroupReq(msgspec.Struct, tag="destroy_update_group", forbid_unknown_fields=True,
+                                   kw_only=True):
+    group_name: str = "weight_update_group"
+    origin: str = ""
+    req_id: int = 0
+
+
+class GetWeightsByNameReq(msgspec.Struct, tag="get_weights", forbid_unknown_fields=True, kw_only=True):
+    """The first `truncate_size` values of a Hugging Face-named parameter, flattened."""
+
+    name: str
+    truncate_size: int = 100
+    origin: str = ""
+    req_id: int = 0
+
+
+class ReleaseMemoryReq(msgspec.Struct, tag="release_memory", forbid_unknown_fields=True, kw_only=True):
+    """Free the device memory of the weights and/or the KV pool (None: both)."""
+
+    tags: list[MemoryTag] | None = None
+    origin: str = ""
+    req_id: int = 0
+
+
+class ResumeMemoryReq(msgspec.Struct, tag="resume_memory", forbid_unknown_fields=True, kw_only=True):
+    tags: list[MemoryTag] | None = None
+    origin: str = ""
+    req_id: int = 0
+
+
+CONTROL_PLANE = (PauseGenerationReq, ContinueGenerationReq, AbortAllReq, UpdateWeightsFromDiskReq,
+                 UpdateWeightsFromTensorReq, InitWeightsUpdateGroupReq, UpdateWeightsFromDistributedReq,
+                 DestroyWeightsUpdateGroupReq, GetWeightsByNameReq, ReleaseMemoryReq, ResumeMemoryReq)
 
 
 class AttachReq(msgspec.Struct, tag="attach", forbid_unknown_fields=True):
@@ -229,6 +390,18 @@ Message = (
     | HealthCheckOutput
     | SetFaultsReq
     | SetFaultsReqOutput
+    | ControlReqOutput
+    | PauseGenerationReq
+    | ContinueGenerationReq
+    | AbortAllReq
+    | UpdateWeightsFromDiskReq
+    | UpdateWeightsFromTensorReq
+    | InitWeightsUpdateGroupReq
+    | UpdateWeightsFromDistributedReq
+    | DestroyWeightsUpdateGroupReq
+    | GetWeightsByNameReq
+    | ReleaseMemoryReq
+    | ResumeMemoryReq
     | AttachReq
     | AttachReqOutput
     | DetachReq
@@ -238,4 +411,5 @@ Message = (
 )
 
 # Control replies travel scheduler -> detokenizer -> tokenizer manager unchanged.
-CONTROL_REPLIES = (FlushCacheReqOutput, GetServerInfoReqOutput, HealthCheckOutput, SetFaultsReqOutput)
+CONTROL_REPLIES = (FlushCacheReqOutput, GetServerInfoReqOutput, HealthCheckOutput, SetFaultsReqOutput,
+                   ControlReqOutput)

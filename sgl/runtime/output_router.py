@@ -110,7 +110,7 @@ class OutputRouter(Sender):
             # Every field is a per-rid column: take each one's rows, whatever columns exist
             # (an optional column left empty, as `beams` by a sender without it, stays empty).
             part = b if len(idx) == len(b.rids) else BatchStrOutput(
-                **{f: [col[i] for i in idx] if (col := getattr(b, f)) else []
+                **{f: ([col[i] for i in idx] if col else []) if isinstance(col := getattr(b, f), list) else col
                    for f in BatchStrOutput.__struct_fields__})
             if client:
                 self._to_client(client, part)

@@ -338,6 +338,7 @@ class TokenizerManager:
                 "completion_tokens": b.completion_tokens[i],
                 "cached_tokens": b.cached_tokens[i],
                 "finish_reason": fin,
+                "weight_version": b.weight_version,
             }
             if fin is not None:
                 meta["e2e_latency"] = now - st.created
