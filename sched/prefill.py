@@ -281,11 +281,11 @@ class PrefillManager:
         return [*a.admitted, *([a.current] if a.current else [])] if a is not None else []
 
     def schedule(self, running: Collection[Req], rids: Mapping[str, Req],
-                 new_token_ratio: float) -> ScheduleBatch | None:
-        """The round: the chunked request's next chunk and the waiting requests that fit,
-        admitted, given their KV slots and built into a batch; None when nothing is admitted."""
+                 new_token_ratio: float, admit: bool = True) -> ScheduleBatch | None:
+        """The round: the chunked request's next chunk and (if `admit`) the waiting requests
+        that fit, admitted, given their KV slots and built into a batch; None when nothing is."""
         self.round = None
-        if not self.waiting and self.chunked is None:
+        if self.chunked is None and not (admit and self.waiting):
             return None
         adder = self.round = PrefillAdder(
             self.kv, running=running, prefilling=self.prefilling, rids=rids,
@@ -293,7 +293,8 @@ class PrefillManager:
             max_running_requests=self.max_running_requests, new_token_ratio=new_token_ratio)
         if self.chunked is not None and not adder.add_chunked(self.chunked):
             return None
-        adder.add_waiting(self.waiting, self.policy)
+        if admit:
+            adder.add_waiting(self.waiting, self.policy)
         admitted = adder.admitted
         for req in admitted:
             if req in self.waiting:

@@ -25,6 +25,7 @@ from typing import Any
 from sgl.core.faults import Busy, ControlCall
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
+    CONTROL_PLANE,
     AbortReq,
     AttachReq,
     DetachReq,
@@ -43,6 +44,7 @@ from sgl.core.protocol import (
 from sgl.core.server_args import ServerArgs
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.beam import BeamSearch
+from sgl.sched.control import ControlPlane
 from sgl.sched.decode import DecodeManager
 from sgl.sched.faults import FaultInjector
 from sgl.sched.grammar import Grammars
@@ -91,7 +93,7 @@ class Scheduler:
                                        tp.size, self.finish, self.abort_now)
         self.rids: dict[str, Req] = {}  # the live requests: queued, compiling, prefilling or running
         self.last: Step | None = None  # launched, results not processed yet (the overlap loop's)
-        self.weight_version = "default"
+        self.control = ControlPlane(r, self.kv, self.prefill, self.decode, self.rids, self._drain, self.abort_now)
         # The loop's time: building and launching batches (mask_wait_s of it: queueing a grammar
         # batch's sampling once its masks are in), waiting for results, processing them.
         self.stats = {"build_s": 0.0, "mask_wait_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
@@ -105,7 +107,7 @@ class Scheduler:
         out = {"model_path": self.args.model_path, "max_queued_requests": self.args.max_queued_requests,
                "max_top_logprobs_num": self.args.max_top_logprobs_num, **self.runner.info(), **self.kv.info(),
                **self.prefill.info(), **self.decode.info(), "grammars_compiling": len(self.grammars.pending),
-               "failures": self.results.failures, **self.stats}
+               "failures": self.results.failures, **self.stats, **self.control.info()}
         out["waiting"] += len(self.faults.delayed)  # held back by a planted fault: waiting all the same
         out["running"] += len(self.faults.hung)
         return out
@@ -130,9 +132,7 @@ class Scheduler:
         forward, which reads its tokens. False once a ShutdownReq was handled."""
         for msg in self._receive(block):
             if isinstance(msg, ShutdownReq):
-                if self.last is not None:
-                    self.results.apply(self.results.wait(self.last))
-                    self.last = None
+                self._drain()
                 self.send.send(msg)
                 return False
             self.handle(msg)
@@ -145,6 +145,8 @@ class Scheduler:
                 self.finish(req, reason)
         for req in self.decode.abort_ready():
             self.finish(req, {"type": "abort", "message": req.to_abort})
+        for reply in self.control.step():  # weight updates that waited for the running requests
+            self._send(reply)
         t0 = time.perf_counter()
         last, self.last = self.last, None
         batch = self._schedule()
@@ -175,8 +177,7 @@ class Scheduler:
             step = step if self._guard(step.batch, "sampling", step.fill_masks, tokens, launched=True) else None
         self.results.apply(got)
         self.last = step
-        if (out := self.outbox.flush(self.weight_version)) is not None:
-            self.send.send(out)
+        self._send()
         st = self.stats
         st["build_s"] += t1 - t0
         st["wait_s"] += t2 - t1
@@ -184,12 +185,14 @@ class Scheduler:
         return True
 
     def _receive(self, block: bool) -> list[Message]:
-        """The waiting messages. While idle and `block`, wait for one up to IDLE_POLL_S
-        (GRAMMAR_POLL_S with grammars compiling), checking the KV accounting first."""
-        if not self.idle:
+        """The waiting messages. While idle (or paused, nothing in flight) and `block`,
+        wait for one up to IDLE_POLL_S (GRAMMAR_POLL_S with grammars compiling), checking
+        the KV accounting first when truly idle."""
+        idle = self.idle
+        if not idle and not (self.control.frozen and self.last is None):
             return self.recv.recv_all_nowait()
         compiling = bool(self.grammars.pending)
-        if not compiling:
+        if idle and not compiling:
             if not self.faults.hung:  # a hung request keeps its KV
                 self.kv.check_idle()
             self.runner.gpu_timeline.reset_gap()
@@ -202,9 +205,12 @@ class Scheduler:
     def _schedule(self) -> ScheduleBatch | None:
         """The next batch: an admission round, else a decode step of the running requests.
         If building it raises, the requests it was taking in are aborted."""
+        if self.control.frozen:
+            return None
         builder: PrefillManager | DecodeManager = self.prefill
         try:
-            batch = self.prefill.schedule(self.decode.running, self.rids, self.decode.new_token_ratio)
+            batch = self.prefill.schedule(self.decode.running, self.rids, self.decode.new_token_ratio,
+                                          admit=self.control.admits)
             if batch is None and self.decode.running:
                 builder = self.decode
                 batch = self.decode.schedule()
@@ -256,6 +262,10 @@ class Scheduler:
             self.send.send(GetServerInfoReqOutput(info=self.info(), origin=msg.origin, req_id=msg.req_id))
         elif isinstance(msg, HealthCheckReq):
             self.send.send(HealthCheckOutput(ok=True, origin=msg.origin, req_id=msg.req_id))
+        elif isinstance(msg, CONTROL_PLANE):
+            if (reply := self.control.handle(msg)) is not None:
+                reply.origin, reply.req_id = msg.origin, msg.req_id
+                self._send(reply)
         elif isinstance(msg, SetFaultsReq):
             why = self.faults.install(msg.faults)
             self.send.send(SetFaultsReqOutput(why is None, why or "", msg.origin, msg.req_id))
@@ -268,7 +278,7 @@ class Scheduler:
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.stream, msg)
         effects = self.faults.arrive(req) if self.faults.plan is not None else None
         busy = effects is not None and any(isinstance(e, Busy) for e in effects)
-        refusal = self.intake.check(req, self.rids, len(self.prefill.waiting), busy)  # sets its arrival if accepted
+        refusal = self.control.refusal() or self.intake.check(req, self.rids, len(self.prefill.waiting), busy)
         if refusal is not None:
             self.finish(req, refusal)
             return
@@ -296,6 +306,20 @@ class Scheduler:
         else:
             req.to_abort = message
 
+    def _drain(self) -> None:
+        """Process the batch in flight, if any: afterwards no launched batch reads the
+        weights, the KV pool or a request's state."""
+        if self.last is not None:
+            last, self.last = self.last, None
+            self.results.apply(self.results.wait(last))
+
+    def _send(self, reply: Message | None = None) -> None:
+        """Send what the outbox holds, then `reply` (a control reply follows the outputs it caused)."""
+        if (out := self.outbox.flush(self.control.weight_version)) is not None:
+            self.send.send(out)
+        if reply is not None:
+            self.send.send(reply)
+
     # ---- request ends ----------------------------------------------------------
 
     def finish(self, req: Req, reason: dict[str, Any]) -> None:
@@ -315,6 +339,8 @@ class Scheduler:
         if self.rids.get(req.rid) is not req:
             return  # ended already
         self.prefill.unqueue(req)  # a failed admission round's requests are still queued
+        self.grammars.drop(req)
+        self.faults.release(req)
         if not req.finished:
             try:
                 self.finish(req, {"type": "abort", "message": message})
