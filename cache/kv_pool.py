@@ -1,5 +1,7 @@
 """The KV pool: per layer, one K and one V tensor of [size + 1, kv_heads, head_dim],
-indexed by KV slot (slot 0 is padding). It stores; it never decides who owns a slot."""
+indexed by KV slot (slot 0 is padding). Its memory can be released and allocated again
+(`release`, `resume`), which loses the KV it held. It stores; it never decides who owns
+a slot."""
 
 from __future__ import annotations
 
@@ -24,9 +26,30 @@ class MHATokenToKVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (size + 1, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffer, self.v_buffer = self._allocate()
+        self.released = False
+
+    def _allocate(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        shape = (self.size + 1, self.num_kv_heads, self.head_dim)
+        return ([torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)],
+                [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)])
+
+    def release(self) -> None:
+        """Free the K/V tensors (each layer keeps an empty one); their KV is lost."""
+        if self.released:
+            raise ValueError("the KV cache is released already")
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.k_buffer = [empty] * self.num_layers
+        self.v_buffer = [empty] * self.num_layers
+        self.released = True
+
+    def resume(self) -> None:
+        """Allocate the K/V tensors again (zeros, new storage); on failure (out of memory)
+        the pool stays released."""
+        if not self.released:
+            raise ValueError("the KV cache is not released")
+        self.k_buffer, self.v_buffer = self._allocate()
+        self.released = False
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k_buffer, *self.v_buffer))

@@ -2,12 +2,15 @@
 and the sampling state; prepares a ScheduleBatch (sgl.sched.runner.prepare), queues
 its forward and its sampling (sgl.sched.runner.sampling_state) and hands back the
 launched Step (sgl.sched.runner.step). It is complete once constructed: nothing
-outside sets its state.
+outside sets its state. Between batches the weights change through `weights`
+(sgl.sched.runner.weights), and the device memory of the weights and the KV cache is
+released and resumed here (`release_memory`, `resume_memory`).
 
 It decides nothing about which requests run: that is the scheduler's job."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections.abc import Callable
@@ -18,9 +21,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.cache.pools import build_kv_pools, default_kv_tokens
 from sgl.core.log import get_logger
 from sgl.core.logit_processor import resolve
+from sgl.core.protocol import MEMORY_TAGS
 from sgl.core.server_args import ServerArgs
 from sgl.kernels.attention import AttentionBackend
 from sgl.kernels.torch_attention import TorchAttentionBackend
@@ -32,6 +37,7 @@ from sgl.sched.runner.grammar_masks import GrammarFill
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
 from sgl.sched.runner.sampling_state import SamplingState
 from sgl.sched.runner.step import Step, StepResult
+from sgl.sched.runner.weights import WeightManager
 
 if TYPE_CHECKING:
     from sgl.sched.models.model_config import AnyConfig
@@ -120,6 +126,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model, self.config = self._load(args, model_path)
         self.startup = {"weights_s": time.perf_counter() - t0}
+        self.weights = WeightManager(self.model, self.device, self.dtype, tp, args.load_format)
         self.vocab_size: int = self.model.vocab_size
         self.eos_ids = frozenset(eos_ids_of(self.config, model_path))
         # Every allowed processor is imported at start-up: a bad entry fails the engine's start.
@@ -155,12 +162,15 @@ class ModelRunner:
                                       masks=args.grammar_backend != "none")
         self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
+        # The largest batch the CUDA graphs take; None: no graphs.
+        self.graph_bs = (min(args.cuda_graph_max_bs, self.max_running_requests)
+                         if self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null"
+                         else None)
         t0 = time.perf_counter()
-        if self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null":
-            from sgl.sched.runner.cuda_graph import CudaGraphRunner
-
-            self.graphs = CudaGraphRunner(self, min(args.cuda_graph_max_bs, self.max_running_requests))
+        self._capture_graphs()
         self.startup["cuda_graphs_s"] = time.perf_counter() - t0
+        # The last memory release's and resume's seconds (resume's graph capture apart).
+        self.memory_stats: dict[str, float] = {}
         self.log.info(
             "model ready", device=str(self.device), dtype=str(self.dtype), kv_tokens=self.max_total_tokens,
             kv_gib=round(self.kv_pool.nbytes() / 2**30, 2), attention=type(self.attn_backend).__name__,
@@ -169,6 +179,84 @@ class ModelRunner:
             cuda_graph_sizes=self.graphs.sizes if self.graphs else None,
             **{k: round(v, 2) for k, v in self.startup.items()},
         )
+
+    def _capture_graphs(self) -> None:
+        if self.graph_bs is not None:
+            from sgl.sched.runner.cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self, self.graph_bs)
+
+    # ---- memory release, for a trainer sharing the device ----
+
+    @property
+    def released(self) -> frozenset[str]:
+        """The memory tags whose device memory is released."""
+        return frozenset(t for t in MEMORY_TAGS if not self._memory_owner(t)[1])
+
+    def _memory_owner(self, tag: str) -> tuple[WeightManager | MHATokenToKVPool, bool]:
+        """The object that holds a tag's memory, and whether that memory is on the device."""
+        if tag == "weights":
+            return self.weights, self.weights.resident
+        return self.kv_pool, not self.kv_pool.released
+
+    def _tags(self, tags: set[str], released: bool) -> list[str]:
+        unknown = sorted(set(tags) - set(MEMORY_TAGS))
+        if unknown:
+            raise ValueError(f"unknown memory tag {', '.join(map(repr, unknown))}; tags are {', '.join(MEMORY_TAGS)}")
+        wrong = [t for t in MEMORY_TAGS if t in tags and (t in self.released) != released]
+        if wrong:
+            raise ValueError(f"memory tag {', '.join(map(repr, wrong))} is "
+                             + ("not released" if released else "released already"))
+        return [t for t in MEMORY_TAGS if t in tags]
+
+    def release_memory(self, tags: set[str]) -> None:
+        """Free the device memory of the tagged parts ("weights": kept in host memory;
+        "kv_cache": its content is lost, so the radix cache must be flushed first) and
+        drop the CUDA graphs, which read them. Call with no batch in flight. On failure
+        nothing is released."""
+        todo = self._tags(tags, released=False)
+        t0 = time.perf_counter()
+        done: list[str] = []
+        try:
+            for tag in todo:
+                self._memory_owner(tag)[0].release()
+                done.append(tag)
+        except BaseException:
+            for tag in reversed(done):
+                self._memory_owner(tag)[0].resume()
+            raise
+        if self.graphs is not None:
+            self.graphs = None
+            gc.collect()  # the graphs' memory pool goes with its last graph
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.memory_stats["release_s"] = time.perf_counter() - t0
+        self.log.info("memory released", tags=todo, released=sorted(self.released),
+                      seconds=round(self.memory_stats["release_s"], 3))
+
+    def resume_memory(self, tags: set[str]) -> None:
+        """Allocate the tagged parts again (the weights' values come back, the KV cache
+        is empty); once nothing is released the CUDA graphs are captured again. On
+        failure (out of memory) the tags stay released."""
+        todo = self._tags(tags, released=True)
+        t0 = time.perf_counter()
+        done: list[str] = []
+        try:
+            for tag in todo:
+                self._memory_owner(tag)[0].resume()
+                done.append(tag)
+            self.memory_stats["resume_s"] = time.perf_counter() - t0
+            if not self.released and self.graphs is None and self.graph_bs is not None:
+                t1 = time.perf_counter()
+                self._capture_graphs()
+                self.memory_stats["recapture_s"] = time.perf_counter() - t1
+        except BaseException:
+            self.graphs = None
+            for tag in reversed(done):
+                self._memory_owner(tag)[0].release()
+            raise
+        self.log.info("memory resumed", tags=todo, released=sorted(self.released),
+                      seconds=round(self.memory_stats["resume_s"], 3))
 
     @property
     def decode_attention(self) -> str:
@@ -259,13 +347,15 @@ class ModelRunner:
                 "vocab_size": self.vocab_size, "context_length": self.context_length,
                 "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
                 "eos_token_ids": sorted(self.eos_ids), "cascade_steps": self.preparer.cascade_steps,
-                "startup": self.startup, **self.gpu_timeline.info(), **self.sampling.masks.times}
+                "startup": self.startup, "memory": {"released": sorted(self.released), **self.memory_stats},
+                **self.gpu_timeline.info(), **self.sampling.masks.times}
 
     def close(self) -> None:
         """Stop the runner's threads (the forward worker, the grammar fill threads)."""
         if self.worker is not None:
             self.worker.shutdown(wait=False, cancel_futures=True)
         self.sampling.close()
+        self.weights.close()
 
     @torch.inference_mode()
     def _logits(self, p: PreparedBatch) -> torch.Tensor:
