@@ -32,6 +32,9 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"  # the HTTP server's address, and the tcp transport's
     port: int = 30000  # the HTTP server's port (0: any free port)
     api_key: str | None = None  # Bearer token guarding every HTTP endpoint but /health
+    # SGLang's: when set, the Bearer token of the control routes (pause, weights, memory,
+    # flush_cache, abort_all), which the api_key no longer opens. None: the api_key.
+    admin_api_key: str | None = None
     transport_key: str | None = None  # tcp transport shared HMAC secret (hex): the legacy mode, one identity for all
     # tcp transport CURVE keys: a folder from `sgl keys new DIR` (server.key_secret, allowed/,
     # admin/). None (and no transport_key): an ephemeral key pair per engine, no clients.
@@ -138,8 +141,9 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"port={self.port} is invalid: must be in [0, 65535]")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes={self.max_request_bytes} is invalid: must be >= 1")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key is invalid: must be a non-empty string (or None for no key)")
+        for name in ("api_key", "admin_api_key"):
+            if getattr(self, name) is not None and not getattr(self, name):
+                raise ValueError(f"{name} is invalid: must be a non-empty string (or None for no key)")
         if self.transport_key is not None:
             try:
                 key = bytes.fromhex(self.transport_key)
@@ -178,7 +182,7 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"server args: {e}") from None
 
 
-SECRET_FIELDS = ("api_key", "transport_key")
+SECRET_FIELDS = ("api_key", "admin_api_key", "transport_key")
 
 
 def redacted(args: ServerArgs) -> dict[str, Any]:

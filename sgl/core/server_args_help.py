@@ -19,6 +19,8 @@ FIELD_HELP: dict[str, str] = {
     "host": "the HTTP server's address (and the tcp transport's)",
     "port": "the HTTP server's port; 0 picks a free one",
     "api_key": "Bearer token every HTTP path but /health needs",
+    "admin_api_key": "Bearer token the control routes need instead of the api key (pause and continue, weight "
+                     "updates, memory release and resume, flush_cache, abort_all); unset: the api key",
     "transport_key": "tcp transport: a shared HMAC secret (hex, >= 32 digits; the legacy mode)",
     "transport_keys": "tcp transport: a CURVE key folder made by `sgl keys new DIR`",
     "served_model_name": "the model's name in the OpenAI API (/v1/models, the `model` field of requests and "

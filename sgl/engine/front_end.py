@@ -1,7 +1,9 @@
 """`EngineFrontEnd`: what an engine offers its caller, the same whether it started
 its own roles (`AsyncEngine`) or attached to a running engine's scheduler
 (`AttachedEngine`): generate, stream, abort, the control calls (flush_cache,
-get_server_info, health), liveness, and closing (`aclose`, `async with`).
+get_server_info, health), the control plane with SGLang's names (pause and continue,
+abort all, weight updates and versions, memory release and resume: docs/control.md),
+liveness, and closing (`aclose`, `async with`).
 
 Requests go to its tokenizer manager, which runs on the caller's loop; the front
 end holds no request state of its own. How an engine stops is its own
@@ -9,6 +11,7 @@ end holds no request state of its own. How an engine stops is its own
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import functools
 from abc import ABC, abstractmethod
@@ -16,7 +19,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeVar
 
 from sgl.core.log import get_logger
+from sgl.core.protocol import AbortAllReq, ContinueGenerationReq, MemoryTag, Message, PauseMode, SharedTensors
 from sgl.core.server_args import ModelFiles, ServerArgs
+from sgl.engine import control_args as ca
 from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
 from sgl.runtime.launch import off_loop
 from sgl.runtime.metrics import Metrics
@@ -120,8 +125,14 @@ class EngineFrontEnd(ABC):
         gens = [self.tm.generate(p, ids, sp, r, stream=True, opts=o) for (p, ids, sp, r), o in zip(items, opts)]
         return merge_streams(gens, offsets)
 
-    async def abort(self, rid: str) -> None:
-        self.tm.abort(rid)
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort the request `rid` (for n > 1, all its samples); SGLang's
+        `abort_all=True` aborts every request instead (see `abort_all`)."""
+        target = ca.abort_target(rid, abort_all)
+        if target is None:
+            await self.abort_all()
+        else:
+            self.tm.abort(target)
 
     async def flush_cache(self) -> dict[str, Any]:
         out = await self.tm.flush_cache()
@@ -132,6 +143,101 @@ class EngineFrontEnd(ABC):
 
     async def health(self) -> bool:
         return await self.tm.health()
+
+    # ---- the control plane (docs/control.md) -------------------------------------
+
+    async def _control(self, req: Message) -> dict[str, Any]:
+        self._check_open()
+        return ca.result(await self.tm.control_plane(req))
+
+    async def pause_generation(self, mode: PauseMode = "abort", refuse_new: bool = False) -> dict[str, Any]:
+        """Stop generating. mode "abort" ends running and waiting requests (reason abort);
+        "retract" puts running ones back in the queue, their progress kept; "in_place"
+        freezes them where they are. New requests wait for `continue_generation`, or
+        with `refuse_new` end at once as busy (ServerBusyError)."""
+        return await self._control(ca.pause(mode, refuse_new))
+
+    async def continue_generation(self) -> dict[str, Any]:
+        """Resume generating after `pause_generation`."""
+        return await self._control(ContinueGenerationReq())
+
+    async def abort_all(self) -> int:
+        """Abort every request of the engine (every client's); returns how many ended."""
+        return int((await self._control(AbortAllReq())).get("aborted", 0))
+
+    async def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
+                                       flush_cache: bool = True, abort_all_requests: bool = False,
+                                       weight_version: str | None = None) -> dict[str, Any]:
+        """Load new weights of the same architecture from a checkpoint (a safetensors
+        directory or a .gguf file). Waits until no request runs (abort_all_requests:
+        abort them first); flush_cache drops the radix cache made by the old weights.
+        Returns {"success", "message", "num_paused_requests", "weight_version"}; a
+        refusal raises ValueError and leaves the old weights serving."""
+        return await self._control(ca.from_disk(model_path, load_format, flush_cache, abort_all_requests,
+                                                weight_version))
+
+    async def update_weights_from_tensor(self, named_tensors: Any, *, load_format: str | None = None,
+                                         flush_cache: bool = True, abort_all_requests: bool = False,
+                                         weight_version: str | None = None) -> dict[str, Any]:
+        """Load tensors by their Hugging Face names: a list of (name, tensor) pairs or a
+        dict (packed into shared memory, or one CUDA IPC buffer, for the call and freed
+        after it; nothing is pickled), or a SharedTensors you made with
+        sgl.weights.share_tensors and keep open until this returns. Options as for
+        `update_weights_from_disk`."""
+        options = ca.tensor_options(load_format, flush_cache, abort_all_requests, weight_version)
+        if isinstance(named_tensors, SharedTensors):
+            return await self._control(ca.from_tensor(named_tensors, options))
+        buf = await _shared(ca.named_items(named_tensors))
+        try:
+            return await self._control(ca.from_tensor(buf.spec, options))
+        finally:
+            buf.close()
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> dict[str, Any]:
+        """Join a trainer's torch.distributed group (the trainer is rank 0; this engine's
+        ranks are rank_offset + tp_rank) for `update_weights_from_distributed`. backend:
+        "nccl" (GPUs) or "gloo" (CPU)."""
+        return await self._control(ca.init_group(master_address, master_port, rank_offset, world_size, group_name,
+                                                 backend))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              abort_all_requests: bool = False,
+                                              weight_version: str | None = None) -> dict[str, Any]:
+        """Receive each named tensor (Hugging Face names; dtypes as torch names without
+        "torch.") from rank 0's broadcasts in the group, in this order. Options as for
+        `update_weights_from_disk`."""
+        return await self._control(ca.from_distributed(names, dtypes, shapes, group_name, flush_cache,
+                                                       abort_all_requests, weight_version))
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        """Leave the group `init_weights_update_group` joined."""
+        return await self._control(ca.destroy_group(group_name))
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """The first `truncate_size` values of a parameter (its Hugging Face name), flattened."""
+        return list((await self._control(ca.get_weights(name, truncate_size))).get("parameter", []))
+
+    async def release_memory_occupation(self, tags: list[MemoryTag] | None = None) -> dict[str, Any]:
+        """Free the device memory of the weights and/or the KV cache (tags: "weights",
+        "kv_cache"; None: both), e.g. while a trainer on the same GPU runs. Pause first:
+        nothing generates until `resume_memory_occupation`."""
+        return await self._control(ca.release(tags))
+
+    async def resume_memory_occupation(self, tags: list[MemoryTag] | None = None) -> dict[str, Any]:
+        """Take back what `release_memory_occupation` freed (tags as there); released
+        weights come back as they were unless an update loaded new ones."""
+        return await self._control(ca.resume(tags))
+
+    async def get_weight_version(self) -> str:
+        """The version of the weights serving now: "default" until an update sets one
+        (each result's meta_info["weight_version"] names the weights that made it)."""
+        version = (await self.get_server_info()).get("weight_version")
+        if not isinstance(version, str):
+            raise RuntimeError("the scheduler reports no weight_version")
+        return version
 
     # ---- liveness ----------------------------------------------------------------
 
@@ -189,3 +295,16 @@ class EngineFrontEnd(ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def _shared(items: list[tuple[str, Any]]) -> Any:
+    """sgl.weights.share_tensors(items) off the loop (packing copies every tensor); a
+    caller cancelled meanwhile still has the buffer closed once it is made."""
+    from sgl.weights import share_tensors  # type: ignore[import-not-found, unused-ignore]  # torch stays unimported until here
+
+    made = asyncio.ensure_future(off_loop(share_tensors, items))
+    try:
+        return await asyncio.shield(made)
+    except asyncio.CancelledError:
+        made.add_done_callback(lambda f: None if f.cancelled() or f.exception() else f.result().close())
+        raise

@@ -11,6 +11,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from sgl.core.protocol import MemoryTag, PauseMode
 from sgl.core.server_args import ServerArgs
 from sgl.engine.async_engine import AsyncEngine
 from sgl.engine.batch_args import check_stream_args
@@ -135,8 +136,71 @@ class Engine:
         finally:
             put(_Done)
 
-    def abort(self, rid: str) -> None:
-        self._run(self._engine.abort(rid))
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """As AsyncEngine.abort: the request `rid`, or with abort_all=True every request."""
+        self._run(self._engine.abort(rid, abort_all))
+
+    # The control plane: each as the AsyncEngine method of the same name (docs/control.md).
+
+    def pause_generation(self, mode: PauseMode = "abort", refuse_new: bool = False) -> dict[str, Any]:
+        """Stop generating ("abort", "retract" or "in_place") until continue_generation."""
+        return self._run(self._engine.pause_generation(mode, refuse_new))
+
+    def continue_generation(self) -> dict[str, Any]:
+        return self._run(self._engine.continue_generation())
+
+    def abort_all(self) -> int:
+        """Abort every request; returns how many ended."""
+        return self._run(self._engine.abort_all())
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None, *,
+                                 flush_cache: bool = True, abort_all_requests: bool = False,
+                                 weight_version: str | None = None) -> dict[str, Any]:
+        """Load new weights from a checkpoint; a refusal raises ValueError (old weights kept)."""
+        return self._run(self._engine.update_weights_from_disk(
+            model_path, load_format, flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+            weight_version=weight_version))
+
+    def update_weights_from_tensor(self, named_tensors: Any, *, load_format: str | None = None,
+                                   flush_cache: bool = True, abort_all_requests: bool = False,
+                                   weight_version: str | None = None) -> dict[str, Any]:
+        """Load (name, tensor) pairs, a dict of them, or a SharedTensors; nothing is pickled."""
+        return self._run(self._engine.update_weights_from_tensor(
+            named_tensors, load_format=load_format, flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+            weight_version=weight_version))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> dict[str, Any]:
+        """Join a trainer's torch.distributed group (the trainer is rank 0)."""
+        return self._run(self._engine.init_weights_update_group(master_address, master_port, rank_offset,
+                                                                world_size, group_name, backend))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        abort_all_requests: bool = False,
+                                        weight_version: str | None = None) -> dict[str, Any]:
+        """Receive the named tensors from rank 0's broadcasts in the group, in order."""
+        return self._run(self._engine.update_weights_from_distributed(
+            names, dtypes, shapes, group_name=group_name, flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests, weight_version=weight_version))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return self._run(self._engine.destroy_weights_update_group(group_name))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """The first `truncate_size` values of a parameter, flattened."""
+        return self._run(self._engine.get_weights_by_name(name, truncate_size))
+
+    def release_memory_occupation(self, tags: list[MemoryTag] | None = None) -> dict[str, Any]:
+        """Free the weights' and/or the KV cache's device memory (None: both)."""
+        return self._run(self._engine.release_memory_occupation(tags))
+
+    def resume_memory_occupation(self, tags: list[MemoryTag] | None = None) -> dict[str, Any]:
+        return self._run(self._engine.resume_memory_occupation(tags))
+
+    def get_weight_version(self) -> str:
+        return self._run(self._engine.get_weight_version())
 
     def flush_cache(self) -> dict[str, Any]:
         return self._run(self._engine.flush_cache())

@@ -20,6 +20,7 @@ import msgspec
 
 from sgl.core.protocol import (
     AbortReq,
+    ControlReqOutput,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetServerInfoReqOutput,
@@ -40,6 +41,8 @@ SAME_KEYS = frozenset({
     "model_path", "device", "dtype", "vocab_size", "context_length", "eos_token_ids", "chunked_prefill_size",
     "max_queued_requests", "max_top_logprobs_num",
 })
+# Control-plane reply data that counts requests: each replica counts its own.
+SUMMED_DATA = frozenset({"aborted", "num_paused_requests"})
 
 
 class DataParallelSender(Sender):
@@ -134,6 +137,12 @@ def merge_replies(replies: list[Message]) -> Message:
     if isinstance(first, SetFaultsReqOutput):
         refused = [r for r in replies if isinstance(r, SetFaultsReqOutput) and not r.success]
         return refused[0] if refused else first
+    if isinstance(first, ControlReqOutput):
+        outs = [r for r in replies if isinstance(r, ControlReqOutput)]
+        failed = next((r for r in outs if not r.success), None)
+        data = {k: sum(r.data.get(k, 0) for r in outs) if k in SUMMED_DATA else v for k, v in first.data.items()}
+        return msgspec.structs.replace(first, success=failed is None,
+                                       message=first.message if failed is None else failed.message, data=data)
     if isinstance(first, HealthCheckOutput):
         return msgspec.structs.replace(first, ok=all(r.ok for r in replies if isinstance(r, HealthCheckOutput)))
     return first

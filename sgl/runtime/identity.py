@@ -15,7 +15,9 @@ A client's identity is its public key; its client id is derived from it
 the scheduler's receiver calls for every message with its sender: a client's rids
 must carry its own client id, it may attach, detach and ask for replies only as
 itself, and only admin keys (`DIR/admin/`, and the engine itself) may shut the
-server down or flush its cache.
+server down, flush its cache or send any control-plane request (pause, abort all,
+weights, memory: protocol.CONTROL_PLANE). A refused message is dropped without a
+reply (the transport counts it), so its sender's call times out.
 
 It builds channels and decides rights; it never looks inside a request beyond its
 ids, and the transport below it stays free of message policy."""
@@ -31,6 +33,7 @@ import msgspec
 from zmq.utils import z85
 
 from sgl.core.protocol import (
+    CONTROL_PLANE,
     AbortReq,
     AttachReq,
     DetachReq,
@@ -125,6 +128,10 @@ def client_keys(keys: KeySet) -> dict[str, str]:
     return out
 
 
+ADMIN_ONLY = (ShutdownReq, FlushCacheReq, *CONTROL_PLANE)
+ANSWERED = (FlushCacheReq, GetServerInfoReq, HealthCheckReq, *CONTROL_PLANE)  # replies go to `origin`
+
+
 def _own(rid: str | None, cid: str) -> bool:
     return rid is None or rid.startswith(cid + RID_SEP)
 
@@ -149,9 +156,9 @@ def scheduler_policy(keys: KeySet) -> Policy:
             return None if _own(msg.rid, cid) else f"abort of rid {msg.rid!r}, not one of client {cid}"
         if isinstance(msg, (AttachReq, DetachReq)):
             return None if msg.client_id == cid else f"client {cid} may not attach or detach as {msg.client_id!r}"
-        if isinstance(msg, (ShutdownReq, FlushCacheReq)) and peer.key not in admins:
+        if isinstance(msg, ADMIN_ONLY) and peer.key not in admins:
             return f"{type(msg).__name__} needs an admin key; client {cid} has none"
-        if isinstance(msg, (FlushCacheReq, GetServerInfoReq, HealthCheckReq)):
+        if isinstance(msg, ANSWERED):
             return None if msg.origin == cid else f"client {cid} asked for a reply to {msg.origin!r}"
         if isinstance(msg, ShutdownReq):
             return None

@@ -34,9 +34,13 @@ import anyio.to_thread
 from sgl.core.faults import FaultSpec
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
+    CONTROL_PLANE,
+    AbortAllReq,
     AbortReq,
     BatchStrOutput,
     Beam,
+    ContinueGenerationReq,
+    ControlReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -45,6 +49,7 @@ from sgl.core.protocol import (
     HealthCheckOutput,
     HealthCheckReq,
     Message,
+    PauseGenerationReq,
     SetFaultsReq,
     SetFaultsReqOutput,
     TokenizerCallOutput,
@@ -85,6 +90,10 @@ class _ReqState:
 
 
 CONTROL_TIMEOUT_S = 30.0  # flush_cache, server_info: the scheduler answers between batches
+# Weight updates and memory release/resume: a checkpoint loads, or a group's broadcast
+# runs, before the reply (pause, continue and abort-all take the control timeout).
+WEIGHTS_TIMEOUT_S = 600.0
+_QUICK_CONTROL = (PauseGenerationReq, ContinueGenerationReq, AbortAllReq)
 HEALTH_TIMEOUT_S = 10.0
 INLINE_LOGPROBS = 256  # logprob entries of one output batch formatted on the loop
 FORMAT_THREADS = 2  # for larger batches' formatting
@@ -94,7 +103,8 @@ T = TypeVar("T")
 class TokenizerManager:
     def __init__(self, tok: Tokenizing | None, send: Sender, recv: Receiver, limits: RequestLimits,
                  model_path: str | None = None, client_id: str = "", metrics: Metrics | None = None,
-                 control_timeout: float = CONTROL_TIMEOUT_S, health_timeout: float = HEALTH_TIMEOUT_S) -> None:
+                 control_timeout: float = CONTROL_TIMEOUT_S, health_timeout: float = HEALTH_TIMEOUT_S,
+                 weights_timeout: float = WEIGHTS_TIMEOUT_S) -> None:
         self.tok = tok  # None: skip_tokenizer_init (ids in, ids out)
         if tok is not None:
             tok.guard = self._guard
@@ -108,6 +118,7 @@ class TokenizerManager:
         self.states: dict[str, _ReqState] = {}
         self.control_timeout = control_timeout
         self.health_timeout = health_timeout
+        self.weights_timeout = weights_timeout
         dp = send if isinstance(send, DataParallelSender) else None  # replicas: calls fan out, loads are counted
         self.control = ControlCalls(send, control_timeout, len(dp.replicas) if dp else 1, dp.merge if dp else None)
         self.ended: Callable[[str], None] = dp.finished if dp else lambda rid: None
@@ -267,6 +278,23 @@ class TokenizerManager:
     async def health(self) -> bool:
         return (await self.control_call(HealthCheckReq(origin=self.client_id), HealthCheckOutput,
                                         self.health_timeout)).ok
+
+    async def control_plane(self, req: Message) -> ControlReqOutput:
+        """Send a control-plane request (protocol.CONTROL_PLANE) as this manager's and await
+        its ControlReqOutput: within the control timeout for pause, continue and abort-all,
+        `weights_timeout` for the others."""
+        assert isinstance(req, CONTROL_PLANE), type(req).__name__
+        req.origin = self.client_id
+        timeout = self.control_timeout if isinstance(req, _QUICK_CONTROL) else self.weights_timeout
+        try:
+            return await self.control_call(req, ControlReqOutput, timeout)
+        except TimeoutError as e:
+            if not self.client_id:
+                raise
+            # An attached client's refused request is dropped without a reply: say so.
+            raise TimeoutError(f"{e}. Under CURVE keys the scheduler acts on control-plane requests only from an "
+                               "admin key (the server's DIR/admin/) and drops any other's without a reply, counting "
+                               "it in get_server_info()['transport_refused_policy']") from None
 
     async def set_faults(self, faults: list[FaultSpec] | None) -> SetFaultsReqOutput:
         """Install a fault plan on the scheduler (every replica and rank), or remove it (None)."""

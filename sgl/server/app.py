@@ -3,7 +3,9 @@ guard that checks the API key, reads the body within its limit, and turns every
 failure into a JSON error; CORS (Starlette's middleware) for `allow_origins`. It
 only wires; handlers live in those modules.
 
-Every path but /health (and a CORS preflight) needs the API key when one is set.
+Every path but /health (and a CORS preflight) needs the API key when one is set;
+the control routes (sgl/server/control_api.py) need the admin key instead when the
+server has one, which also opens every other path.
 The served model name is `served_model_name`, else the model directory's name
 (a .gguf file's without the suffix), else the default model's."""
 
@@ -24,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sgl.core.log import get_logger
-from sgl.server import native, tokenize_api
+from sgl.server import control_api, native, tokenize_api
 from sgl.server import openai_api as openai
 from sgl.server.common import ApiError, api_error_of, check_api_key, error_response, read_body
 from sgl.server.native import ServerState
@@ -48,11 +50,15 @@ def build_app(engine: Any, model_name: str | None = None) -> Starlette:
     state = ServerState(engine, model_name or served_model_name(args, engine.model_path),
                         time.monotonic(), time.time())
 
-    def guarded(handler: Handler, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
+    def guarded(handler: Handler, public: bool = False,
+                admin: bool = False) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             try:
                 if not public:
-                    check_api_key(request, args.api_key)
+                    if admin:
+                        check_api_key(request, control_api.control_key(args))
+                    else:
+                        control_api.check_user_key(request, args)
                 body = await read_body(request, args.max_request_bytes) if request.method == "POST" else b""
                 return await _unless_disconnected(request, handler(state, request, body))
             except ClientGone:
@@ -65,8 +71,9 @@ def build_app(engine: Any, model_name: str | None = None) -> Starlette:
 
         return endpoint
 
-    def route(path: str, handler: Handler, methods: tuple[str, ...], public: bool = False) -> Route:
-        return Route(path, guarded(handler, public), methods=list(methods))
+    def route(path: str, handler: Handler, methods: tuple[str, ...], public: bool = False,
+              admin: bool = False) -> Route:
+        return Route(path, guarded(handler, public, admin), methods=list(methods))
 
     routes = [
         route("/health", lambda s, r, b: native.health(s), ("GET",), public=True),
@@ -74,8 +81,12 @@ def build_app(engine: Any, model_name: str | None = None) -> Starlette:
         route("/generate", native.generate, ("POST",)),
         route("/get_model_info", lambda s, r, b: _now(native.model_info(s)), ("GET",)),
         route("/get_server_info", lambda s, r, b: native.server_info(s), ("GET",)),
-        route("/flush_cache", lambda s, r, b: native.flush_cache(s), ("GET", "POST")),
-        route("/abort_request", lambda s, r, b: native.abort_request(s, b), ("POST",)),
+        route("/flush_cache", lambda s, r, b: native.flush_cache(s), ("GET", "POST"), admin=True),
+        # Its key depends on its body (abort_all needs the control key): it checks it itself.
+        route("/abort_request", native.abort_request, ("POST",), public=True),
+        route("/get_weight_version", control_api.get_weight_version, ("GET",)),
+        *(route(path, control_api.failing_as_sglang(handler), methods, admin=True)
+          for path, (handler, methods) in control_api.ROUTES.items()),
         route("/metrics", lambda s, r, b: native.metrics(s), ("GET",)),
         route("/version", lambda s, r, b: _now(native.version()), ("GET",)),
         route("/tokenize", lambda s, r, b: tokenize_api.tokenize(s, b), ("POST",)),

@@ -1,5 +1,6 @@
 """SGLang's native HTTP routes: /generate, /health (liveness), /health_generate (a generation),
-/get_model_info, /get_server_info, /flush_cache, /abort_request, /metrics, /version.
+/get_model_info, /get_server_info, /flush_cache, /abort_request, /metrics, /version (the
+control plane's are in control_api.py).
 
 A /generate stream is SGLang's: each chunk holds everything so far (text, output
 ids, logprobs), or only what is new with `incremental_streaming_output`; the
@@ -24,7 +25,8 @@ from starlette.responses import Response, StreamingResponse
 from sgl.core.server_args import redacted
 from sgl.core.version import __version__
 from sgl.engine import AsyncEngine, EngineFrontEnd
-from sgl.server.common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
+from sgl.server.common import SSE_HEADERS, ApiError, check_api_key, decode_body, json_response, sse_stream
+from sgl.server.control_api import check_user_key, control_key
 
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -58,7 +60,8 @@ _OPTION_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "to
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
-    rid: str
+    rid: str = ""
+    abort_all: bool = False  # SGLang's: every request (needs the control key)
 
 
 def options(req: GenerateRequest) -> dict[str, Any]:
@@ -176,10 +179,17 @@ async def flush_cache(state: ServerState) -> Response:
     return json_response(out)
 
 
-async def abort_request(state: ServerState, body: bytes) -> Response:
+async def abort_request(state: ServerState, request: Request, body: bytes) -> Response:
     req = decode_body(body, AbortRequest)
-    await state.engine.abort(req.rid)
-    return json_response({"success": True})
+    args = state.engine.args
+    if req.abort_all:
+        check_api_key(request, control_key(args))
+    else:
+        check_user_key(request, args)
+    if not req.abort_all:
+        await state.engine.abort(req.rid)
+        return json_response({"success": True})
+    return json_response({"success": True, "aborted": await state.engine.abort_all()})
 
 
 def version() -> Response:

@@ -295,8 +295,8 @@ class BackgroundEngine:
         async for chunk in chunks:
             yield chunk
 
-    async def abort(self, rid: str) -> None:
-        await self.loop_thread.call(self.engine.abort(rid))
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        await self.loop_thread.call(self.engine.abort(rid, abort_all))
 
     async def flush_cache(self) -> dict[str, Any]:
         return await self.loop_thread.call(self.engine.flush_cache())
