@@ -133,9 +133,9 @@ class ControlPlane:
             self._check_weights_present()
             return ControlReqOutput(success=True, data={"parameter": r.weights.get(msg.name, msg.truncate_size)})
         if isinstance(msg, ReleaseMemoryReq):
-            return self._release(set(msg.tags or MEMORY_TAGS))
+            return self._release(set[str](msg.tags or MEMORY_TAGS))
         if isinstance(msg, ResumeMemoryReq):
-            tags = set(msg.tags or MEMORY_TAGS)
+            tags = set[str](msg.tags or MEMORY_TAGS)
             t0 = time.perf_counter()
             r.resume_memory(tags)
             return ControlReqOutput(success=True, data={"seconds": time.perf_counter() - t0})

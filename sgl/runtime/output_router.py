@@ -16,6 +16,7 @@ comes from the same key and replaces the first. Where ids are not bound to keys
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
@@ -109,9 +110,9 @@ class OutputRouter(Sender):
         for client, idx in groups.items():
             # Every field is a per-rid column: take each one's rows, whatever columns exist
             # (an optional column left empty, as `beams` by a sender without it, stays empty).
-            part = b if len(idx) == len(b.rids) else BatchStrOutput(
-                **{f: ([col[i] for i in idx] if col else []) if isinstance(col := getattr(b, f), list) else col
-                   for f in BatchStrOutput.__struct_fields__})
+            cols: dict[str, Any] = {f: ([col[i] for i in idx] if col else []) if isinstance(col := getattr(b, f), list)
+                                    else col for f in BatchStrOutput.__struct_fields__}
+            part = b if len(idx) == len(b.rids) else BatchStrOutput(**cols)
             if client:
                 self._to_client(client, part)
             else:
