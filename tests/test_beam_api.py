@@ -25,7 +25,7 @@ from tests.fake_channels import AsyncQueueReceiver, ListSender
 from tests.serve_util import HTTP, ServerProc
 
 BEAM_META = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
-             "cumulative_logprob", "score", "beam_index"}
+             "cumulative_logprob", "score", "beam_index", "weight_version"}
 
 
 # ---- request checks ----------------------------------------------------------------
