@@ -13,7 +13,7 @@
 #
 # Steps (each is one case below; the comment beside it says what it measures):
 #   set-up      jit tests beamtests cpuinfo parts
-#   control     control control8b controltests (memory release and resume, weight updates)
+#   control     control control8b (memory release and resume, weight updates)
 #   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 tp startup looplag
 #   A/B         old w3old w7old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
@@ -138,7 +138,6 @@ for step in "$@"; do
     # The control plane (benchmarks/control_gpu.py): memory release/resume as another process
     # sees it, W1 before and after, weight updates from a trainer's CUDA tensors (GB/s).
     control) run 300 python3 -m benchmarks.control_gpu ;;
-    controltests) run 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_control_plane.py tests/test_weights.py ;;
     control8b) run 400 python3 -m benchmarks.control_gpu --config qwen3-8b --requests 64 --mem-fraction 0.6 ;;
     w12ov) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --overlap-off ;;
     w1hf) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1 --overlap-off ;;
