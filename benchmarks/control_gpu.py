@@ -97,7 +97,7 @@ def main() -> None:
                      "released share": f"{(free2 - free1) / used:.1%}", "back after resume GiB": (free2 - free3) / gib,
                      "release s": release_s, "resume s": resume_s, "W1 before tok/s": before,
                      "W1 after tok/s": after})
-        print("memory stats:", info.get("memory"), flush=True)
+        print("memory stats:", info.get("memory"), "released:", info.get("memory_released"), flush=True)
 
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()

@@ -5,7 +5,8 @@ logprobs within 1e-4 (float32), on a tiny Qwen2 whose single KV head every rank 
 (replication) and whose q/k/v carry biases, and on a tiny Llama of SmolLM2's head shape
 split over 3 ranks (9 query and 3 KV heads split no other way; 3 layers, tied
 embeddings, an odd vocabulary), where 2 ranks are refused. Killing one rank fails the requests in flight
-and any later one within 5 s, and the KV accounting balances after the TP runs.
+and any later one within 5 s, and the KV accounting balances after the TP runs. Weight
+updates (from disk, from shared tensors) reach every rank's shard.
 The model's shards alone are checked tensor by tensor in tests/test_tp_model.py."""
 
 from __future__ import annotations
@@ -114,3 +115,39 @@ def test_killing_a_rank_fails_pending_requests_within_5s(tmp_path: Path) -> None
             assert time.monotonic() - t0 < 5.0
 
     asyncio.run(main())
+
+
+def test_tp2_weight_updates_reach_every_rank_shard(tmp_path: Path) -> None:
+    """Each rank takes its part of every pushed tensor: after an update from disk and one
+    from shared tensors the engine at tp_size=2 gives Hugging Face's tokens on the new
+    weights, and a parameter read back is the whole tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from sgl.weights import share_tensors
+
+    a = tiny_model_dir(tmp_path, "qwen2", vocab=512, seed=1, num_key_value_heads=1)
+    b = tiny_model_dir(tmp_path, "qwen2", vocab=512, seed=2, num_key_value_heads=1)
+    weights = load_file(f"{b}/model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    noisy = {n: weights[n] + 0.3 * torch.randn(weights[n].shape, generator=g)
+             for n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                       "model.embed_tokens.weight")}
+    c = tmp_path / "c"  # b with the noisy tensors, for Hugging Face
+    c.mkdir()
+    for f in Path(b).iterdir():
+        if f.name != "model.safetensors":
+            (c / f.name).write_bytes(f.read_bytes())
+    save_file({**weights, **noisy}, str(c / "model.safetensors"))
+    greedy = {"max_new_tokens": NEW, "min_new_tokens": NEW, "temperature": 0}
+    with sgl.Engine(a, tp_size=2, transport="ipc", skip_tokenizer_init=True, device="cpu", dtype="float32") as e:
+        e.update_weights_from_disk(b)
+        assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=greedy)] == \
+            [ids for ids, _ in hf_greedy(b, PROMPTS, NEW)]
+        with share_tensors(noisy) as buf:
+            e.update_weights_from_tensor(buf.spec)
+        assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=greedy)] == \
+            [ids for ids, _ in hf_greedy(str(c), PROMPTS, NEW)]
+        name = "model.layers.1.mlp.down_proj.weight"
+        assert e.get_weights_by_name(name, truncate_size=4096) == \
+            pytest.approx(noisy[name].flatten()[:4096].tolist(), abs=1e-6)
+        assert_kv_balanced(e.get_server_info())

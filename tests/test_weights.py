@@ -327,7 +327,7 @@ def test_release_and_resume_memory(live: Engine, dirs: dict[str, str], expected:
         r.resume_memory({"kv_cache"})
 
     r.release_memory({"weights", "kv_cache"})
-    assert r.released == {"weights", "kv_cache"} and r.info()["memory"]["released"] == ["kv_cache", "weights"]
+    assert r.released == {"weights", "kv_cache"}
     assert r.kv_pool.nbytes() == 0 and all(p.numel() == 0 for p in r.model.parameters())
     with pytest.raises(ValueError, match="memory tag 'weights' is released already"):
         r.release_memory({"weights"})

@@ -347,7 +347,7 @@ class ModelRunner:
                 "vocab_size": self.vocab_size, "context_length": self.context_length,
                 "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
                 "eos_token_ids": sorted(self.eos_ids), "cascade_steps": self.preparer.cascade_steps,
-                "startup": self.startup, "memory": {"released": sorted(self.released), **self.memory_stats},
+                "startup": self.startup, "memory": self.memory_stats,
                 **self.gpu_timeline.info(), **self.sampling.masks.times}
 
     def close(self) -> None:
