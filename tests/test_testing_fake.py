@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import sgl
 from sgl.core.protocol import (
+    CONTROL_PLANE,
     AbortReq,
     AttachReq,
     DetachReq,
@@ -33,13 +34,16 @@ from sgl.core.protocol import (
     HealthCheckReq,
     Message,
     SetFaultsReq,
+    SharedTensors,
     ShutdownReq,
+    TensorEntry,
 )
 from sgl.engine.async_engine import AsyncEngine
 from sgl.runtime.tokenizer_client import chat_ids
 from sgl.sched.models.default_model import default_model_dir
 from sgl.testing.fake import FakeEngine, FakeSyncEngine, run_virtual
 from sgl.testing.faults import Abort, Busy, Control, Die, Fail, FaultPlan, Hang, Nth, Rid, SlowFirstToken, Where
+from sgl.testing.scripted import PAUSED_ABORT, UPDATE_ABORT
 from tests.conftest import assert_kv_balanced
 from tests.hypothesis_profiles import PROFILE
 
@@ -86,7 +90,7 @@ def test_the_scripted_scheduler_answers_every_request_the_front_end_sends() -> N
     # Attaching, detaching and shutting down are not the fake's: it has no route and no roles. A new
     # request message must be answered in sgl/testing/scripted.py (ScriptedScheduler.handle) first.
     assert requests == {GenerateReqInput, AbortReq, FlushCacheReq, GetServerInfoReq, HealthCheckReq, SetFaultsReq,
-                        AttachReq, DetachReq, ShutdownReq}
+                        AttachReq, DetachReq, ShutdownReq, *CONTROL_PLANE}
 
 
 NO_TORCH = """
@@ -455,3 +459,210 @@ def test_the_sync_twin_on_virtual_time() -> None:
     with FakeSyncEngine("x" * 40, virtual_time=True, first_token_s=10.0, per_token_s=1.0) as e:
         assert len(list(e.generate("x", {"max_new_tokens": 64}, stream=True))) == 41  # 40 "x", then EOS
     assert time.monotonic() - started < 5.0  # 50 s of loop time
+
+
+# ---- the control plane (tests/test_control_plane.py's checks, on the fake) ----------------
+
+LOAD = 12
+LONG = {"max_new_tokens": 60, "ignore_eos": True}
+
+
+def echo(prompt: str, params: sgl.SamplingParams) -> str:
+    """Each prompt's own output: the prompt three times (then EOS, and again)."""
+    return prompt * 3
+
+
+async def until(e: FakeEngine, key: str, n: int) -> dict[str, Any]:
+    """Server info once info[key] == n (each call is a turn of the scheduler's loop)."""
+    while (info := await e.get_server_info())[key] != n:
+        await asyncio.sleep(0.005)
+    return info
+
+
+async def read(e: FakeEngine, prompt: str, params: dict[str, Any], got: list[int], versions: list[str],
+               started: asyncio.Event) -> dict[str, Any]:
+    last: dict[str, Any] = {}
+    async for chunk in e.stream(prompt, params):
+        got.extend(chunk["output_ids"])
+        versions.append(chunk["meta_info"]["weight_version"])
+        started.set()
+        last = chunk
+    return dict(last["meta_info"])
+
+
+def test_the_fake_answers_every_control_plane_call() -> None:
+    async def main() -> None:
+        async with FakeEngine() as e:
+            assert (await e.pause_generation(mode="in_place")) == {"num_paused_requests": 0, "success": True,
+                                                                   "message": "generation paused (in_place)"}
+            assert (await e.continue_generation())["success"]
+            assert await e.abort_all() == 0
+            await e.abort(abort_all=True)
+            assert (await e.update_weights_from_disk("policy-1"))["weight_version"] == "1"
+            shared = SharedTensors(entries=[TensorEntry("w", "float32", [2], 0)], nbytes=8, shm_name="unread")
+            assert (await e.update_weights_from_tensor(shared, weight_version="t"))["weight_version"] == "t"
+            assert (await e.init_weights_update_group("127.0.0.1", 29500, 1, 2))["success"]
+            out = await e.update_weights_from_distributed(["w"], ["float32"], [[2]])
+            assert out == {"weight_version": "3", "num_paused_requests": 0, "success": True, "message": out["message"]}
+            assert (await e.destroy_weights_update_group())["success"]
+            with pytest.raises(ValueError, match="no weights"):
+                await e.get_weights_by_name("model.embed_tokens.weight")
+            assert (await e.release_memory_occupation())["success"]
+            assert (await e.resume_memory_occupation())["success"]
+            assert await e.get_weight_version() == "3"
+            info = await e.get_server_info()
+            assert (info["paused"], info["memory_released"], info["weight_version"]) == (None, [], "3")
+    run_virtual(main())
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_pause_under_streaming_load(mode: str) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with FakeEngine(echo, per_token_s=1.0, max_running_requests=16) as e:
+            prompts = [f"p{i}" for i in range(LOAD)]
+            want = [o["output_ids"] for o in await e.generate(prompts, LONG)]  # the unpaused run
+            got: list[list[int]] = [[] for _ in prompts]
+            started = [asyncio.Event() for _ in prompts]
+            tasks = [asyncio.create_task(read(e, p, LONG, g, [], s)) for p, g, s in zip(prompts, got, started)]
+            await asyncio.gather(*(s.wait() for s in started))
+            await asyncio.sleep(5.5)  # some tokens in
+            paused = await e.pause_generation(mode=mode)
+            assert paused["num_paused_requests"] == (0 if mode == "abort" else LOAD)
+            seen = [len(g) for g in got]  # outputs sent before the answer arrived before it
+            late = asyncio.create_task(e.generate("late", {**LONG, "max_new_tokens": 3}))
+            info = await until(e, "waiting", {"in_place": 1, "retract": LOAD + 1, "abort": 1}[mode])
+            await asyncio.sleep(600.0)  # a long pause: nothing moves
+            assert [len(g) for g in got] == seen, "tokens arrived while paused"
+            assert info["running"] == (LOAD if mode == "in_place" else 0) and not late.done()
+            assert info["paused"] == mode
+            t0 = loop.time()
+            await e.continue_generation()
+            metas = await asyncio.gather(*tasks)
+            assert (await late)["text"] == "lat"
+            for g, w, m in zip(got, want, metas):
+                if mode == "abort":
+                    assert m["finish_reason"] == {"type": "abort", "message": PAUSED_ABORT} and g == w[: len(g)]
+                else:
+                    assert m["finish_reason"]["type"] == "length" and g == w
+            if mode != "abort":  # the rest of the outputs, one a second from the continue on
+                assert len(set(seen)) == 1 and loop.time() - t0 == LONG["max_new_tokens"] - seen[0] - 1
+            assert_kv_balanced(await e.get_server_info())
+    run_virtual(main())
+
+
+def test_a_trainer_step_pause_update_continue() -> None:
+    async def main() -> None:
+        async with FakeEngine(echo, per_token_s=1.0) as e:
+            prompts = ["rollout a", "rollout b"]
+            want = [o["output_ids"] for o in await e.generate(prompts, LONG)]
+            got: list[list[int]] = [[] for _ in prompts]
+            versions: list[list[str]] = [[] for _ in prompts]
+            started = [asyncio.Event() for _ in prompts]
+            tasks = [asyncio.create_task(read(e, p, LONG, g, v, s))
+                     for p, g, v, s in zip(prompts, got, versions, started)]
+            await asyncio.sleep(10.5)
+            await e.pause_generation(mode="retract")
+            out = await e.update_weights_from_disk("policy-1", weight_version="step-1")
+            assert out["weight_version"] == "step-1" and out["num_paused_requests"] == 2
+            await e.continue_generation()
+            metas = await asyncio.gather(*tasks)
+            assert got == want  # the rollouts finished as they would have, on the new weights
+            assert all(m["weight_version"] == "step-1" for m in metas)
+            assert all(v[0] == "default" and v[-1] == "step-1" and sorted(set(v)) == ["default", "step-1"]
+                       for v in versions)
+            await e.update_weights_from_disk("policy-2")
+            assert (await e.generate("rollout a", LONG))["meta_info"]["cached_tokens"] == 0  # flushed
+            await e.update_weights_from_disk("policy-3", flush_cache=False)
+            assert await e.get_weight_version() == "3"  # the count of updates
+            assert (await e.generate("rollout a", LONG))["meta_info"]["cached_tokens"] > 0
+            assert_kv_balanced(await e.get_server_info())
+    run_virtual(main())
+
+
+def test_a_weight_update_waits_for_the_running_requests() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with FakeEngine(echo, per_token_s=1.0) as e:
+            versions: list[str] = []
+            started = asyncio.Event()
+            stream = asyncio.create_task(read(e, "running", {"max_new_tokens": 20, "ignore_eos": True}, [], versions,
+                                              started))
+            await asyncio.sleep(5.5)
+            update = asyncio.create_task(e.update_weights_from_disk("policy-1", weight_version="step-1"))
+            late = asyncio.create_task(e.generate("late", {"max_new_tokens": 3}))
+            info = await until(e, "waiting", 1)  # admission stops while the update waits
+            assert (info["running"], info["weight_updates_waiting"], info["weight_version"]) == (1, 1, "default")
+            out = await update
+            finished = loop.time()
+            assert stream.done() and finished == pytest.approx(19.0)  # once the stream's last token was out
+            assert set(versions) == {"default"} and out["num_paused_requests"] == 1
+            late_out = await late
+            assert late_out["meta_info"]["weight_version"] == "step-1" and late_out["text"] == "lat"
+            # With abort_all_requests the update runs at once: the running requests end.
+            stream = asyncio.create_task(read(e, "running", LONG, [], [], asyncio.Event()))
+            await asyncio.sleep(2.5)
+            t0 = loop.time()
+            out = await e.update_weights_from_disk("policy-2", abort_all_requests=True)
+            assert loop.time() == t0 and out["weight_version"] == "2"
+            assert (await stream)["finish_reason"] == {"type": "abort", "message": UPDATE_ABORT}
+            assert_kv_balanced(await e.get_server_info())
+    run_virtual(main())
+
+
+def test_refusals_abort_all_and_released_memory() -> None:
+    async def main() -> None:
+        async with FakeEngine("abc", per_token_s=1.0) as e:
+            await e.pause_generation(mode="in_place", refuse_new=True)
+            with pytest.raises(sgl.ServerBusyError, match="paused"):
+                await e.generate("x", LONG)
+            await e.continue_generation()
+            await e.continue_generation()  # continuing a running engine is no error
+            # abort_all ends every request, queued ones too.
+            await e.pause_generation(mode="in_place")
+            tasks = [asyncio.create_task(e.generate(str(i), LONG)) for i in range(5)]
+            await until(e, "waiting", 5)
+            assert (await e.abort_all()) == 5
+            assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in await asyncio.gather(*tasks))
+            await e.continue_generation()
+            # The KV cache is released only with no request holding KV.
+            running = asyncio.create_task(e.generate("y", LONG))
+            await until(e, "running", 1)
+            with pytest.raises(ValueError, match="1 requests hold KV"):
+                await e.release_memory_occupation(["kv_cache"])
+            await e.pause_generation(mode="in_place")
+            with pytest.raises(ValueError, match="hold KV"):
+                await e.release_memory_occupation()
+            await e.pause_generation(mode="retract")
+            await e.release_memory_occupation(["kv_cache"])
+            await e.continue_generation()  # still released: nothing is scheduled
+            late = asyncio.create_task(e.generate("z", {"max_new_tokens": 3}))
+            info = await until(e, "waiting", 2)
+            await asyncio.sleep(100.0)
+            assert info["memory_released"] == ["kv_cache"] and not late.done() and not running.done()
+            with pytest.raises(ValueError, match="'kv_cache' is released already"):
+                await e.release_memory_occupation(["kv_cache"])
+            with pytest.raises(ValueError, match="'weights' is not released"):
+                await e.resume_memory_occupation(["weights"])
+            await e.resume_memory_occupation(["kv_cache"])
+            assert (await late)["text"] == "abc" and (await running)["meta_info"]["finish_reason"]["type"] == "length"
+            # Released weights refuse an update and stop scheduling; the version stays.
+            await e.release_memory_occupation(["weights"])
+            with pytest.raises(ValueError, match="the weights are released"):
+                await e.update_weights_from_disk("policy-1")
+            with pytest.raises(ValueError, match="'kv_cache' is not released"):
+                await e.resume_memory_occupation()  # None is both: each must be released
+            await e.resume_memory_occupation(["weights"])
+            # Groups are joined once and left once; an update needs its group.
+            with pytest.raises(ValueError, match="no such weight update group"):
+                await e.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g")
+            await e.init_weights_update_group("127.0.0.1", 29500, 1, 2, group_name="g")
+            with pytest.raises(ValueError, match="in that group already"):
+                await e.init_weights_update_group("127.0.0.1", 29500, 1, 2, group_name="g")
+            await e.destroy_weights_update_group("g")
+            with pytest.raises(ValueError, match="no such weight update group"):
+                await e.destroy_weights_update_group("g")
+            info = await e.get_server_info()
+            assert info["weight_version"] == "default" and info["memory_released"] == []
+            assert_kv_balanced(info)
+    run_virtual(main())

@@ -5,7 +5,9 @@ its text or token ids, or for a grammar request that text if it matches, else a 
 written from the grammar (`grammar_text`); ended by the scheduler's rules (`FinishRule`);
 sent one token per step on the loop's clock, shaped as the scheduler's Outbox shapes
 them, with stand-in logprobs of the real shapes and cached_tokens from a prefix memory;
-under the faults of a FaultPlan. It answers control calls as the scheduler does.
+under the faults of a FaultPlan. It answers control calls as the scheduler does, the
+control plane's included (`FakeControlPlane`: pausing, aborting every request, weight
+updates and the weight version, releasing memory), by the real one's rules.
 
 It never decodes output text (the real detokenizer downstream does) and never sees
 the caller: messages come in through its inbox and leave through its sender."""
@@ -25,21 +27,35 @@ from typing import Any, Protocol
 
 from sgl.core.faults import Abort, Busy, ControlCall, Die, Effect, Fail, FaultPlan, Hang, SlowFirstToken, control_misuse
 from sgl.core.protocol import (
+    CONTROL_PLANE,
+    MEMORY_TAGS,
+    AbortAllReq,
     AbortReq,
     BatchTokenIDOutput,
     Beam,
+    ContinueGenerationReq,
+    ControlReqOutput,
+    DestroyWeightsUpdateGroupReq,
     FinishReason,
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
+    GetWeightsByNameReq,
     HealthCheckOutput,
     HealthCheckReq,
+    InitWeightsUpdateGroupReq,
     Logprobs,
     Message,
+    PauseGenerationReq,
+    PauseMode,
+    ReleaseMemoryReq,
+    ResumeMemoryReq,
     SetFaultsReq,
     SetFaultsReqOutput,
+    UpdateWeightsFromDistributedReq,
+    WeightUpdate,
 )
 from sgl.core.sampling_params import SamplingParams, TrieConstraint
 from sgl.core.server_args import ServerArgs
@@ -50,6 +66,10 @@ Output = str | list[int]  # a text, or the output's token ids as they are
 Answer = Callable[[str, SamplingParams], Output]  # (prompt, sampling params) -> the output
 MAX_JSON_WHITESPACE = 2  # as the scheduler compiles json_schema (sgl.sched.grammar)
 MAX_NAMED_TRIES = 64  # as the scheduler keeps named tries (sgl.sched.trie_store)
+# The abort messages of sgl.sched.control (not imported: it imports torch).
+PAUSED_ABORT = "aborted: the engine's generation was paused (pause_generation mode='abort')"
+ABORTED_ALL = "aborted: abort_all"
+UPDATE_ABORT = "aborted: a weight update with abort_all_requests"
 
 
 # ---- what a request's output is --------------------------------------------------------
@@ -271,6 +291,7 @@ class _Run:
     """One request in the scripted scheduler: its planned output and how far it got."""
 
     msg: GenerateReqInput
+    arrival: int = 0
     effects: list[Effect] = field(default_factory=list)
     planned: list[int] = field(default_factory=list)
     planned_finish: FinishReason = field(default_factory=dict)
@@ -312,6 +333,8 @@ class ScriptedScheduler:
         self.outbox: dict[_Run, None] = {}
         self.tries: dict[str, list[list[int]]] = {}
         self.failures = 0
+        self.arrivals = itertools.count()
+        self.control = FakeControlPlane(self)
         self.dead = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -335,11 +358,13 @@ class ScriptedScheduler:
             self._admit()
             now = self.loop.time()
             for r in [r for r in self.running if r.due is not None and r.due <= now]:
-                if not self.dead:
+                if not self.dead and not self.control.frozen:
                     self._step(r, now)
-            self._flush()
+            self.flush()
+            for reply in self.control.step() if not self.dead else ():  # updates that waited for the running
+                self.send.send(reply)
             self._admit()  # into the room the finished ones left
-            dues = [r.due for r in self.running if r.due is not None]
+            dues = [r.due for r in self.running if r.due is not None and not self.control.frozen]
             if dues and min(dues) <= now:
                 await asyncio.sleep(0)
             else:
@@ -357,6 +382,11 @@ class ScriptedScheduler:
                 self._finish(r, {"type": "abort", "message": "aborted by the client"})
         elif isinstance(msg, (FlushCacheReq, GetServerInfoReq, HealthCheckReq)):
             self._control(msg)
+        elif isinstance(msg, CONTROL_PLANE):
+            if (reply := self.control.handle(msg)) is not None:
+                reply.origin, reply.req_id = msg.origin, msg.req_id
+                self.flush()  # a reply follows the outputs it caused
+                self.send.send(reply)
         elif isinstance(msg, SetFaultsReq):  # as the scheduler installs a plan sent as data
             why = next(filter(None, (control_misuse(f.effect, f.when) for f in msg.faults or ())), None)
             if why is None:
@@ -365,10 +395,12 @@ class ScriptedScheduler:
 
     def _arrive(self, msg: GenerateReqInput) -> None:  # the checks of sgl.sched.intake, then its plan
         p, ids = msg.sampling_params, msg.input_ids
-        r = _Run(msg, self.faults.for_request(msg.rid, ids, self._prompt(ids), p, msg.stream))
+        r = _Run(msg, next(self.arrivals), self.faults.for_request(msg.rid, ids, self._prompt(ids), p, msg.stream))
         r.logprobs = Logprobs() if msg.return_logprob else None  # a refused request sends its empty lists
         bound = self.args.max_queued_requests
         try:
+            if (refused := self.control.refusal()) is not None:
+                raise Refused(refused)
             if msg.rid in self.live:
                 raise Refused({"type": "abort", "message": f"rid: duplicate request id {msg.rid!r}: a request "
                                                            "with this rid is still running"})
@@ -433,16 +465,19 @@ class ScriptedScheduler:
     # ---- steps ---------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        """Waiting requests into the room left, oldest first; a retracted one (its output
+        kept) gets its next token `first_token_s` after its prefill is redone."""
         assert self.loop is not None
-        while self.waiting and len(self.running) < self.model.max_running_requests:
+        while self.control.admits and self.waiting and len(self.running) < self.model.max_running_requests:
             r = self.waiting.popleft()
             self.running.append(r)
             r.admitted = True
             ids, s = r.msg.input_ids, r.logprob_start
             # Prompt logprobs need the logits of the positions they score: no cache hit there.
-            r.cached = self.memory.match(ids[: min(len(ids) - 1, max(s - 1, 0)) if s >= 0 else len(ids) - 1])
+            hit = self.memory.match(ids[: min(len(ids) - 1, max(s - 1, 0)) if s >= 0 else len(ids) - 1])
+            r.cached = max(r.cached, hit)
             self.memory.insert(ids)
-            slow = [e.seconds for e in r.effects if isinstance(e, SlowFirstToken)]
+            slow = [e.seconds for e in r.effects if isinstance(e, SlowFirstToken)] if not r.output_ids else []
             r.due = self.loop.time() + (max(slow) if slow else self.latency.first_token_s)
             if not r.planned:  # a prefill for prompt logprobs only
                 self._prompt_logprobs(r)
@@ -493,6 +528,21 @@ class ScriptedScheduler:
             if self.memory.size + held > self.model.max_total_tokens:
                 self.memory.flush()  # evicted
 
+    def abort_all(self, message: str) -> int:
+        """End every live request with an abort reason, now; how many."""
+        live = list(self.live.values())
+        for r in live:
+            self._finish(r, {"type": "abort", "message": message})
+        return len(live)
+
+    def retract_all(self) -> int:
+        """Send every running request back to the queue, its output kept, oldest first in it."""
+        holders = sorted(self.running, key=lambda r: r.arrival, reverse=True)
+        for r in holders:  # youngest first: each goes to the front of the queue
+            self.running.remove(r)
+            self.waiting.appendleft(r)
+        return len(holders)
+
     def _die(self, why: str) -> None:
         self.dead = True
         self.live, self.waiting, self.running, self.outbox = {}, deque(), [], {}
@@ -500,13 +550,14 @@ class ScriptedScheduler:
 
     # ---- output --------------------------------------------------------------------------
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """The outbox as one message, each request's ids and logprobs since its last (the
         scheduler's Outbox.flush, sgl/sched/results.py)."""
         if not self.outbox or self.dead:
             return
         runs, self.outbox = list(self.outbox), {}
-        out = BatchTokenIDOutput([], [], [], [], [], [], [], [], [], [], [], [], [])
+        out = BatchTokenIDOutput([], [], [], [], [], [], [], [], [], [], [], [], [],
+                                 weight_version=self.control.weight_version)
         for r in runs:
             p = r.msg.sampling_params
             out.rids.append(r.msg.rid)
@@ -581,4 +632,163 @@ class ScriptedScheduler:
                 "max_running_requests": m.max_running_requests,
                 "eos_token_ids": m.eos_ids, "kv_free": max(0, m.max_total_tokens - held - self.memory.size),
                 "kv_evictable": self.memory.size, "kv_protected": held, "invariant_violations": 0,
-                "waiting": len(self.waiting), "running": len(self.running), "failures": self.failures}
+                "waiting": len(self.waiting), "running": len(self.running), "failures": self.failures,
+                **self.control.info()}
+
+
+# ---- the control plane ------------------------------------------------------------------
+
+
+class FakeControlPlane:
+    """The scheduler's control plane (sgl.sched.control) with no weights and no device:
+    the pause state, the weight updates waiting for the running requests, the weight
+    version, the memory released and the update groups joined, under the real one's
+    rules. An update loads nothing: it flushes the prefix memory (with flush_cache) and
+    sets the version. It acts on requests only through the scheduler's methods."""
+
+    def __init__(self, scheduler: ScriptedScheduler) -> None:
+        self.scheduler = scheduler
+        self.paused: PauseMode | None = None
+        self.refuse_new = False
+        self.waiting_updates: list[WeightUpdate] = []  # until no request holds KV, or paused
+        self.updates = 0
+        self.weight_version = "default"
+        self.released: set[str] = set()
+        self.groups: set[str] = set()
+
+    @property
+    def frozen(self) -> bool:
+        """Nothing may be scheduled: paused, or memory released."""
+        return self.paused is not None or bool(self.released)
+
+    @property
+    def admits(self) -> bool:
+        """Waiting requests may be admitted (an update waiting for the running ones holds them back)."""
+        return not self.frozen and not self.waiting_updates
+
+    def refusal(self) -> FinishReason | None:
+        """The finish reason of a request arriving now, if it is refused."""
+        if self.refuse_new and self.frozen:
+            return {"type": "abort", "status_code": 503,
+                    "message": "the engine is paused (pause_generation with refuse_new): "
+                               "retry after continue_generation"}
+        return None
+
+    def handle(self, msg: Message) -> ControlReqOutput | None:
+        """Answer a control-plane request; None for a weight update that waits for the
+        running requests (its answer comes from `step`)."""
+        try:
+            if isinstance(msg, WeightUpdate):
+                return self._update(msg)
+            return self._call(msg)
+        except ValueError as e:  # refused: the engine is as it was
+            return ControlReqOutput(success=False, message=str(e))
+
+    def _call(self, msg: Message) -> ControlReqOutput:
+        s = self.scheduler
+        if isinstance(msg, PauseGenerationReq):
+            if msg.mode == "abort":
+                s.abort_all(PAUSED_ABORT)
+            elif msg.mode == "retract":
+                s.retract_all()
+            self.paused, self.refuse_new = msg.mode, msg.refuse_new
+            return ControlReqOutput(success=True, message=f"generation paused ({msg.mode})",
+                                    data={"num_paused_requests": len(s.live)})
+        if isinstance(msg, ContinueGenerationReq):
+            self.paused, self.refuse_new = None, False
+            return ControlReqOutput(success=True, message="generation continued")
+        if isinstance(msg, AbortAllReq):
+            return ControlReqOutput(success=True, data={"aborted": s.abort_all(ABORTED_ALL)})
+        if isinstance(msg, InitWeightsUpdateGroupReq):
+            if msg.group_name in self.groups:
+                raise ValueError(f"group_name={msg.group_name!r}: this engine is in that group already")
+            self.groups.add(msg.group_name)
+            return ControlReqOutput(success=True, message=f"joined weight update group {msg.group_name!r}")
+        if isinstance(msg, DestroyWeightsUpdateGroupReq):
+            self._check_group(msg.group_name, "")
+            self.groups.remove(msg.group_name)
+            return ControlReqOutput(success=True, message=f"left weight update group {msg.group_name!r}")
+        if isinstance(msg, GetWeightsByNameReq):
+            self._check_weights_present()
+            raise ValueError(f"name={msg.name!r}: a fake engine has no weights to read")
+        if isinstance(msg, ReleaseMemoryReq):
+            return self._release(set[str](msg.tags or MEMORY_TAGS))
+        if isinstance(msg, ResumeMemoryReq):
+            self.released -= self._tags(set[str](msg.tags or MEMORY_TAGS), released=True)
+            return ControlReqOutput(success=True, data={"seconds": 0.0})
+        raise ValueError(f"{type(msg).__name__} is not a control-plane call")
+
+    def _check_group(self, name: str, hint: str) -> None:
+        if name not in self.groups:
+            raise ValueError(f"group_name={name!r}: no such weight update group "
+                             f"(joined: {sorted(self.groups) or 'none'}){hint}")
+
+    def _tags(self, tags: set[str], released: bool) -> set[str]:
+        """`tags`, if each is released (`released`) or not, as the model runner checks them."""
+        wrong = [t for t in MEMORY_TAGS if t in tags and (t in self.released) != released]
+        if wrong:
+            raise ValueError(f"memory tag {', '.join(map(repr, wrong))} is "
+                             + ("not released" if released else "released already"))
+        return tags
+
+    def _release(self, tags: set[str]) -> ControlReqOutput:
+        s = self.scheduler
+        if "kv_cache" in tags and s.running:
+            raise ValueError(f"{len(s.running)} requests hold KV: pause_generation(mode='abort' or 'retract') "
+                             "before releasing the KV cache")
+        self._tags(tags, released=False)
+        if "kv_cache" in tags:
+            s.memory.flush()  # the pool's content is lost
+        self.released |= tags
+        return ControlReqOutput(success=True, data={"seconds": 0.0})
+
+    def _check_weights_present(self) -> None:
+        if "weights" in self.released:
+            raise ValueError("the weights are released: resume_memory_occupation(['weights']) before updating them")
+
+    # ---- weight updates ----------------------------------------------------------------
+
+    def _update(self, msg: WeightUpdate) -> ControlReqOutput | None:
+        self._check_weights_present()
+        if msg.abort_all_requests:
+            self.scheduler.abort_all(UPDATE_ABORT)
+        if self.paused is None and self.scheduler.running:
+            self.waiting_updates.append(msg)  # the running requests finish first; admission waits
+            return None
+        return self._apply(msg)
+
+    def step(self) -> list[ControlReqOutput]:
+        """The updates that waited, run once no request holds KV (or the engine paused)."""
+        if not self.waiting_updates or (self.paused is None and self.scheduler.running):
+            return []
+        todo, self.waiting_updates = self.waiting_updates, []
+        out = []
+        for msg in todo:
+            try:
+                got = self._apply(msg)
+            except ValueError as e:  # refused: the engine is as it was
+                got = ControlReqOutput(success=False, message=str(e))
+            got.origin, got.req_id = msg.origin, msg.req_id
+            out.append(got)
+        return out
+
+    def _apply(self, msg: WeightUpdate) -> ControlReqOutput:
+        self._check_weights_present()
+        if isinstance(msg, UpdateWeightsFromDistributedReq):
+            self._check_group(msg.group_name, "; init_weights_update_group first")
+        s = self.scheduler
+        paused = len(s.live)
+        if msg.flush_cache:
+            s.retract_all()  # their KV was made by the old weights: recomputed on re-admission
+            s.memory.flush()
+        s.flush()  # what the old weights made goes out under their version
+        self.updates += 1
+        self.weight_version = msg.weight_version if msg.weight_version is not None else str(self.updates)
+        return ControlReqOutput(success=True, message=f"a fake engine has no weights to load: weight_version is now "
+                                                      f"{self.weight_version!r}",
+                                data={"weight_version": self.weight_version, "num_paused_requests": paused})
+
+    def info(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version, "paused": self.paused,
+                "memory_released": sorted(self.released), "weight_updates_waiting": len(self.waiting_updates),
+                "weight_update_s": 0.0, "last_weight_update_s": 0.0}
