@@ -32,7 +32,10 @@ from typing import Any
 
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
+    ABORTED_ALL,
     MEMORY_TAGS,
+    PAUSED_ABORT,
+    UPDATE_ABORT,
     AbortAllReq,
     ContinueGenerationReq,
     ControlReqOutput,
@@ -54,10 +57,6 @@ from sgl.sched.kv_cache import KVCache
 from sgl.sched.prefill import PrefillManager
 from sgl.sched.req import Req
 from sgl.sched.runner.model_runner import ModelRunner
-
-PAUSED_ABORT = "aborted: the engine's generation was paused (pause_generation mode='abort')"
-ABORTED_ALL = "aborted: abort_all"
-UPDATE_ABORT = "aborted: a weight update with abort_all_requests"
 
 
 class ControlPlane:

@@ -255,9 +255,9 @@ async def test_named_tensors_are_packed_for_the_call_and_freed_after_it(
         stand_in: tuple[StandInEngine, StandInScheduler], monkeypatch: pytest.MonkeyPatch) -> None:
     e, sched = stand_in
     made: list[FakeBuffer] = []
-    weights = types.ModuleType("sgl.weights")
+    weights = types.ModuleType("sgl.transports.tensors")
     weights.share_tensors = lambda items: made.append(FakeBuffer(items)) or made[-1]  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "sgl.weights", weights)
+    monkeypatch.setitem(sys.modules, "sgl.transports.tensors", weights)
 
     assert (await e.update_weights_from_tensor({"a": 1, "b": 2}, weight_version="t1"))["success"]
     assert made[0].items == [("a", 1), ("b", 2)] and made[0].closed

@@ -344,6 +344,7 @@ def crafted(text: str, sampling_params: dict[str, Any], ids: list[int], fin: dic
     request = GenerateRequest(input_ids=[1, 2], sampling_params=sampling_params)
     return request, {"text": text, "output_ids": ids, "meta_info": {
         "id": "x", "prompt_tokens": 2, "completion_tokens": len(ids), "cached_tokens": 0, "finish_reason": fin,
+        "weight_version": "default",
         "e2e_latency": 0.1}}
 
 
@@ -366,7 +367,8 @@ def _set(mapping: dict[str, Any], key: str, value: Any) -> None:
 CASES = [
     broken("shape", "one", lambda r: r.pop("text")),
     broken("meta", "one", lambda r: meta(r).pop("cached_tokens")),
-    broken("meta", "one", lambda r: _set(meta(r), "weight_version", "1")),
+    broken("meta", "one", lambda r: _set(meta(r), "weight_step", "1")),
+    broken("meta", "one", lambda r: _set(meta(r), "weight_version", 1)),
     broken("meta-id", "one", lambda r: _set(meta(r), "id", "other")),
     broken("prompt-tokens", "one", lambda r: _set(meta(r), "prompt_tokens", 4)),
     broken("output-ids", "one", lambda r: r["output_ids"].pop()),

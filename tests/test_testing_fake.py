@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 import sgl
 from sgl.core.protocol import (
     CONTROL_PLANE,
+    PAUSED_ABORT,
+    UPDATE_ABORT,
     AbortReq,
     AttachReq,
     DetachReq,
@@ -43,7 +45,6 @@ from sgl.runtime.tokenizer_client import chat_ids
 from sgl.sched.models.default_model import default_model_dir
 from sgl.testing.fake import FakeEngine, FakeSyncEngine, run_virtual
 from sgl.testing.faults import Abort, Busy, Control, Die, Fail, FaultPlan, Hang, Nth, Rid, SlowFirstToken, Where
-from sgl.testing.scripted import PAUSED_ABORT, UPDATE_ABORT
 from tests.conftest import assert_kv_balanced
 from tests.hypothesis_profiles import PROFILE
 

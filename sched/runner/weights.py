@@ -25,7 +25,7 @@ from sgl.core.protocol import InitWeightsUpdateGroupReq, SharedTensors, UpdateWe
 from sgl.sched.models.forward_batch import CausalLM
 from sgl.sched.models.null import NullModel
 from sgl.sched.models.parallel import TPGroup
-from sgl.weights import DTYPES, UpdateGroup, init_update_group, open_shared
+from sgl.transports.tensors import DTYPES, UpdateGroup, init_update_group, open_shared
 
 if TYPE_CHECKING:
     from sgl.sched.models.llama import LlamaForCausalLM

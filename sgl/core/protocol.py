@@ -161,6 +161,10 @@ class SetFaultsReqOutput(msgspec.Struct, tag="set_faults_out", forbid_unknown_fi
 PauseMode = Literal["abort", "retract", "in_place"]
 MemoryTag = Literal["weights", "kv_cache"]
 MEMORY_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache")
+# The abort messages of the requests the control plane ends.
+PAUSED_ABORT = "aborted: the engine's generation was paused (pause_generation mode='abort')"
+ABORTED_ALL = "aborted: abort_all"
+UPDATE_ABORT = "aborted: a weight update with abort_all_requests"
 
 
 class ControlReqOutput(msgspec.Struct, tag="control_out", forbid_unknown_fields=True, kw_only=True):

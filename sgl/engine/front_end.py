@@ -300,7 +300,7 @@ class EngineFrontEnd(ABC):
 async def _shared(items: list[tuple[str, Any]]) -> Any:
     """sgl.weights.share_tensors(items) off the loop (packing copies every tensor); a
     caller cancelled meanwhile still has the buffer closed once it is made."""
-    from sgl.weights import share_tensors  # type: ignore[import-not-found, unused-ignore]  # torch stays unimported until here
+    from sgl.transports.tensors import share_tensors  # torch stays unimported until here
 
     made = asyncio.ensure_future(off_loop(share_tensors, items))
     try:

@@ -26,8 +26,8 @@ __all__ = ["RULES", "Contract", "ContractViolation", "Decoder", "EngineFacts", "
 
 RULES: dict[str, str] = {
     "shape": "a result is a dict of text (str), output_ids (a list of ints) and meta_info (a dict)",
-    "meta": "meta_info holds id, prompt_tokens, completion_tokens, cached_tokens, finish_reason and (once "
-            "finished) e2e_latency, of their types, and no key the engine does not fill",
+    "meta": "meta_info holds id, prompt_tokens, completion_tokens, cached_tokens, finish_reason, weight_version "
+            "and (once finished) e2e_latency, of their types, and no key the engine does not fill",
     "meta-id": "meta_info's id is the rid the request gave (sample i of n: rid-i)",
     "prompt-tokens": "prompt_tokens is the prompt's length in ids; cached_tokens lies in [0, prompt_tokens]",
     "output-ids": "output_ids holds completion_tokens ids",
@@ -74,7 +74,7 @@ RULES: dict[str, str] = {
 LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs", "input_top_logprobs",
                  "output_token_ids_logprobs", "input_token_ids_logprobs")
 _BEAM_KEYS = ("cumulative_logprob", "score", "beam_index")
-_BASE_META = ("id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason")
+_BASE_META = ("id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "weight_version")
 _LOGPROB_TOL = 1e-4  # a log probability is <= 0, up to float rounding
 
 # (ids, skip_special_tokens, spaces_between_special_tokens) -> text, as the detokenizer decodes
@@ -228,6 +228,8 @@ class SampleRules:
             e2e = meta.get("e2e_latency")
             require(is_number(e2e) and e2e >= 0, "meta", self.where, f"e2e_latency is {short(e2e)}")
         require(isinstance(meta["id"], str) and meta["id"] != "", "meta", self.where, f"id is {short(meta['id'])}")
+        require(isinstance(meta["weight_version"], str), "meta", self.where,
+                f"weight_version is {short(meta['weight_version'])}")
         for k in ("prompt_tokens", "completion_tokens", "cached_tokens"):
             require(is_int(meta[k]) and meta[k] >= 0, "meta", self.where, f"{k} is {short(meta[k])}")
         want = self.item.sample_id(self.sample)

@@ -2,11 +2,11 @@
 engine does not run for real. It answers each GenerateReqInput with the
 BatchTokenIDOutput messages the scheduler would send, built from a responder's output:
 its text or token ids, or for a grammar request that text if it matches, else a text
-written from the grammar (`grammar_text`); ended by the scheduler's rules (`FinishRule`);
+written from the grammar (`grammar_text`, sgl/testing/fake_grammar.py); ended by the scheduler's rules (`FinishRule`);
 sent one token per step on the loop's clock, shaped as the scheduler's Outbox shapes
 them, with stand-in logprobs of the real shapes and cached_tokens from a prefix memory;
 under the faults of a FaultPlan. It answers control calls as the scheduler does, the
-control plane's included (`FakeControlPlane`: pausing, aborting every request, weight
+control plane's included (`FakeControlPlane`, sgl/testing/fake_control.py: pausing, aborting every request, weight
 updates and the weight version, releasing memory), by the real one's rules.
 
 It never decodes output text (the real detokenizer downstream does) and never sees
@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
-import json
-import re
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,133 +25,35 @@ from typing import Any, Protocol
 from sgl.core.faults import Abort, Busy, ControlCall, Die, Effect, Fail, FaultPlan, Hang, SlowFirstToken, control_misuse
 from sgl.core.protocol import (
     CONTROL_PLANE,
-    MEMORY_TAGS,
-    AbortAllReq,
     AbortReq,
     BatchTokenIDOutput,
     Beam,
-    ContinueGenerationReq,
-    ControlReqOutput,
-    DestroyWeightsUpdateGroupReq,
     FinishReason,
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
-    GetWeightsByNameReq,
     HealthCheckOutput,
     HealthCheckReq,
-    InitWeightsUpdateGroupReq,
     Logprobs,
     Message,
-    PauseGenerationReq,
-    PauseMode,
-    ReleaseMemoryReq,
-    ResumeMemoryReq,
     SetFaultsReq,
     SetFaultsReqOutput,
-    UpdateWeightsFromDistributedReq,
-    WeightUpdate,
 )
 from sgl.core.sampling_params import SamplingParams, TrieConstraint
 from sgl.core.server_args import ServerArgs
 from sgl.sched.stop import StopStrings
+from sgl.testing.fake_control import FakeControlPlane
+from sgl.testing.fake_grammar import Refused, grammar_text
 from sgl.transports.channel import Sender
 
 Output = str | list[int]  # a text, or the output's token ids as they are
 Answer = Callable[[str, SamplingParams], Output]  # (prompt, sampling params) -> the output
-MAX_JSON_WHITESPACE = 2  # as the scheduler compiles json_schema (sgl.sched.grammar)
 MAX_NAMED_TRIES = 64  # as the scheduler keeps named tries (sgl.sched.trie_store)
-# The abort messages of sgl.sched.control (not imported: it imports torch).
-PAUSED_ABORT = "aborted: the engine's generation was paused (pause_generation mode='abort')"
-ABORTED_ALL = "aborted: abort_all"
-UPDATE_ABORT = "aborted: a weight update with abort_all_requests"
 
 
 # ---- what a request's output is --------------------------------------------------------
-
-
-class Refused(Exception):
-    """A request the scheduler ends on arrival, with `reason` (its finish reason)."""
-
-    def __init__(self, reason: FinishReason) -> None:
-        super().__init__(reason["message"])
-        self.reason = reason
-
-
-def grammar_text(kind: str, grammar: str, text: str, budget: int) -> str:
-    """`text` if it matches the grammar (JSON Schema and regexes checked without xgrammar,
-    so without torch), else one written from it; Refused with status_code 400 if invalid."""
-    if kind == "json_schema" and _json_matches(grammar, text):
-        return text
-    if kind == "regex":
-        with contextlib.suppress(re.error):  # a dialect Python lacks: xgrammar decides below
-            if re.fullmatch(grammar, text):
-                return text
-    import xgrammar as xgr
-
-    compiled = _compiled(kind, grammar)
-    if kind == "ebnf" and (m := xgr.GrammarMatcher(compiled)).accept_string(text) and m.is_completed():
-        return text
-    return _write(xgr.GrammarMatcher(compiled), grammar, budget)
-
-
-def _invalid(kind: str, why: str) -> Refused:
-    return Refused({"type": "abort", "status_code": 400, "message": f"{kind}: the grammar does not compile: {why}"})
-
-
-def _json_matches(grammar: str, text: str) -> bool:
-    import jsonschema  # type: ignore[import-untyped]
-
-    try:
-        schema = json.loads(grammar)
-        validator = jsonschema.validators.validator_for(schema)
-        validator.check_schema(schema)
-    except (ValueError, jsonschema.SchemaError) as e:
-        raise _invalid("json_schema", getattr(e, "message", str(e))) from None
-    try:
-        return bool(validator(schema).is_valid(json.loads(text)))
-    except ValueError:
-        return False
-
-
-@functools.lru_cache(maxsize=32)
-def _compiled(kind: str, grammar: str) -> Any:
-    """Compiled as the scheduler compiles it, over no vocabulary (text is written by characters)."""
-    import xgrammar as xgr
-
-    from sgl.sched.json_schema_rewrite import for_xgrammar
-
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]))
-    try:
-        if kind == "json_schema":
-            return compiler.compile_json_schema(for_xgrammar(grammar), max_whitespace_cnt=MAX_JSON_WHITESPACE)
-        return compiler.compile_regex(grammar) if kind == "regex" else compiler.compile_grammar(grammar)
-    except Exception as e:  # noqa: BLE001 - the caller's grammar: their 400
-        raise _invalid(kind, re.sub(r"^\[[\d:]+\] \S+: ", "", str(e).strip())[:500]) from None
-
-
-_CLOSERS = '"}]'
-_ASCII = [chr(c) for c in range(33, 127)]
-
-
-def _write(matcher: Any, grammar: str, budget: int) -> str:
-    """A short text in the grammar, at most `budget` characters, deterministic: it ends as
-    soon as the grammar may end; until then each character is the first the grammar takes
-    of closing quotes and brackets, the least used yet of printable ASCII and the grammar's
-    own non-ASCII characters, then a space or a newline."""
-    chars = _ASCII + sorted({c for c in grammar if not c.isascii() and c.isprintable()})
-    uses: Counter[str] = Counter()
-    out: list[str] = []
-    while len(out) < budget and not matcher.is_completed():
-        order = sorted(chars, key=lambda c: (_CLOSERS.find(c) % (len(_CLOSERS) + 1), uses[c], c))
-        c = next((c for c in [*order, " ", "\n"] if matcher.accept_string(c)), None)
-        if c is None:
-            break
-        out.append(c)
-        uses[c] += 1
-    return "".join(out)
 
 
 class FinishRule:
@@ -634,161 +533,3 @@ class ScriptedScheduler:
                 "kv_evictable": self.memory.size, "kv_protected": held, "invariant_violations": 0,
                 "waiting": len(self.waiting), "running": len(self.running), "failures": self.failures,
                 **self.control.info()}
-
-
-# ---- the control plane ------------------------------------------------------------------
-
-
-class FakeControlPlane:
-    """The scheduler's control plane (sgl.sched.control) with no weights and no device:
-    the pause state, the weight updates waiting for the running requests, the weight
-    version, the memory released and the update groups joined, under the real one's
-    rules. An update loads nothing: it flushes the prefix memory (with flush_cache) and
-    sets the version. It acts on requests only through the scheduler's methods."""
-
-    def __init__(self, scheduler: ScriptedScheduler) -> None:
-        self.scheduler = scheduler
-        self.paused: PauseMode | None = None
-        self.refuse_new = False
-        self.waiting_updates: list[WeightUpdate] = []  # until no request holds KV, or paused
-        self.updates = 0
-        self.weight_version = "default"
-        self.released: set[str] = set()
-        self.groups: set[str] = set()
-
-    @property
-    def frozen(self) -> bool:
-        """Nothing may be scheduled: paused, or memory released."""
-        return self.paused is not None or bool(self.released)
-
-    @property
-    def admits(self) -> bool:
-        """Waiting requests may be admitted (an update waiting for the running ones holds them back)."""
-        return not self.frozen and not self.waiting_updates
-
-    def refusal(self) -> FinishReason | None:
-        """The finish reason of a request arriving now, if it is refused."""
-        if self.refuse_new and self.frozen:
-            return {"type": "abort", "status_code": 503,
-                    "message": "the engine is paused (pause_generation with refuse_new): "
-                               "retry after continue_generation"}
-        return None
-
-    def handle(self, msg: Message) -> ControlReqOutput | None:
-        """Answer a control-plane request; None for a weight update that waits for the
-        running requests (its answer comes from `step`)."""
-        try:
-            if isinstance(msg, WeightUpdate):
-                return self._update(msg)
-            return self._call(msg)
-        except ValueError as e:  # refused: the engine is as it was
-            return ControlReqOutput(success=False, message=str(e))
-
-    def _call(self, msg: Message) -> ControlReqOutput:
-        s = self.scheduler
-        if isinstance(msg, PauseGenerationReq):
-            if msg.mode == "abort":
-                s.abort_all(PAUSED_ABORT)
-            elif msg.mode == "retract":
-                s.retract_all()
-            self.paused, self.refuse_new = msg.mode, msg.refuse_new
-            return ControlReqOutput(success=True, message=f"generation paused ({msg.mode})",
-                                    data={"num_paused_requests": len(s.live)})
-        if isinstance(msg, ContinueGenerationReq):
-            self.paused, self.refuse_new = None, False
-            return ControlReqOutput(success=True, message="generation continued")
-        if isinstance(msg, AbortAllReq):
-            return ControlReqOutput(success=True, data={"aborted": s.abort_all(ABORTED_ALL)})
-        if isinstance(msg, InitWeightsUpdateGroupReq):
-            if msg.group_name in self.groups:
-                raise ValueError(f"group_name={msg.group_name!r}: this engine is in that group already")
-            self.groups.add(msg.group_name)
-            return ControlReqOutput(success=True, message=f"joined weight update group {msg.group_name!r}")
-        if isinstance(msg, DestroyWeightsUpdateGroupReq):
-            self._check_group(msg.group_name, "")
-            self.groups.remove(msg.group_name)
-            return ControlReqOutput(success=True, message=f"left weight update group {msg.group_name!r}")
-        if isinstance(msg, GetWeightsByNameReq):
-            self._check_weights_present()
-            raise ValueError(f"name={msg.name!r}: a fake engine has no weights to read")
-        if isinstance(msg, ReleaseMemoryReq):
-            return self._release(set[str](msg.tags or MEMORY_TAGS))
-        if isinstance(msg, ResumeMemoryReq):
-            self.released -= self._tags(set[str](msg.tags or MEMORY_TAGS), released=True)
-            return ControlReqOutput(success=True, data={"seconds": 0.0})
-        raise ValueError(f"{type(msg).__name__} is not a control-plane call")
-
-    def _check_group(self, name: str, hint: str) -> None:
-        if name not in self.groups:
-            raise ValueError(f"group_name={name!r}: no such weight update group "
-                             f"(joined: {sorted(self.groups) or 'none'}){hint}")
-
-    def _tags(self, tags: set[str], released: bool) -> set[str]:
-        """`tags`, if each is released (`released`) or not, as the model runner checks them."""
-        wrong = [t for t in MEMORY_TAGS if t in tags and (t in self.released) != released]
-        if wrong:
-            raise ValueError(f"memory tag {', '.join(map(repr, wrong))} is "
-                             + ("not released" if released else "released already"))
-        return tags
-
-    def _release(self, tags: set[str]) -> ControlReqOutput:
-        s = self.scheduler
-        if "kv_cache" in tags and s.running:
-            raise ValueError(f"{len(s.running)} requests hold KV: pause_generation(mode='abort' or 'retract') "
-                             "before releasing the KV cache")
-        self._tags(tags, released=False)
-        if "kv_cache" in tags:
-            s.memory.flush()  # the pool's content is lost
-        self.released |= tags
-        return ControlReqOutput(success=True, data={"seconds": 0.0})
-
-    def _check_weights_present(self) -> None:
-        if "weights" in self.released:
-            raise ValueError("the weights are released: resume_memory_occupation(['weights']) before updating them")
-
-    # ---- weight updates ----------------------------------------------------------------
-
-    def _update(self, msg: WeightUpdate) -> ControlReqOutput | None:
-        self._check_weights_present()
-        if msg.abort_all_requests:
-            self.scheduler.abort_all(UPDATE_ABORT)
-        if self.paused is None and self.scheduler.running:
-            self.waiting_updates.append(msg)  # the running requests finish first; admission waits
-            return None
-        return self._apply(msg)
-
-    def step(self) -> list[ControlReqOutput]:
-        """The updates that waited, run once no request holds KV (or the engine paused)."""
-        if not self.waiting_updates or (self.paused is None and self.scheduler.running):
-            return []
-        todo, self.waiting_updates = self.waiting_updates, []
-        out = []
-        for msg in todo:
-            try:
-                got = self._apply(msg)
-            except ValueError as e:  # refused: the engine is as it was
-                got = ControlReqOutput(success=False, message=str(e))
-            got.origin, got.req_id = msg.origin, msg.req_id
-            out.append(got)
-        return out
-
-    def _apply(self, msg: WeightUpdate) -> ControlReqOutput:
-        self._check_weights_present()
-        if isinstance(msg, UpdateWeightsFromDistributedReq):
-            self._check_group(msg.group_name, "; init_weights_update_group first")
-        s = self.scheduler
-        paused = len(s.live)
-        if msg.flush_cache:
-            s.retract_all()  # their KV was made by the old weights: recomputed on re-admission
-            s.memory.flush()
-        s.flush()  # what the old weights made goes out under their version
-        self.updates += 1
-        self.weight_version = msg.weight_version if msg.weight_version is not None else str(self.updates)
-        return ControlReqOutput(success=True, message=f"a fake engine has no weights to load: weight_version is now "
-                                                      f"{self.weight_version!r}",
-                                data={"weight_version": self.weight_version, "num_paused_requests": paused})
-
-    def info(self) -> dict[str, Any]:
-        return {"weight_version": self.weight_version, "paused": self.paused,
-                "memory_released": sorted(self.released), "weight_updates_waiting": len(self.waiting_updates),
-                "weight_update_s": 0.0, "last_weight_update_s": 0.0}
