@@ -53,6 +53,9 @@ def test_loader_error_in_the_scheduler_reaches_the_caller(tmp_path, transport: s
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_killing_the_scheduler_fails_pending_requests(null_model_dir: str, transport: str) -> None:
+    # The children of earlier tests that outlive them by design (multiprocessing's resource
+    # tracker, started by a shared-memory block) are not this engine's.
+    before = set(_children_of(os.getpid()))
     engine = sgl.AsyncEngine(null_model_dir, transport=transport, load_format="null", skip_tokenizer_init=True,
                              max_total_tokens=4000)
     sched_pid = engine.roles.pids()["scheduler"]
@@ -78,7 +81,7 @@ def test_killing_the_scheduler_fails_pending_requests(null_model_dir: str, trans
 
     asyncio.run(main())
     time.sleep(0.2)
-    assert _children_of(os.getpid()) == [], "a child process was left behind"
+    assert set(_children_of(os.getpid())) <= before, "a child process was left behind"
     assert not engine.roles.addresses.ipc_dir or not os.path.exists(engine.roles.addresses.ipc_dir)
 
 
