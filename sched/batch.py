@@ -43,6 +43,16 @@ class ScheduleBatch:
         return list(dict.fromkeys(self.reqs))
 
     @property
+    def pooled_entries(self) -> list[int]:
+        """The entries whose rows this forward pools (in order: their rows of the pooled
+        output): an embedding request's every chunk when mean-pooled, its last when
+        last-token pooled. Prefills only; empty for decode."""
+        if self.is_decode:
+            return []
+        return [i for i, (r, part) in enumerate(zip(self.reqs, self.partial))
+                if r.pooled is not None and (r.pooled.mode == "mean" or not part)]
+
+    @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 

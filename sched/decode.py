@@ -126,6 +126,8 @@ class DecodeManager:
         self.stats["retractions"] += 1
         self.kv.release(victim, cache=False)
         victim.drop_prompt_logprobs()
+        if victim.pooled is not None:
+            victim.pooled.reset()  # its prompt is pooled again from the start
         if victim.beam is not None:
             victim.beam.reset()  # its beams are recomputed from the prompt (likely cached) on re-admission
             victim.output_ids = []  # nothing of a beam request was sent

@@ -14,6 +14,7 @@ from typing import Any
 
 from sgl.core.request_checks import RequestLimits, request_error
 from sgl.sched.grammar import Grammars
+from sgl.sched.pooling import PooledPrompt
 from sgl.sched.req import Req
 from sgl.sched.runner.model_runner import ModelRunner
 from sgl.sched.trie_store import TrieStore
@@ -56,8 +57,21 @@ class RequestIntake:
             return f"rid: duplicate request id {req.rid!r}: a request with this rid is still running"
         if req.beam is not None and req.stream:
             return "stream: a beam search request cannot stream (its beams are known only at the end)"
+        if req.embed and (error := self._embedding_error(req)) is not None:
+            return error
         return request_error(req.origin_input_ids, req.sampling_params, req.logprob_start_len, req.top_logprobs_num,
                              req.token_ids_logprob, req.processor, self.limits, return_logprob=req.return_logprob)
+
+    def _embedding_error(self, req: Req) -> str | None:
+        """Why an embedding request cannot run, or None: then its pool is set."""
+        pooling = self.runner.pooling
+        if pooling is None:
+            return ("model: this model serves no embeddings (no sentence-transformers Pooling module): start the "
+                    "engine with is_embedding (--is-embedding)")
+        if req.sampling_params.max_new_tokens != 0 or req.return_logprob or req.beam is not None:
+            return "embed: an embedding request takes max_new_tokens=0, no logprobs and no beams"
+        req.pooled = PooledPrompt(pooling.mode, pooling.normalize)
+        return None
 
     def _constrain(self, req: Req) -> str | None:
         """Set the request's trie and whether it runs serially; why it cannot run, or None."""

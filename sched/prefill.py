@@ -159,10 +159,10 @@ class PrefillAdder:
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) and lead.is_leader:
             return Verdict.DEFERRED  # waits for its leader's prompt to be in the tree
         ids = req.all_ids
-        # Prompt logprobs need the logits of the positions they score: no cache hit there.
-        limit = min(len(ids) - 1, req.input_logprob_from) if req.needs_input_logprobs else len(ids) - 1
+        limit = req.prefix_limit
         match = self.tree.match_prefix(ids[:limit])
-        if not req.needs_input_logprobs and self.prefix_in_flight(ids, len(match.indices)):
+        # Only a request that may take its whole prefix from the tree waits for one in flight.
+        if limit == len(ids) - 1 and self.prefix_in_flight(ids, len(match.indices)):
             return Verdict.DEFERRED  # its prefix is being computed: wait a round and reuse it
         todo = len(ids) - len(match.indices)
         n = self._chunk(req, todo)

@@ -19,6 +19,7 @@ import torch
 from sgl.core.protocol import Beam, GenerateReqInput, Logprobs
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.trie import Trie
+from sgl.sched.pooling import PooledPrompt
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -54,7 +55,7 @@ class Req:
         "cached_tokens", "to_abort", "retractions", "inflight", "epoch",
         "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
-        "grammar_width", "grammar_seen", "arrival", "oom_retried",
+        "grammar_width", "grammar_seen", "arrival", "oom_retried", "embed", "pooled", "embedding",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -101,6 +102,9 @@ class Req:
         # Its place in arrival order (set by the scheduler): retraction takes the youngest KV holder.
         self.arrival = -1
         self.oom_retried = False  # retracted once after a CUDA OOM: the next one aborts it
+        self.embed = m.embed  # an embedding request: prefill-only, its prompt pooled
+        self.pooled: PooledPrompt | None = None  # its pool, set by the scheduler on arrival
+        self.embedding: bytes | None = None  # its vector (float32 bytes), once its prompt is done
 
     @property
     def all_ids(self) -> list[int]:
@@ -149,6 +153,16 @@ class Req:
     def prefill_only(self) -> bool:
         """max_new_tokens=0: a prefill (for prompt logprobs) that outputs no token."""
         return self.sampling_params.max_new_tokens == 0
+
+    @property
+    def prefix_limit(self) -> int:
+        """How many of its leading tokens it may take from the radix cache: never its last
+        (whose logits it needs), nor a position whose prompt logprob it returns, nor any
+        of a mean-pooled embedding's prompt (the tree keeps no hidden states)."""
+        if self.pooled is not None and self.pooled.mode == "mean":
+            return 0
+        n = len(self.origin_input_ids) + len(self.output_ids) - 1
+        return min(n, self.input_logprob_from) if self.needs_input_logprobs else n
 
     @property
     def needs_input_logprobs(self) -> bool:

@@ -84,9 +84,12 @@ class Outbox:
 
     def __init__(self) -> None:
         self.reqs: dict[Req, None] = {}  # once each, even if ended twice over
+        self.embeddings = False  # one of them has an embedding: the message carries the column
 
     def add(self, req: Req) -> None:
         self.reqs[req] = None
+        if req.embedding is not None:
+            self.embeddings = True
 
     def flush(self, weight_version: str) -> BatchTokenIDOutput | None:
         """The outbox's requests as one message to the detokenizer: each one's ids and
@@ -114,6 +117,9 @@ class Outbox:
             out.beams.append(r.beam.result if r.beam is not None else None)
             if r.logprobs is not None:
                 r.logprobs = Logprobs()
+        if self.embeddings:
+            self.embeddings = False
+            out.embeddings = [r.embedding for r in reqs]
         return out
 
 
@@ -172,12 +178,15 @@ class ResultProcessor:
             return
         batch, res = got.batch, got.res
         row = -1  # the last logits row of the previous request
+        pooled = {i: res.pooled[j] for j, i in enumerate(batch.pooled_entries)} if res.pooled is not None else None
         for i, (req, kind, tok, epoch, (a, k)) in enumerate(
                 zip(batch.reqs, got.kinds, got.tokens, batch.epochs, batch.lp_in)):
             first, row = row + 1, row + 1 + (k if res.token is not None else 0)
             if kind is Outcome.STALE or req.finished or req.epoch != epoch:
                 continue  # or ended or retracted since the outcomes were decided (a failed next step)
             try:
+                if pooled is not None and i in pooled and req.pooled is not None and kind is not Outcome.ABORT:
+                    req.pooled.add(pooled[i], batch.qo_lens[i])
                 self._apply(batch, res, i, req, kind, tok, first, a, k)
             except Exception as e:  # contained to this request
                 self.failures += 1
@@ -197,7 +206,9 @@ class ResultProcessor:
             return
         req.prompt_done = True
         if kind is Outcome.PROMPT:
-            # Its prompt logprobs are in: the token sampled after the prompt is dropped.
+            # Its prompt logprobs or its pool are in: the token sampled after the prompt is dropped.
+            if req.pooled is not None:
+                req.embedding = req.pooled.vector()
             self.finish(req, {"type": "length", "length": 0})
             return
         if not batch.is_decode:

@@ -286,7 +286,7 @@ class Scheduler:
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) is not None:
             self.prefill.share_prompt(lead)
         self.rids[req.rid] = req
-        if req.prefill_only and not req.needs_input_logprobs:
+        if req.prefill_only and not req.needs_input_logprobs and not req.embed:
             self.finish(req, {"type": "length", "length": 0})  # nothing to compute
         elif not (effects and self.faults.accept(req, effects)):  # unless a planted fault holds it back
             self._queue(req)

@@ -14,6 +14,23 @@ from sgl.kernels.attention import AttentionBackend, AttnMetadata
 
 
 @dataclass(slots=True)
+class PoolRows:
+    """The packed rows of a prefill whose final hidden states embedding requests pool:
+    row k adds to entry `entry[k]`'s sum (a mean-pooled chunk's every row, a last-token
+    request's last row). The forward fills `out` [count, hidden] float32."""
+
+    rows: torch.Tensor  # [N] int64
+    entry: torch.Tensor  # [N] int64 in [0, count)
+    count: int
+    out: torch.Tensor | None = None
+
+    def pool(self, hidden: torch.Tensor) -> None:
+        """Sum `hidden` ([N, H]: the final-norm states of `rows`) into `out`, per entry."""
+        out = torch.zeros((self.count, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+        self.out = out.index_add_(0, self.entry, hidden.float())
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -23,7 +40,7 @@ class ForwardBatch:
     attn: AttnMetadata
     attn_backend: AttentionBackend
     kv_pool: MHATokenToKVPool
-
+    pool: PoolRows | None = None  # embedding requests' rows (prefill only)
 
 
 class CausalLM(Protocol):

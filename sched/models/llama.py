@@ -233,12 +233,15 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] in the model's dtype for the rows `fb.logits_indices` of the
-        packed batch (the sampler takes float32 where it needs it; greedy argmax does not)."""
+        packed batch (the sampler takes float32 where it needs it; greedy argmax does not);
+        with `fb.pool`, its rows' final-norm hidden states pooled into `fb.pool.out`."""
         h = self.model.embed_tokens(fb.input_ids)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, fb, self.rope)
         assert residual is not None
+        if fb.pool is not None:
+            fb.pool.pool(self.model.norm(h[fb.pool.rows] + residual[fb.pool.rows]))
         # Norm and LM head only on the rows that predict a token: prefill computes the others for the KV alone.
         h = h[fb.logits_indices] + residual[fb.logits_indices]
         h = self.model.norm(h)

@@ -32,6 +32,7 @@ from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
 from sgl.sched.models.parallel import TPGroup
+from sgl.sched.pooling import PoolingConfig, pooling_config
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.grammar_masks import GrammarFill
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
@@ -127,6 +128,7 @@ class ModelRunner:
         self.model, self.config = self._load(args, model_path)
         self.startup = {"weights_s": time.perf_counter() - t0}
         self.weights = WeightManager(self.model, self.device, self.dtype, tp, args.load_format)
+        self.pooling = self._pooling(args, model_path)
         self.vocab_size: int = self.model.vocab_size
         self.eos_ids = frozenset(eos_ids_of(self.config, model_path))
         # Every allowed processor is imported at start-up: a bad entry fails the engine's start.
@@ -304,6 +306,15 @@ class ModelRunner:
                                    seed=args.random_seed or 0, tp=self.tp)
         return model, config  # in eval mode already
 
+    def _pooling(self, args: ServerArgs, model_path: str) -> PoolingConfig | None:
+        """How embedding requests pool (None: the model serves none; sgl.sched.pooling)."""
+        if args.load_format == "null":
+            if args.is_embedding:
+                raise ValueError("is_embedding: the null model (load_format='null') has no hidden states to pool")
+            return None
+        path = Path(model_path)
+        return pooling_config(path if path.is_dir() else path.parent, self.config, args.is_embedding, args.pooling)
+
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
         """Host side, at build time: every tensor the forward needs, copied from the
         request state so that the scheduler may change it while the batch runs.
@@ -328,11 +339,19 @@ class ModelRunner:
         and on CUDA the event that marks them copied."""
         table = self.req_to_token_pool.mirror
         if self.device.type != "cuda":
-            return self._submit(lambda: self.sampling.sample(p, logits.result(), fill, table).to_host(False)), None
-        step = self.sampling.sample(p, logits.result(), fill, table).to_host(non_blocking=True)
+            return self._submit(lambda: self._sample(p, logits, fill, table).to_host(False)), None
+        step = self._sample(p, logits, fill, table).to_host(non_blocking=True)
         done = torch.cuda.Event(enable_timing=True)
         done.record()
         return _done(step), done
+
+    def _sample(self, p: PreparedBatch, logits: Future[torch.Tensor], fill: GrammarFill | None,
+                table: torch.Tensor) -> StepResult:
+        """A batch's sampling once its forward is queued, with the rows it pooled."""
+        res = self.sampling.sample(p, logits.result(), fill, table)
+        if p.pool is not None:
+            res.pooled = p.pool.out
+        return res
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Device work in launch order: on the worker thread where there is one, else now."""
@@ -348,6 +367,7 @@ class ModelRunner:
                 "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
                 "eos_token_ids": sorted(self.eos_ids), "cascade_steps": self.preparer.cascade_steps,
                 "startup": self.startup, "memory": self.memory_stats,
+                "embedding": None if self.pooling is None else self.pooling.info(),
                 **self.gpu_timeline.info(), **self.sampling.masks.times}
 
     def close(self) -> None:
@@ -373,6 +393,7 @@ class ModelRunner:
             attn=p.attn,
             attn_backend=self.attn_backend,
             kv_pool=self.kv_pool,
+            pool=p.pool,
         )
         return self.model(fb)
 

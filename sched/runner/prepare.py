@@ -8,6 +8,7 @@ Nothing here waits for the device, runs the model or decides which requests run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +17,7 @@ from sgl.cache.host_copy import pinned, to_device
 from sgl.cache.req_to_token_pool import gather_kv_indices
 from sgl.kernels.attention import AttnMetadata, CascadeMeta
 from sgl.sched.batch import ScheduleBatch
+from sgl.sched.models.forward_batch import PoolRows
 from sgl.sched.runner.beam_select import BeamGroup
 from sgl.sched.runner.grammar_masks import GrammarRows, grammar_rows
 from sgl.sched.runner.prepare_beams import TrieGroup, beam_groups, trie_groups
@@ -55,6 +57,7 @@ class PreparedBatch:
     beam_src: torch.Tensor | None  # every beam source among the sampled rows (they get log_softmax)
     tries: list[TrieGroup]  # trie-constrained rows, by trie
     grammar: GrammarRows | None  # grammar rows among the sampled rows (their bitmasks come at sampling)
+    pool: PoolRows | None = None  # embedding requests' rows to pool (a prefill with any)
 
 
 class BatchPreparer:
@@ -117,6 +120,7 @@ class BatchPreparer:
         lp = None
         if any(q.return_logprob for q in reqs):
             logits_rows, sample_rows, lp = self._logprob_plan(batch, qo_indptr)
+        pooled = batch.pooled_entries if not batch.is_decode else None
         if sampling.penalties is not None:
             r.sampling.ensure_counts()
         reset = None
@@ -144,7 +148,22 @@ class BatchPreparer:
             sampling=sampling,
             logprobs=lp,
             counts_reset=reset,
+            pool=self._pool_rows(batch, pooled) if pooled else None,
         )
+
+    def _pool_rows(self, batch: ScheduleBatch, entries: list[int]) -> PoolRows:
+        """The packed rows the `entries` pool (batch.pooled_entries), each one's in order."""
+        ends = list(accumulate(batch.qo_lens))
+        rows: list[int] = []
+        owner: list[int] = []
+        for k, i in enumerate(entries):
+            pooled = batch.reqs[i].pooled
+            assert pooled is not None
+            first = ends[i] - batch.qo_lens[i] if pooled.mode == "mean" else ends[i] - 1
+            rows.extend(range(first, ends[i]))
+            owner.extend([k] * (ends[i] - first))
+        return PoolRows(self._dev(torch.tensor(rows, dtype=torch.int64)),
+                        self._dev(torch.tensor(owner, dtype=torch.int64)), len(entries))
 
     def _logprob_plan(self, batch: ScheduleBatch,
                       qo_indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, LogprobPlan]:

@@ -39,6 +39,7 @@ class StepResult:
     ids_vals: torch.Tensor | None = None
     errors: dict[int, str] | None = None  # batch row -> why its request must be aborted
     beams: list[BeamPicks] | None = None  # per beam group of the batch
+    pooled: torch.Tensor | None = None  # [E, H] float32: each of batch.pooled_entries' pooled row
 
     def to_host(self, non_blocking: bool) -> StepResult:
         """The same results as host tensors; pinned and not yet valid until the device
@@ -54,7 +55,8 @@ class StepResult:
 
         return StepResult(host(self.next_ids), host(self.token), host(self.top_vals), host(self.top_ids),  # type: ignore[arg-type]
                           host(self.ids_vals), self.errors,
-                          None if self.beams is None else [b.to_host(non_blocking) for b in self.beams])
+                          None if self.beams is None else [b.to_host(non_blocking) for b in self.beams],
+                          host(self.pooled))
 
 
 class Step:

@@ -33,6 +33,9 @@ class GenerateReqInput(msgspec.Struct, tag="generate", forbid_unknown_fields=Tru
     detokenize: bool = True
     # n > 1: the rid of the first sample; this one waits until that one's prompt is cached.
     prefix_leader: str | None = None
+    # An embedding request (max_new_tokens=0): its result is its prompt's pooled final
+    # hidden states (sgl.sched.pooling), in the output's `embeddings` column.
+    embed: bool = False
 
 
 class Logprobs(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
@@ -87,6 +90,8 @@ class BatchTokenIDOutput(msgspec.Struct, tag="batch_token_ids", forbid_unknown_f
     # new_ids are empty: the beams carry the ids.
     beams: list[list[Beam] | None] = []
     weight_version: str = "default"  # of the weights that made these tokens
+    # A finished embedding request's vector as little-endian float32 bytes (None for others).
+    embeddings: list[bytes | None] = []
 
 
 class BatchStrOutput(msgspec.Struct, tag="batch_str", forbid_unknown_fields=True):
@@ -102,6 +107,7 @@ class BatchStrOutput(msgspec.Struct, tag="batch_str", forbid_unknown_fields=True
     logprobs: list[Logprobs | None]
     beams: list[list[Beam] | None] = []  # with each beam's text, as in BatchTokenIDOutput
     weight_version: str = "default"
+    embeddings: list[bytes | None] = []  # as in BatchTokenIDOutput
 
 
 class FlushCacheReq(msgspec.Struct, tag="flush_cache", forbid_unknown_fields=True):

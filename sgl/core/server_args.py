@@ -67,6 +67,10 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queued_requests: int | None = 4096
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     disable_radix_cache: bool = False
+    # Serve embeddings (engine.encode, /v1/embeddings) with a model whose files do not say
+    # how to pool (no sentence-transformers modules.json); `pooling` overrides the files' mode.
+    is_embedding: bool = False
+    pooling: Literal["auto", "last", "mean"] = "auto"
     # None: the overlap loop on CUDA, off on CPU (there the forward's worker thread and
     # the scheduler fight for the same cores: W4 and W5 both ran slower with it).
     disable_overlap_schedule: bool | None = None

@@ -42,6 +42,10 @@ FIELD_HELP: dict[str, str] = {
     "max_queued_requests": "waiting requests past which a new one is refused with a 503",
     "schedule_policy": "admission order: fcfs (arrival) or lpm (longest cached prefix first)",
     "disable_radix_cache": "do not reuse the KV of shared prompt prefixes",
+    "is_embedding": "serve embeddings (encode, /v1/embeddings) with a model that has no sentence-transformers "
+                    "modules.json: last-token pooling, normalised (a model with one is recognised without it)",
+    "pooling": "how embeddings pool the prompt's final hidden states: last (token), mean, or auto (as the "
+               "model's sentence-transformers files say; last without them)",
     "disable_overlap_schedule": "run the scheduler and the forward in turn (default: overlapped on CUDA only)",
     "attention_backend": "attention kernels: torch (reference) or flashinfer; auto: flashinfer on CUDA",
     "skip_tokenizer_init": "load no tokenizer: requests send and receive token ids only",

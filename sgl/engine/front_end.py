@@ -1,6 +1,6 @@
 """`EngineFrontEnd`: what an engine offers its caller, the same whether it started
 its own roles (`AsyncEngine`) or attached to a running engine's scheduler
-(`AttachedEngine`): generate, stream, abort, the control calls (flush_cache,
+(`AttachedEngine`): generate, stream, encode (embeddings), abort, the control calls (flush_cache,
 get_server_info, health), the control plane with SGLang's names (pause and continue,
 abort all, weight updates and versions, memory release and resume: docs/control.md),
 liveness, and closing (`aclose`, `async with`).
@@ -23,6 +23,7 @@ from sgl.core.protocol import AbortAllReq, ContinueGenerationReq, MemoryTag, Mes
 from sgl.core.server_args import ModelFiles, ServerArgs
 from sgl.engine import control_args as ca
 from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
+from sgl.runtime.embeddings import Embeddings
 from sgl.runtime.launch import off_loop
 from sgl.runtime.metrics import Metrics
 from sgl.runtime.req_options import ReqOptions
@@ -124,6 +125,35 @@ class EngineFrontEnd(ABC):
         offsets = index_offsets([sp for _, _, sp, _ in items])
         gens = [self.tm.generate(p, ids, sp, r, stream=True, opts=o) for (p, ids, sp, r), o in zip(items, opts)]
         return merge_streams(gens, offsets)
+
+    # ---- embeddings --------------------------------------------------------------
+
+    async def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        dimensions: int | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang's encode: each prompt's embedding, {"embedding": [floats], "meta_info":
+        {...}} for one prompt, a list of them, in order, for a batch. The model pools its
+        prompt's final hidden states as its files say (last token or mean, normalised or
+        not: docs/engine.md); `dimensions` truncates (and renormalises) a Matryoshka
+        model's vectors. Raises ValueError, naming the field, for a model that serves no
+        embeddings or invalid input."""
+        self._check_open()
+        emb = Embeddings(self.info.get("embedding"))
+        emb.check(dimensions)
+        items = split_batch(prompt, input_ids, None, rid)
+        if items is None:
+            return await self._encode(emb, *one_request(prompt, input_ids, rid), dimensions)
+        return await gather_calls([functools.partial(self._encode, emb, p, ids, r, dimensions)
+                                   for p, ids, _, r in items])
+
+    async def _encode(self, emb: Embeddings, prompt: str | None, input_ids: list[int] | None, rid: str | None,
+                      dimensions: int | None) -> dict[str, Any]:
+        out = await self.tm.encode(prompt, input_ids, rid)
+        return {"embedding": emb.shape(out["embedding"], dimensions).tolist(), "meta_info": out["meta_info"]}
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort the request `rid` (for n > 1, all its samples); SGLang's

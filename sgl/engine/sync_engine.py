@@ -89,6 +89,16 @@ class Engine:
             if not fut.done():
                 self._loop.call_soon_threadsafe(fut.cancel)
 
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        dimensions: int | None = None,
+    ) -> Any:
+        """As AsyncEngine.encode: each prompt's {"embedding", "meta_info"}."""
+        return self._run(self._engine.encode(prompt, input_ids, rid, dimensions))
+
     async def async_generate(
         self,
         prompt: str | list[str] | None = None,

@@ -161,7 +161,8 @@ class Detokenizer:
             texts.append("")
             out_beams.append([msgspec.structs.replace(x, text=self._beam_text(x, o)) for x in bs] if decode else bs)
         return BatchStrOutput(b.rids, texts, b.new_ids, b.finished_reasons, b.prompt_tokens,
-                              b.completion_tokens, b.cached_tokens, b.logprobs, out_beams, b.weight_version)
+                              b.completion_tokens, b.cached_tokens, b.logprobs, out_beams, b.weight_version,
+                              b.embeddings)
 
     def _beam_text(self, beam: Beam, o: _Opts) -> str:
         """A finished beam's text: its ids decoded, less a matched stop id at the end (as

@@ -207,6 +207,27 @@ class TokenizerManager:
             await close_all(gens)
             self._forget(rids)
 
+    async def encode(self, prompt: str | None, input_ids: list[int] | None, rid: str | None) -> dict[str, Any]:
+        """One prompt's embedding request: its final dict, whose "embedding" holds the
+        vector as little-endian float32 bytes. The scheduler pools the prompt's final
+        hidden states as the model's files say (sgl.sched.pooling)."""
+        params = SamplingParams(max_new_tokens=0)
+        opts = ReqOptions(detokenize=False)
+        ids = await self.tokenize(prompt, input_ids)
+        check_request(ids, params, opts, self.limits)
+        if rid is not None and not isinstance(rid, str):
+            raise ValueError(f"rid must be a str, got {type(rid).__name__}")
+        full = self.rid_prefix + (rid or uuid.uuid4().hex)
+        gen = self._one(self._submit(full, ids, params, False, opts, None, embed=True), False)
+        try:
+            out: dict[str, Any] = await gen.__anext__()
+        finally:
+            await gen.aclose()
+        fin = out["meta_info"]["finish_reason"]
+        if "embedding" not in out:
+            raise RuntimeError(f"the embedding request ended without its embedding: {fin}")
+        return out
+
     def _forget(self, rids: list[str]) -> None:
         """Abort samples whose generator never ran to its end (or never started)."""
         for r in rids:
@@ -215,7 +236,7 @@ class TokenizerManager:
                 self.ended(r)
 
     def _submit(self, rid: str, ids: list[int], params: SamplingParams, stream: bool, opts: ReqOptions,
-                leader: str | None) -> str:
+                leader: str | None, embed: bool = False) -> str:
         if rid in self.states:
             raise ValueError(f"rid={rid[len(self.rid_prefix):]!r} is already in use by a running request")
         self._ensure_started()
@@ -224,7 +245,7 @@ class TokenizerManager:
         self.states[rid] = _ReqState(asyncio.Queue(), time.monotonic(), opts, stream, beam=params.beam_width > 0)
         self.send.send(GenerateReqInput(
             rid, ids, params, stream, opts.return_logprob, opts.logprob_start_len, opts.top_logprobs_num,
-            opts.token_ids_logprob, opts.custom_logit_processor, opts.detokenize, leader))
+            opts.token_ids_logprob, opts.custom_logit_processor, opts.detokenize, leader, embed))
         return rid
 
     async def _one(self, rid: str, stream: bool) -> AsyncGenerator[Any, None]:  # a beam request: a list
@@ -374,7 +395,10 @@ class TokenizerManager:
                 for k, v in delta.items():
                     st.logprobs.setdefault(k, []).extend(v)
                 meta.update(delta)
-            st.queue.put_nowait({"text": b.texts[i], "output_ids": b.new_ids[i], "meta_info": meta})
+            item = {"text": b.texts[i], "output_ids": b.new_ids[i], "meta_info": meta}
+            if b.embeddings and (vec := b.embeddings[i]) is not None:
+                item["embedding"] = vec  # float32 bytes: the caller's side shapes them (sgl.runtime.embeddings)
+            st.queue.put_nowait(item)
 
     def _observe(self, st: _ReqState, b: BatchStrOutput, i: int, now: float) -> None:
         assert self.metrics is not None

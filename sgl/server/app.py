@@ -1,4 +1,4 @@
-"""The HTTP application: routes of native, openai_api and tokenize_api behind one
+"""The HTTP application: routes of native, openai_api, embeddings_api and tokenize_api behind one
 guard that checks the API key, reads the body within its limit, and turns every
 failure into a JSON error; CORS (Starlette's middleware) for `allow_origins`. It
 only wires; handlers live in those modules.
@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sgl.core.log import get_logger
-from sgl.server import control_api, native, tokenize_api
+from sgl.server import control_api, embeddings_api, native, tokenize_api
 from sgl.server import openai_api as openai
 from sgl.server.common import ApiError, api_error_of, check_api_key, error_response, read_body
 from sgl.server.native import ServerState
@@ -98,6 +98,8 @@ def build_app(engine: Any, model_name: str | None = None) -> Starlette:
               ("GET",)),
         route("/v1/completions", lambda s, r, b: openai.completions(s, b), ("POST",)),
         route("/v1/chat/completions", lambda s, r, b: openai.chat_completions(s, b), ("POST",)),
+        route("/v1/embeddings", lambda s, r, b: embeddings_api.embeddings(s, b), ("POST",)),
+        route("/encode", lambda s, r, b: embeddings_api.encode(s, b), ("POST",)),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
