@@ -55,7 +55,7 @@ class Req:
         "cached_tokens", "to_abort", "retractions", "inflight", "epoch",
         "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
-        "grammar_width", "grammar_seen", "arrival", "oom_retried", "embed", "pooled", "embedding",
+        "grammar_width", "grammar_seen", "grammar_after", "arrival", "oom_retried", "embed", "pooled", "embedding",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -99,6 +99,9 @@ class Req:
         # Output ids its matcher has taken: the rest go in just before the request's next
         # mask is filled (sgl.sched.runner.grammar_masks); beams excepted.
         self.grammar_seen = 0
+        # The token after which its matcher starts (a reasoning model's end of thinking); None
+        # once it came, or for a grammar from the first token (sgl.sched.runner.grammar_masks).
+        self.grammar_after: int | None = sampling_params.reasoning_end_id
         # Its place in arrival order (set by the scheduler): retraction takes the youngest KV holder.
         self.arrival = -1
         self.oom_retried = False  # retracted once after a CUDA OOM: the next one aborts it

@@ -241,7 +241,7 @@ class ResultProcessor:
         if req.tokens_left(self.context_length) <= 0:
             n = p.max_new_tokens if len(req.output_ids) >= p.max_new_tokens else len(req.output_ids)
             return {"type": "length", "length": n}
-        if req.grammar is not None and tok in self.eos_ids:
+        if req.grammar is not None and req.grammar_after is None and tok in self.eos_ids:
             # The grammar is complete (its mask allows EOS only then), ignore_eos or not. The
             # matcher takes the token before the next mask, never here (sgl.sched.runner.grammar_masks).
             return {"type": "stop", "matched": tok}

@@ -1,5 +1,6 @@
-"""Tool calling without a server: the hermes and llama3 parsers (whole and fed piece
-by piece, partial and invalid blocks), the tool plan's checks and the schemas of
+"""Tool calling without a server: the hermes, llama3, mistral and pythonic parsers
+(whole and fed piece by piece, partial and invalid blocks; mistral's and pythonic's
+on the texts the models' chat templates and model cards show), the tool plan's checks and the schemas of
 forced choices, each choice's deltas and message (server/tool_calls), and the
 template receiving tools and earlier calls (server/chat_render)."""
 
@@ -12,7 +13,16 @@ import pytest
 
 from sgl.server.common import ApiError
 from sgl.server.tool_calls import ChoiceTools, merged, message, plan, tool_schema
-from sgl.server.tool_parsers import HermesParser, Llama3Parser, Parsed, ParsedCall, ToolParser, parse_all
+from sgl.server.tool_parsers import (
+    HermesParser,
+    Llama3Parser,
+    MistralParser,
+    Parsed,
+    ParsedCall,
+    PythonicParser,
+    ToolParser,
+    parse_all,
+)
 
 NAMES = ["get_weather", "get_time"]
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -94,6 +104,80 @@ def test_llama3_streams_content_once_it_is_not_json() -> None:
     assert p.feed("Hi") == Parsed("  Hi", [])
     assert p.feed(" there") == Parsed(" there", [])
     assert parse_all(Llama3Parser(), '{"name": "x", "parameters": {}}') == Parsed("", [ParsedCall("x", "{}")])
+
+
+PARIS = ParsedCall("get_weather", '{"city": "Paris"}')
+CET = ParsedCall("get_time", '{"timezone": "CET"}')
+# Mistral 7B Instruct v0.3's template writes an assistant's calls as `[TOOL_CALLS] [` then each
+# call's `function | tojson` with its 9-character id, then `]`; v11+ tokenizers (Mistral
+# Small 3.2, Devstral) write `[TOOL_CALLS]name[ARGS]{...}` per call.
+MISTRAL_CASES: dict[str, tuple[str, Parsed]] = {
+    "v3": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}]',
+           Parsed("", [PARIS])),
+    "v3-two": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+               '{"name": "get_time", "arguments": {"timezone": "CET"}}]', Parsed("", [PARIS, CET])),
+    "v11": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', Parsed("", [PARIS])),
+    "v11-two": ('Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]'
+                '{"timezone": "CET"}', Parsed("Let me look.", [PARIS, CET])),
+    "content-first": ('Let me search for that.\n[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": '
+                      '"Paris"}}]', Parsed("Let me search for that.\n", [PARIS])),
+    "plain": ("No tools [TOOL", Parsed("No tools [TOOL", [])),
+    "truncated": ('[TOOL_CALLS] [{"name": "get_weather", "argu', Parsed('[TOOL_CALLS] [{"name": "get_weather", "argu',
+                                                                     [])),
+    "unknown-function": ('[TOOL_CALLS]rm[ARGS]{}', Parsed('[TOOL_CALLS]rm[ARGS]{}', [])),
+    "bad-args": ('[TOOL_CALLS]get_time[ARGS]{oops', Parsed('[TOOL_CALLS]get_time[ARGS]{oops', [])),
+}
+
+
+@pytest.mark.parametrize("case", list(MISTRAL_CASES))
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_mistral(case: str, step: int) -> None:
+    text, want = MISTRAL_CASES[case]
+    assert fed(MistralParser(NAMES), text, step) == want
+
+
+def test_mistral_streams_content_before_the_calls() -> None:
+    p = MistralParser(NAMES)
+    assert p.feed("Sure [TOOL") == Parsed("Sure ", [])
+    assert p.feed("S] x") == Parsed("[TOOLS] x", [])
+    assert p.feed('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}') == Parsed("", [])
+    assert p.finish() == Parsed("", [PARIS])
+
+
+# Llama 3.2's system prompt asks for `[func_name1(params_name1=params_value1, ...), func_name2(params)]`;
+# Llama 4 may put the list between <|python_start|> and <|python_end|>.
+PYTHONIC_CASES: dict[str, tuple[str, Parsed]] = {
+    "one": ('[get_weather(city="Paris")]', Parsed("", [PARIS])),
+    "two": ("[get_weather(city='Paris'), get_time(timezone=\"CET\")]", Parsed("", [PARIS, CET])),
+    "llama4-tags": ('<|python_start|>[get_weather(city="Paris")]<|python_end|>', Parsed("", [PARIS])),
+    "literals": ('[get_time(timezone="CET", n=-2, f=1.5, ok=True, no=false, x=None, l=[1, "a"], d={"k": null})]',
+                 Parsed("", [ParsedCall("get_time", json.dumps({"timezone": "CET", "n": -2, "f": 1.5, "ok": True,
+                                                                 "no": False, "x": None, "l": [1, "a"],
+                                                                 "d": {"k": None}}))])),
+    "no-args": ("[get_time()]", Parsed("", [ParsedCall("get_time", "{}")])),
+    "content": ("It is sunny in Paris.", Parsed("It is sunny in Paris.", [])),
+    "positional": ('[get_weather("Paris")]', Parsed('[get_weather("Paris")]', [])),
+    "code-not-literal": ("[get_time(timezone=__import__('os').getcwd())]",
+                         Parsed("[get_time(timezone=__import__('os').getcwd())]", [])),
+    "unknown-function": ("[rm(path='/')]", Parsed("[rm(path='/')]", [])),
+    "truncated": ('[get_weather(city="Par', Parsed('[get_weather(city="Par', [])),
+    "markdown": ("[a link](http://x)", Parsed("[a link](http://x)", [])),
+}
+
+
+@pytest.mark.parametrize("case", list(PYTHONIC_CASES))
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_pythonic(case: str, step: int) -> None:
+    text, want = PYTHONIC_CASES[case]
+    assert fed(PythonicParser(NAMES), text, step) == want
+
+
+def test_pythonic_in_a_choice() -> None:
+    p = plan(TOOLS, "auto", None, "pythonic")
+    msg, reason = message(p, '[get_weather(city="Paris"), get_time()]', "stop")
+    assert reason == "tool_calls" and msg["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
 
 
 def bad(tools: Any, choice: Any = None, parallel: Any = None) -> ApiError:

@@ -126,7 +126,9 @@ class MaskFiller:
         matchers: list[Any] = []
         took: list[int] = []  # of those, the ones taking one new token, and the tokens
         tokens: list[int] = []
-        ended: list[int] = []  # rows left all-allowed: the request ended (its token is dropped), or its matcher
+        # Rows left all-allowed: the request ended (its token is dropped), or its matcher, or it
+        # is still reasoning (its grammar starts after the end of its reasoning).
+        ended: list[int] = []
         for j, r in enumerate(g.reqs):
             if r.finished_reason is not None:
                 ended.append(j)
@@ -139,7 +141,20 @@ class MaskFiller:
                 if tok is None and n > seen:  # the newest token goes with the batch's accepts
                     n -= 1
                     tok = out[n]
-                if tok is not None:
+                if r.grammar_after is not None:  # still reasoning: its row stays all-allowed
+                    after = self._after_reasoning(r, [*out[seen:n], *([] if tok is None else [tok])])
+                    if after is None:
+                        ended.append(j)
+                        continue
+                    if after:
+                        bad = self._accept_each(m, after[:-1])
+                        if bad is not None:
+                            errors[g.batch_rows[j]] = refused(bad)
+                            ended.append(j)
+                            continue
+                        took.append(len(rows))
+                        tokens.append(after[-1])
+                elif tok is not None:
                     r.grammar_seen = n + 1
                     if n > seen:  # rare: tokens of a step it sat out
                         bad = self._accept_each(m, out[seen:n])
@@ -223,6 +238,17 @@ class MaskFiller:
 
             self.fillers[threads] = xgrammar.BatchGrammarMatcher(max_threads=threads)
         return self.fillers[threads]
+
+    @staticmethod
+    def _after_reasoning(r: Req, new: list[int]) -> list[int] | None:
+        """The request's tokens since its last mask (`new`, all taken now) that follow its
+        end of reasoning, or None while it goes on; once it came the matcher starts."""
+        r.grammar_seen += len(new)
+        if r.grammar_after not in new:
+            return None
+        after = new[new.index(r.grammar_after) + 1:]
+        r.grammar_after = None
+        return after
 
     @staticmethod
     def _accept_each(m: Any, tokens: list[int]) -> int | None:

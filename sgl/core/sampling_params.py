@@ -88,6 +88,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # A reasoning model's end-of-thinking token: the grammar applies only to the tokens after
+    # it (the reasoning is free; SGLang's reasoning-aware grammar). None: from the first token.
+    reasoning_end_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n", "seed"):
@@ -140,6 +143,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             text = getattr(self, f)
             _check(0 < len(text) <= MAX_GRAMMAR_CHARS, f, f"<{len(text)} characters>",
                    f"a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+        _check(self.reasoning_end_id is None or 0 <= self.reasoning_end_id <= INT64_MAX, "reasoning_end_id",
+               self.reasoning_end_id, "a non-negative token id")
+        _check(not (self.reasoning_end_id is not None and self.beam_width), "reasoning_end_id", self.reasoning_end_id,
+               "unset with beam_width (beams apply their grammar from the first token)")
         _check(not (grammars and self.constraint is not None), "constraint", "<trie>",
                f"unset with {grammars[0] if grammars else ''} (one constraint per request)")
         if isinstance(self.stop, str):

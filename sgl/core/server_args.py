@@ -47,7 +47,11 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Native /generate streams: each chunk the new text and ids only (default: everything so far, as SGLang).
     incremental_streaming_output: bool = False
     # OpenAI tool_choice "auto": how the model writes its tool calls (None: they stay content).
-    tool_call_parser: Literal["hermes", "qwen", "qwen25", "llama3", "llama3_json"] | None = None
+    tool_call_parser: Literal["hermes", "qwen", "qwen25", "llama3", "llama3_json", "mistral", "pythonic"] | None = None
+    # Reasoning models: how the model marks its thinking, split from the answer in chat
+    # (reasoning_content; None: it stays content). "generic" reads reasoning_markers.
+    reasoning_parser: Literal["qwen3", "deepseek-r1", "generic"] | None = None
+    reasoning_markers: list[str] = []  # with reasoning_parser="generic": the start and the end marker
 
     max_total_tokens: int | None = None  # KV slots; None: sized from memory
     mem_fraction_static: float | None = None
@@ -170,6 +174,12 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              "not 'inproc'")
         if self.watchdog_interval <= 0:
             raise ValueError(f"watchdog_interval={self.watchdog_interval} is invalid: must be > 0")
+        if self.reasoning_parser == "generic" and (len(self.reasoning_markers) != 2 or not all(self.reasoning_markers)):
+            raise ValueError(f"reasoning_markers={self.reasoning_markers} is invalid: reasoning_parser='generic' needs "
+                             "two non-empty markers, the start and the end of the reasoning")
+        if self.reasoning_markers and self.reasoning_parser != "generic":
+            raise ValueError("reasoning_markers is invalid without reasoning_parser='generic' (the other parsers "
+                             "know their markers)")
 
     def model_files(self, model_path: str) -> ModelFiles:
         """The files these args name once the model is found at `model_path` (model_path

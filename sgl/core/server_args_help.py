@@ -31,8 +31,15 @@ FIELD_HELP: dict[str, str] = {
     "incremental_streaming_output": "native /generate streams send only the new text and ids in each chunk "
                                     "(default: everything so far, as SGLang does)",
     "tool_call_parser": "how the model writes tool calls, read out of its text for OpenAI tool_choice auto: "
-                        "hermes (<tool_call> JSON blocks; qwen and qwen25 are its aliases) or llama3 (a JSON "
-                        "message; alias llama3_json); unset: the text stays content",
+                        "hermes (<tool_call> JSON blocks; qwen and qwen25 are its aliases), llama3 (a JSON "
+                        "message; alias llama3_json), mistral ([TOOL_CALLS] and a JSON list) or pythonic (a list "
+                        "of Python calls, as Llama 3.2 and 4 write them); unset: the text stays content",
+    "reasoning_parser": "how a reasoning model marks its thinking, given apart as reasoning_content in chat "
+                        "completions: qwen3 (<think>...</think>; chat_template_kwargs enable_thinking=false: no "
+                        "reasoning), deepseek-r1 (reasoning from the first token to </think>) or generic (the "
+                        "--reasoning-markers); unset: the thinking stays content",
+    "reasoning_markers": "with --reasoning-parser generic: the start and the end marker of the reasoning, e.g. "
+                         "'<think>' '</think>'",
     "max_total_tokens": "KV cache slots (default: sized from free memory)",
     "mem_fraction_static": "fraction of GPU memory for weights plus the KV cache (default 0.8)",
     "max_running_requests": "the most requests decoding at once (default: from the KV pool)",

@@ -38,6 +38,7 @@ class ServerState:
     model_name: str
     started: float  # time.monotonic() at start
     started_wall: float  # time.time() at start
+    reasoning_marker_ids: list[list[int]] | None = None  # the reasoning parser's markers' ids, once encoded
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):

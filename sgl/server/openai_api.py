@@ -12,6 +12,10 @@ Choices carry SGLang's `matched_stop` (the stop string or token id that ended th
 Chat takes OpenAI's tools, tool_choice and parallel_tool_calls (server/tool_calls:
 a forced choice is enforced by the grammar, "auto" read by the server's
 --tool-call-parser); choices then carry `tool_calls`, streams their deltas.
+With a --reasoning-parser (server/reasoning) a choice's thinking comes apart as
+`reasoning_content` (and vLLM's `reasoning`), streamed as such deltas before the
+content; tools are read from the content only; a grammar applies after the thinking;
+usage counts `completion_tokens_details.reasoning_tokens`.
 
 Beam search takes vLLM's extra fields (`use_beam_search` with `n` beams,
 `length_penalty`, `early_stopping`) or `beam_width` (then `n` is how many beams
@@ -22,12 +26,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
-from sgl.runtime.tokenizer_client import decode
+from sgl.runtime.tokenizer_client import decode, encode
 from sgl.server.chat_render import chat_prompt_ids
 from sgl.server.common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
 from sgl.server.native import ServerState, primed
@@ -42,6 +46,7 @@ from sgl.server.openai_protocol import (
     sampling_dict,
     screen,
 )
+from sgl.server.reasoning import ReasoningPlan, ReasoningSplitter, format_of
 from sgl.server.tool_calls import ChoiceTools, ToolPlan, message, plan, tool_schema
 
 
@@ -195,12 +200,47 @@ def _tool_plan(state: ServerState, req: ChatRequest, sp: dict[str, Any]) -> Tool
             raise ApiError(400, f"tool_choice={tp.mode} cannot be combined with {name}: the tool's schema "
                                 "constrains the output", "tool_choice", "invalid_value")
         sp["json_schema"] = schema
+    if tp.parser == "mistral":
+        sp.setdefault("skip_special_tokens", False)  # its calls start with the special token [TOOL_CALLS]
     return tp
+
+
+async def _reasoning_plan(state: ServerState, req: ChatRequest, sp: dict[str, Any]) -> ReasoningPlan | None:
+    """The request's reasoning plan, None without a parser; a grammar of a request that
+    reasons starts after the end marker's token."""
+    args = state.engine.args
+    fmt = format_of(getattr(args, "reasoning_parser", None), getattr(args, "reasoning_markers", ()))
+    if fmt is None:
+        return None
+    tok = state.engine.tm.tok
+    if state.reasoning_marker_ids is None and tok is not None:
+        state.reasoning_marker_ids = await encode(tok, [fmt.start, fmt.end], add_special_tokens=False)
+    start_ids, end_ids = state.reasoning_marker_ids or ([], [])
+    rp = ReasoningPlan(fmt, fmt.starts_inside(req.chat_template_kwargs), req.separate_reasoning is not False,
+                       req.stream_reasoning is not False, start_ids, end_ids)
+    if rp.inside and any(k in sp for k in ("json_schema", "regex", "ebnf")):
+        if rp.end_id is None:
+            raise ApiError(400, f"a grammar cannot start after the reasoning: its end marker {fmt.end!r} is not one "
+                                "token of this model's tokenizer", "response_format", "invalid_value")
+        sp["reasoning_end_id"] = rp.end_id
+    return rp
+
+
+def _with_reasoning(u: dict[str, Any], tokens: int | None) -> dict[str, Any]:
+    if tokens is not None:
+        u.setdefault("completion_tokens_details", {})["reasoning_tokens"] = tokens
+    return u
+
+
+def _reasoning_fields(reasoning: str | None) -> dict[str, Any]:
+    """A message's or a delta's reasoning, under SGLang's name and vLLM's."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
 
 
 async def _chat(state: ServerState, req: ChatRequest) -> Response:
     sp = sampling_dict(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
     tp = _tool_plan(state, req, sp)
+    rp = await _reasoning_plan(state, req, sp)
     ids = req.input_ids
     if ids is None:  # the template, rendered in the tokenizer's process
         ids = await chat_prompt_ids(state.engine.tm.tok, req.messages, req.add_generation_prompt,
@@ -213,15 +253,26 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
         chunks = await primed(state.engine.stream(None, sp, ids, req.rid, **opts))
         seen: set[int] = set()
         tools: dict[int, ChoiceTools] = {}
+        splitters: dict[int, ReasoningSplitter | None] = {}
+        out_ids: dict[int, list[int]] = {}  # each choice's output ids so far (its reasoning tokens)
 
         def chunk(c: dict[str, Any]) -> dict[str, Any]:
             i, reason = c.get("index", 0), finish_reason(c["meta_info"]["finish_reason"])
             ct = tools.setdefault(i, ChoiceTools(tp))
-            content, calls = ct.feed(c["text"])
+            text, reasoning = c["text"], ""
+            if (rs := splitters.setdefault(i, rp.splitter() if rp else None)) is not None:
+                reasoning, text = rs.feed(text)
+                if reason is not None:
+                    r2, t2 = rs.finish()
+                    reasoning, text = reasoning + r2, text + t2
+            out_ids.setdefault(i, []).extend(c.get("output_ids") or [])
+            content, calls = ct.feed(text)
             if reason is not None:
                 more, calls2 = ct.finish()
                 content, calls = content + more, calls + calls2
-            delta: dict[str, Any] = {"content": content} if content or not calls else {}
+            delta: dict[str, Any] = {"content": content} if content or not (calls or reasoning) else {}
+            if reasoning:
+                delta.update(_reasoning_fields(reasoning))
             if calls:
                 delta["tool_calls"] = calls
             if i not in seen:  # each choice's first delta names the role
@@ -232,30 +283,40 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
                     "choices": [choice]}
 
-        return _sse(_openai_stream(chunks, chunk, req, cid, "chat.completion.chunk", created, state.model_name))
+        def reasoning_tokens() -> int | None:
+            return None if rp is None else sum(map(rp.tokens, out_ids.values()))
+
+        return _sse(_openai_stream(chunks, chunk, req, cid, "chat.completion.chunk", created, state.model_name,
+                                   reasoning_tokens))
     res = await state.engine.generate(None, sp, ids, req.rid, **opts)
     outs = res if isinstance(res, list) else [res]
     choices = []
     for k, o in enumerate(outs):
-        msg, reason = message(tp, o["text"], finish_reason(o["meta_info"]["finish_reason"]))
+        reasoning, text = rp.split(o["text"]) if rp else (None, o["text"])
+        msg, reason = message(tp, text, finish_reason(o["meta_info"]["finish_reason"]))
+        if rp is not None and rp.separate:
+            msg.update(_reasoning_fields(reasoning))
         choices.append({"index": k, "message": msg, "logprobs": chat_logprobs(o["meta_info"]) if req.logprobs else None,
                         **end_fields(o["meta_info"]), "finish_reason": reason})
+    u = _with_reasoning(usage([[o["meta_info"] for o in outs]]),
+                        None if rp is None else sum(rp.tokens(o.get("output_ids") or []) for o in outs))
     return json_response({"id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
-                          "choices": choices, "usage": usage([[o["meta_info"] for o in outs]])})
+                          "choices": choices, "usage": u})
 
 
 async def _openai_stream(chunks: AsyncIterator[dict[str, Any]], shape: Any, req: SamplingFields, cid: str, obj: str,
-                         created: int, model: str) -> AsyncIterator[dict[str, Any]]:
+                         created: int, model: str,
+                         reasoning_tokens: Callable[[], int | None] = lambda: None) -> AsyncIterator[dict[str, Any]]:
     last: dict[int, dict[str, Any]] = {}  # each choice's latest meta_info
     async for c in chunks:
         last[c.get("index", 0)] = c["meta_info"]
         out = shape(c)
         if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-            out["usage"] = _stream_usage(last, req.n)
+            out["usage"] = _with_reasoning(_stream_usage(last, req.n), reasoning_tokens())
         yield out
     if last and req.stream_options is not None and req.stream_options.include_usage:
         yield {"id": cid, "object": obj, "created": created, "model": model, "choices": [],
-               "usage": _stream_usage(last, req.n)}
+               "usage": _with_reasoning(_stream_usage(last, req.n), reasoning_tokens())}
 
 
 def _stream_usage(last: dict[int, dict[str, Any]], n: int) -> dict[str, Any]:

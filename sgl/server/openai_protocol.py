@@ -128,6 +128,10 @@ class ChatRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's, with a --reasoning-parser (server/reasoning): split the reasoning out (default
+    # true), stream it as it comes (default true; false: whole, once it ends).
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
     modalities: list[str] | None = None  # only ["text"]
     # Accepted and ignored.
     store: Any = None
@@ -138,8 +142,6 @@ class ChatRequest(SamplingFields, kw_only=True):
     safety_identifier: Any = None
     verbosity: Any = None
     prediction: Any = None
-    separate_reasoning: Any = None
-    stream_reasoning: Any = None
     task: Any = None
     max_dynamic_patch: Any = None
     min_dynamic_patch: Any = None
@@ -161,7 +163,7 @@ IGNORED = ("user", "extra_key", "cache_salt", "priority", "custom_labels", "rout
            "disagg_prefill_dp_rank", "data_parallel_rank", "ngram_corpus_id", "images_config",
            "return_cached_tokens_details", "routed_experts_start_len", "store", "metadata", "service_tier",
            "reasoning_effort", "prompt_cache_key", "safety_identifier", "verbosity", "prediction",
-           "separate_reasoning", "stream_reasoning", "task", "max_dynamic_patch", "min_dynamic_patch",
+           "task", "max_dynamic_patch", "min_dynamic_patch",
            "use_audio_in_video")
 _FUNCTIONS = "OpenAI's deprecated function calling: use tools and tool_choice"
 REFUSED = {"functions": _FUNCTIONS, "function_call": _FUNCTIONS, "stop_regex": "stop strings are plain text here",

@@ -16,10 +16,21 @@ function that was not offered) goes back as content, as written.
   is `{"name": ..., "parameters": {...}}` (or `"arguments"`), optionally after
   `<|python_tag|>`, or several such objects separated by `;`. A message that starts
   otherwise is content, streamed as it comes; one that starts with `{` is held to
-  the end."""
+  the end.
+- mistral (Mistral 7B v0.3 to Small 3.2, Devstral): content, then `[TOOL_CALLS]` and
+  either a JSON list of `{"name": ..., "arguments": {...}}` objects (its older
+  tokenizers) or `name[ARGS]{...}` per call, each after its own `[TOOL_CALLS]` (v11
+  and later). Content before the first `[TOOL_CALLS]` streams; the rest is held to the
+  end. `[TOOL_CALLS]` is a special token: the route keeps special tokens in the text.
+- pythonic (Llama 3.2, Llama 4, and others prompted so): the whole message is a Python
+  list of calls with keyword arguments, `[f(a=1), g(b="x")]`, optionally between
+  `<|python_start|>` and `<|python_end|>`; argument values are Python literals (and
+  JSON's true, false, null). Read with `ast`, never evaluated. A message that starts
+  otherwise is content; one that starts with `[` is held to the end."""
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Collection
 from typing import Any, NamedTuple
@@ -185,8 +196,149 @@ class Llama3Parser(ToolParser):
             pos = len(text) - len(rest) + 1
 
 
+def json_calls(text: str, names: Collection[str] | None, keys: tuple[str, ...]) -> list[ParsedCall] | None:
+    """The calls of `text`: JSON call objects, or lists of them, one after another (commas
+    between them allowed); None unless all of it is calls."""
+    decoder, pos, calls = json.JSONDecoder(), 0, list[ParsedCall]()
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] == ","):
+            pos += 1
+        if pos == len(text):
+            return calls or None
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        for item in obj if isinstance(obj, list) else [obj]:
+            call = call_of(item, names, keys)
+            if call is None:
+                return None
+            calls.append(call)
+
+
+class MistralParser(ToolParser):
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        super().__init__(names)
+        self._buf = ""
+        self._in_calls = False  # past the first [TOOL_CALLS]: held to the end
+
+    def feed(self, text: str) -> Parsed:
+        self._buf += text
+        if self._in_calls:
+            return Parsed("", [])
+        i = self._buf.find(self.TAG)
+        if i < 0:
+            keep = _held_prefix(self._buf, self.TAG)
+            shown, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+            return Parsed(shown, [])
+        shown, self._buf, self._in_calls = self._buf[:i], self._buf[i + len(self.TAG):], True
+        return Parsed(shown, [])
+
+    def finish(self) -> Parsed:
+        buf, self._buf = self._buf, ""
+        if not self._in_calls:
+            return Parsed(buf, [])
+        calls = self._calls(buf)
+        return Parsed("", calls) if calls else Parsed(self.TAG + buf, [])
+
+    def _calls(self, body: str) -> list[ParsedCall] | None:
+        calls: list[ParsedCall] = []
+        for part in body.split(self.TAG):
+            if self.ARGS in part:  # name[ARGS]{...}
+                name, _, args = part.partition(self.ARGS)
+                try:
+                    call = call_of({"name": name.strip(), "arguments": json.loads(args)}, self.names, ("arguments",))
+                except ValueError:
+                    return None
+                if call is None:
+                    return None
+                calls.append(call)
+            elif part.strip():
+                got = json_calls(part, self.names, ("arguments", "parameters"))
+                if got is None:
+                    return None
+                calls += got
+        return calls or None
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.expr) -> object:
+    """A Python literal's value (JSON's true, false and null too); ValueError otherwise."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("** in a dict")
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}  # type: ignore[arg-type]
+    return ast.literal_eval(node)
+
+
+class PythonicParser(ToolParser):
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        super().__init__(names)
+        self._buf = ""
+        self._mode: str | None = None  # None: undecided; "content"; "calls": held to the end
+
+    def feed(self, text: str) -> Parsed:
+        if self._mode == "content":
+            return Parsed(text, [])
+        self._buf += text
+        if self._mode == "calls":
+            return Parsed("", [])
+        head = self._buf.lstrip()
+        if self.START.startswith(head):
+            return Parsed("", [])  # nothing yet, or a start of the tag
+        if head.startswith(self.START):
+            head = head[len(self.START):].lstrip()
+            if not head:
+                return Parsed("", [])
+        if head.startswith("["):
+            self._mode = "calls"
+            return Parsed("", [])
+        self._mode, buf, self._buf = "content", self._buf, ""
+        return Parsed(buf, [])
+
+    def finish(self) -> Parsed:
+        buf, self._buf = self._buf, ""
+        if self._mode != "calls":
+            return Parsed(buf, [])
+        calls = self._calls(buf.strip().removeprefix(self.START).removesuffix(self.END))
+        return Parsed("", calls) if calls else Parsed(buf, [])
+
+    def _calls(self, text: str) -> list[ParsedCall] | None:
+        try:
+            tree = ast.parse(text.strip(), mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
+                    or any(k.arg is None for k in node.keywords)):
+                return None
+            try:
+                args = {k.arg: _literal(k.value) for k in node.keywords}
+            except (ValueError, TypeError, SyntaxError):
+                return None
+            call = call_of({"name": node.func.id, "arguments": args}, self.names, ("arguments",))
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen": HermesParser, "qwen25": HermesParser,
-                                        "llama3": Llama3Parser, "llama3_json": Llama3Parser}
+                                        "llama3": Llama3Parser, "llama3_json": Llama3Parser,
+                                        "mistral": MistralParser, "pythonic": PythonicParser}
 
 
 def parse_all(parser: ToolParser, text: str) -> Parsed:
