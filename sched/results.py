@@ -225,7 +225,8 @@ class ResultProcessor:
             self.kv.cache_unfinished(req)  # its prompt is shareable while it decodes
         if reason is not None:
             self.finish(req, reason)
-        elif req.stream:
+        elif req.stream or len(req.output_ids) == 1:
+            # Every request's first token goes out: its time to first token is measured on arrival.
             self.outbox.add(req)
 
     def _finish_reason(self, req: Req, tok: int) -> dict[str, Any] | None:
@@ -234,8 +235,12 @@ class ResultProcessor:
         early = len(req.output_ids) <= p.min_new_tokens  # tok itself was masked if so
         if not early and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)):
             return {"type": "stop", "matched": tok}
-        if not early and p.stop_strs:
-            s = self.stop_strings.match(req.output_ids, p.stop_strs, p.skip_special_tokens)
+        if not early and (p.stop_strs or p.stop_regex):
+            try:
+                s = self.stop_strings.match(req.output_ids, p.stop_strs, p.skip_special_tokens, p.stop_regexes)
+            except TimeoutError:
+                return {"type": "abort", "status_code": 400,
+                        "message": "stop_regex: a pattern took too long to match the output; simplify it"}
             if s is not None:
                 return {"type": "stop", "matched": s}
         if req.tokens_left(self.context_length) <= 0:

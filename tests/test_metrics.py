@@ -1,9 +1,11 @@
-"""Prometheus metrics: the text parses, every sgl_* metric SGLang has also appears under
-its sglang:* name with the same values, each Metrics keeps its own registry (never
-prometheus_client's global one), and a real engine's requests show up in both."""
+"""Prometheus metrics: the text parses, every sgl_* metric SGLang or vLLM has also appears
+under its sglang:* or vllm:* name with the same values, each Metrics keeps its own registry
+(never prometheus_client's global one), and a real engine's requests show up in all, each
+request's end and first token observed once, streamed or not, finished or abandoned."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,11 +14,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import sgl
-from sgl.runtime.metrics import SGLANG_NAMES, Metrics
+from sgl.runtime.metrics import PEER_NAMES, SGLANG_NAMES, VLLM_NAMES, Metrics
 
 INFO = {"max_total_tokens": 100, "kv_free": 50, "kv_evictable": 10, "running": 2, "waiting": 1}
-SGL_ONLY = {"sgl_aborted_requests", "sgl_scheduler_up", "sgl_kv_used_tokens", "sgl_kv_total_tokens",
-            "sgl_transport_refused"}
+SGL_ONLY = {"sgl_scheduler_up", "sgl_transport_refused"}
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -34,27 +35,29 @@ def families(text: str) -> dict[str, str]:
 
 
 def assert_mirrored(text: str, model_name: str) -> None:
-    """Every sglang:* sample equals its sgl_* sample, labelled with the model name."""
+    """Every sglang:* and vllm:* sample equals its sgl_* sample, labelled with the model name."""
     got = samples(text)
     fams = families(text)
-    for old, new in SGLANG_NAMES.items():
-        assert (old in fams) == (new in fams) and fams.get(old) == fams.get(new), (old, new)
-    n = 0
-    for (name, labels), value in got.items():
-        old = next((o for o in SGLANG_NAMES if name.startswith(o)), None)
-        if old is None or name.startswith("sglang:"):
-            continue
-        twin = (SGLANG_NAMES[old] + name[len(old):], tuple(sorted((*labels, ("model_name", model_name)))))
-        assert got[twin] == value, (name, labels)
-        n += 1
-    assert n == sum(1 for name, _ in got if name.startswith("sglang:")), "an sglang:* sample without its twin"
+    family = {s.name: f.name for f in text_string_to_metric_families(text) for s in f.samples}
+    for names, prefix in zip(PEER_NAMES, ("sglang:", "vllm:")):
+        for old, new in names.items():
+            assert (old in fams) == (new in fams) and fams.get(old) == fams.get(new), (old, new)
+        n = 0
+        for (name, labels), value in got.items():
+            old = family[name]
+            if old not in names:
+                continue
+            twin = (names[old] + name[len(old):], tuple(sorted((*labels, ("model_name", model_name)))))
+            assert got[twin] == value, (name, labels)
+            n += 1
+        assert n == sum(1 for name, _ in got if name.startswith(prefix)), f"a {prefix}* sample without its twin"
 
 
 def feed(m: Metrics) -> None:
     m.first_token(0.03)
     m.inter_token(0.012, 3)
-    m.finished(10, 5, 4, 0.5, False)
-    m.finished(3, 1, 0, 0.1, True)
+    m.finished(10, 5, 4, 0.5, "stop")
+    m.finished(3, 1, 0, 0.1, "abort")
 
 
 def test_both_name_families_carry_the_same_values() -> None:
@@ -70,7 +73,21 @@ def test_both_name_families_carry_the_same_values() -> None:
     assert got[("sgl_inter_token_latency_seconds_count", ())] == 3
     assert got[("sgl_time_to_first_token_seconds_bucket", (("le", "0.04"),))] == 1
     assert got[("sgl_time_to_first_token_seconds_bucket", (("le", "0.02"),))] == 0
-    assert set(families(text)) >= SGL_ONLY | set(SGLANG_NAMES) | set(SGLANG_NAMES.values())
+    assert set(families(text)) >= SGL_ONLY | set(SGLANG_NAMES) | set(SGLANG_NAMES.values()) | set(VLLM_NAMES.values())
+    vllm = (("model_name", "smol"),)
+    assert got[("vllm:request_success_total", (("finished_reason", "abort"), *vllm))] == 1
+    assert got[("vllm:request_success_total", (("finished_reason", "stop"), *vllm))] == 1
+    assert got[("vllm:prefix_cache_queries_total", vllm)] == 13 and got[("vllm:prefix_cache_hits_total", vllm)] == 4
+    assert got[("vllm:num_requests_running", vllm)] == 2 and got[("sglang:num_used_tokens", vllm)] == 40
+
+
+def test_gen_throughput_counts_the_recent_window() -> None:
+    m = Metrics()
+    m.generated(30, 100.0)
+    m.generated(20, 105.0)
+    assert m.throughput(106.0) == pytest.approx(50 / 10)
+    assert m.throughput(112.0) == pytest.approx(20 / 10)
+    assert m.throughput(200.0) == 0.0
 
 
 def test_render_without_scheduler_info_leaves_its_gauges_out() -> None:
@@ -116,9 +133,30 @@ def test_an_engines_requests_show_in_both_families(engine: sgl.Engine) -> None:
     label = (("model_name", "null-model"),)
     assert got[("sgl_requests_total", ())] == 3 == got[("sglang:num_requests_total", label)]
     assert got[("sgl_prompt_tokens_total", ())] == 7 and got[("sgl_generation_tokens_total", ())] == 12
-    assert got[("sgl_time_to_first_token_seconds_count", ())] == 1  # the streamed request only
-    assert got[("sgl_inter_token_latency_seconds_count", ())] == 3
+    # Every request's first token, streamed or not; every token after it.
+    assert got[("sgl_time_to_first_token_seconds_count", ())] == 3 == got[("vllm:time_to_first_token_seconds_count",
+                                                                            label)]
+    assert got[("sgl_inter_token_latency_seconds_count", ())] == 9
+    assert got[("sgl_e2e_request_latency_seconds_count", ())] == 3
     assert got[("sgl_scheduler_up", ())] == 1 and ("sglang:num_running_reqs", label) in got
+
+
+def test_an_abandoned_request_is_observed_once_as_an_abort(engine: sgl.Engine) -> None:
+    def counts() -> tuple[float, float, float]:
+        got = samples(engine._engine.metrics.render(None))
+        return (got[("sgl_requests_total", ())], got[("sgl_aborted_requests_total", ())],
+                got[("sgl_e2e_request_latency_seconds_count", ())])
+
+    before = counts()
+    stream = engine.generate(input_ids=[8, 9], sampling_params={"max_new_tokens": 300, "ignore_eos": True},
+                             stream=True)
+    next(stream)
+    stream.close()  # the caller goes away: the scheduler's abort finish comes back to nobody
+    deadline = time.monotonic() + 10
+    while counts() == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # a second observation (the scheduler's late abort) would land by now
+    assert counts() == (before[0] + 1, before[1] + 1, before[2] + 1)
 
 
 def test_transport_refusals_are_reported_by_kind() -> None:

@@ -353,19 +353,14 @@ def test_continue_final_message(oai: openai.OpenAI) -> None:
 
 def test_message_content_shapes(oai: openai.OpenAI) -> None:
     """vLLM test_chat.py::test_complex_message_content (a list of text parts reads as the string),
-    ::test_custom_role and ::test_extra_fields_allowed. Deliberate differences: a role outside OpenAI's
-    (system, developer, user, assistant, tool, function) and an unknown message field are 400s here, as
-    OpenAI answers them, where vLLM passes them to the template."""
+    ::test_custom_role and ::test_extra_fields_allowed: as vLLM, a custom role and an unknown message
+    field are passed to the template (tests/test_openai_peer_checks.py checks what it renders)."""
     ask = "what is 1+1? please provide the result without any other text."
     text = chat(oai, messages=[{"role": "user", "content": ask}], max_tokens=2, seed=0)
     parts = chat(oai, messages=[{"role": "user", "content": [{"type": "text", "text": ask}]}], max_tokens=2, seed=0)
     assert parts.choices[0].message.content == text.choices[0].message.content
-    with pytest.raises(openai.BadRequestError) as e:
-        chat(oai, messages=[{"role": "my-custom-role", "content": "what is 1+1?"}], max_tokens=1)
-    assert e.value.body["param"] == "messages"
-    with pytest.raises(openai.BadRequestError) as e:
-        chat(oai, messages=[{"role": "user", "content": "what is 1+1?", "extra_field": "0"}], max_tokens=1)
-    assert e.value.body["code"] == "unknown_parameter"
+    assert chat(oai, messages=[{"role": "my-custom-role", "content": "what is 1+1?"}], max_tokens=1).choices
+    assert chat(oai, messages=[{"role": "user", "content": "what is 1+1?", "extra_field": "0"}], max_tokens=1).choices
 
 
 def test_thinking_off_without_a_reasoning_parser(server: ServerProc) -> None:

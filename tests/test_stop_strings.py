@@ -8,12 +8,13 @@ in the text."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
 
 import sgl
-from sgl.core.stop_rule import earliest_ending_after, stop_cut
+from sgl.core.stop_rule import earliest_ending_after, earliest_regex_ending_after, stop_cut
 
 PROMPT = "Count from one to twenty: 1, 2, 3,"
 
@@ -62,3 +63,23 @@ def test_the_rule_counts_only_occurrences_ending_in_new_text() -> None:
     assert stop_cut(text, ",", len("a,b,c")) == 5
     assert stop_cut(text, ",", len(text)) == 5  # none ends after: the last one
     assert stop_cut("abc", ",", 1) == -1
+
+
+def test_a_regex_stop_after_min_new_tokens_trims_at_its_match(engine: sgl.Engine, base: list[int]) -> None:
+    """SGLang's stop_regex: the first match ending in new text past min_new_tokens stops and trims."""
+    tok = engine.tokenizer
+    full = tok.decode(base)
+    sp = {"max_new_tokens": 24, "temperature": 0, "stop_regex": r"[0-9], [0-9],", "min_new_tokens": 3}
+    out = engine.generate(PROMPT, sp)
+    fin = out["meta_info"]["finish_reason"]
+    assert fin["type"] == "stop" and re.fullmatch(r"[0-9], [0-9],", fin["matched"])
+    assert full.startswith(out["text"] + fin["matched"])
+    assert out["text"] + fin["matched"] == tok.decode(base[: out["meta_info"]["completion_tokens"]])
+
+
+def test_the_regex_rule_and_its_time_bound() -> None:
+    assert earliest_regex_ending_after("a1b22c333", [r"[0-9]+"], len("a1b2")) == "22"
+    assert earliest_regex_ending_after("a1b22c333", [r"[0-9]+"], len("a1b22c333")) is None
+    assert earliest_regex_ending_after("xyz", [r"q", r"y"], 1) == "y"
+    with pytest.raises(TimeoutError):
+        earliest_regex_ending_after("a" * 40 + "!", [r"(a|aa)+$"], 0)

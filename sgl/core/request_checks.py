@@ -48,26 +48,29 @@ def request_error(
     n, v = len(ids), limits.vocab_size
     if n == 0:
         return "input_ids: empty input: a request needs at least one token"
-    if min(ids) < 0 or max(ids) >= v:
-        return f"input_ids: ids must lie in [0, {v})"
+    if (bad := out_of_vocab("input_ids", ids, v)) is not None:
+        return bad
     if n >= limits.context_length:
-        return f"input_ids: {n} tokens leave no room in the context length of {limits.context_length}"
+        return (f"input_ids: {context_message(limits.context_length)} However, your request has {n} input tokens, "
+                "which leave no room for a completion. Please reduce the length of the messages or prompt.")
     if n + 1 > limits.max_total_tokens:
         return f"input_ids: {n} tokens can never fit the KV cache, which holds {limits.max_total_tokens}"
     # A request that could never finish is refused now, not after it filled the cache (vLLM and SGLang alike).
     m = params.max_new_tokens
     if n + m > limits.context_length:
-        return (f"max_new_tokens={m} is invalid: the prompt's {n} tokens plus {m} new ones exceed the context "
-                f"length of {limits.context_length} by {n + m - limits.context_length}")
+        return (f"max_new_tokens={m} is too large: {context_message(limits.context_length)} However, you requested "
+                f"{n + m} tokens ({n} in the messages, {m} in the completion). Please reduce the length of the "
+                "messages or completion.")
     if n + m > limits.max_total_tokens:
         return (f"max_new_tokens={m} is invalid: the prompt's {n} tokens plus {m} new ones can never fit the KV "
                 f"cache, which holds {limits.max_total_tokens} tokens ({n + m - limits.max_total_tokens} too many)")
     if params.beam_width and (error := beam_error(n, params, limits, return_logprob)) is not None:
         return error
-    for name, toks in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias)),
-                       ("token_ids_logprob", token_ids_logprob or ())):
-        if toks and (min(toks) < 0 or max(toks) >= v):
-            return f"{name}: ids must lie in [0, {v})"
+    for name, toks in (("stop_token_ids", params.stop_token_ids), ("token_ids_logprob", token_ids_logprob or ())):
+        if (bad := out_of_vocab(name, toks, v)) is not None:
+            return bad
+    if (key := next((k for k in params.logit_bias if not 0 <= k < v), None)) is not None:
+        return f"logit_bias: token id {key} is out of the vocabulary (size {v})"
     c = params.constraint
     if c is not None and c.sequences is not None and max(map(max, c.sequences)) >= v:  # none < 0: SamplingParams
         return f"constraint.sequences: ids must lie in [0, {v})"
@@ -79,12 +82,28 @@ def request_error(
         return f"token_ids_logprob: at most {MAX_TOKEN_IDS_LOGPROB} ids, got {len(token_ids_logprob)}"
     if params.stop_strs and not limits.has_tokenizer:
         return "stop: stop strings need a tokenizer, and this engine runs with skip_tokenizer_init"
+    if params.stop_regex and not limits.has_tokenizer:
+        return "stop_regex: regex stops need a tokenizer, and this engine runs with skip_tokenizer_init"
     if processor is not None:
         try:
             check_allowed(processor, list(limits.allowed_processors))
         except ValueError as e:
             return str(e)
     return None
+
+
+def context_message(context_length: int) -> str:
+    """The sentence OpenAI and vLLM open a context overflow with; clients (LiteLLM, LangChain)
+    recognise the error by it."""
+    return f"This model's maximum context length is {context_length} tokens."
+
+
+def out_of_vocab(name: str, ids: Sequence[int], vocab_size: int) -> str | None:
+    """The first id of `ids` outside the vocabulary, named with its position, or None."""
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return None
+    k = next(k for k, t in enumerate(ids) if not 0 <= t < vocab_size)
+    return f"{name}[{k}]={ids[k]} is out of the vocabulary (size {vocab_size})"
 
 
 def beam_error(n: int, params: SamplingParams, limits: RequestLimits, return_logprob: bool) -> str | None:

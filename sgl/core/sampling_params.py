@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import msgspec
+import regex
 
 # Fields a model's generation_config.json may default when the request leaves them unset.
 GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -64,6 +65,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
+    # SGLang's regex stops: generation ends where one matches text ending in the newest
+    # token; the final text is trimmed at the match (a stream may have sent its start).
+    stop_regex: str | list[str] | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -157,6 +161,23 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         longest = max(map(len, stops), default=0)
         _check(longest <= MAX_STOP_STR_CHARS, "stop", f"<a string of {longest} characters>",
                f"strings of at most {MAX_STOP_STR_CHARS} characters")
+        self._check_stop_regex()
+
+    def _check_stop_regex(self) -> None:
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        patterns = self.stop_regex or []
+        _check(len(patterns) <= MAX_STOP_STRS, "stop_regex", f"<{len(patterns)} patterns>",
+               f"at most {MAX_STOP_STRS} patterns")
+        _check(not (patterns and self.beam_width), "stop_regex", patterns, "unset with beam_width")
+        for pat in patterns:
+            _check(0 < len(pat) <= MAX_STOP_STR_CHARS, "stop_regex", f"<a pattern of {len(pat)} characters>",
+                   f"patterns of 1 to {MAX_STOP_STR_CHARS} characters")
+            try:
+                compiled = regex.compile(pat)
+            except regex.error as e:
+                raise ValueError(f"sampling_params.stop_regex={pat!r} is invalid: {e}") from None
+            _check(compiled.fullmatch("") is None, "stop_regex", pat, "a pattern that matches no empty text")
 
     @property
     def is_greedy(self) -> bool:
@@ -179,6 +200,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     @property
     def stop_strs(self) -> list[str]:
         return self.stop or []  # type: ignore[return-value]
+
+    @property
+    def stop_regexes(self) -> list[str]:
+        return self.stop_regex or []  # type: ignore[return-value]
 
     @property
     def has_penalties(self) -> bool:

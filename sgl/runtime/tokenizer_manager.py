@@ -81,7 +81,10 @@ class _ReqState:
     created: float
     opts: ReqOptions
     stream: bool = False
-    last_at: float | None = None  # when the previous streamed tokens arrived
+    prompt_tokens: int = 0
+    last_at: float | None = None  # when the previous tokens arrived (its first, for a request not streamed)
+    cached_tokens: int = 0  # as last reported
+    observed: bool = False  # its end is in the metrics: each request's exactly once
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, list[Any]] = field(default_factory=dict)  # non-streaming: accumulated
@@ -231,7 +234,8 @@ class TokenizerManager:
     def _forget(self, rids: list[str]) -> None:
         """Abort samples whose generator never ran to its end (or never started)."""
         for r in rids:
-            if self.states.pop(r, None) is not None:
+            if (st := self.states.pop(r, None)) is not None:
+                self._observe_abandoned(st)
                 self.abort(r)
                 self.ended(r)
 
@@ -242,7 +246,8 @@ class TokenizerManager:
         self._ensure_started()
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        self.states[rid] = _ReqState(asyncio.Queue(), time.monotonic(), opts, stream, beam=params.beam_width > 0)
+        self.states[rid] = _ReqState(asyncio.Queue(), time.monotonic(), opts, stream, len(ids),
+                                     beam=params.beam_width > 0)
         self.send.send(GenerateReqInput(
             rid, ids, params, stream, opts.return_logprob, opts.logprob_start_len, opts.top_logprobs_num,
             opts.token_ids_logprob, opts.custom_logit_processor, opts.detokenize, leader, embed))
@@ -271,7 +276,8 @@ class TokenizerManager:
                 if finished:
                     return
         finally:
-            self.states.pop(rid, None)
+            if (gone := self.states.pop(rid, None)) is not None:
+                self._observe_abandoned(gone)
             if not finished and self.dead is None:
                 self.send.send(AbortReq(rid))
             self.ended(rid)
@@ -401,18 +407,34 @@ class TokenizerManager:
             st.queue.put_nowait(item)
 
     def _observe(self, st: _ReqState, b: BatchStrOutput, i: int, now: float) -> None:
+        """A request's output in the metrics. The scheduler sends every request's first
+        token on its own (streamed or not), so each one that made a token has its time to
+        first token; a request not streamed spreads the rest evenly over its tokens."""
         assert self.metrics is not None
         n = len(b.new_ids[i])
-        if st.stream and n:
+        st.cached_tokens = b.cached_tokens[i]
+        if n:
+            self.metrics.generated(n, now)
             if st.last_at is None:
                 self.metrics.first_token(now - st.created)
-            else:
-                self.metrics.inter_token(now - st.last_at, n)
+                n -= 1
+            if n:
+                self.metrics.inter_token(now - st.last_at if st.last_at is not None else 0.0, n)
             st.last_at = now
         fin = b.finished_reasons[i]
-        if fin is not None:
+        if fin is not None and not st.observed:
+            st.observed = True
             self.metrics.finished(b.prompt_tokens[i], b.completion_tokens[i], b.cached_tokens[i],
-                                  now - st.created, fin.get("type") == "abort")
+                                  now - st.created, fin.get("type") or "abort")
+
+    def _observe_abandoned(self, st: _ReqState) -> None:
+        """A request that ended before its finish arrived (its caller went away, or the
+        engine failed): an abort, with the tokens it had."""
+        if self.metrics is None or st.observed:
+            return
+        st.observed = True
+        self.metrics.finished(st.prompt_tokens, len(st.output_ids), st.cached_tokens, time.monotonic() - st.created,
+                              "abort")
 
     # ---- failure ---------------------------------------------------------------
 

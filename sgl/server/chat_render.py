@@ -51,7 +51,8 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     tool calls and a tool's answer keep their fields."""
     conv = []
     for m in messages:
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _text_of(m.content)}
+        d: dict[str, Any] = {**m.extra, "role": "system" if m.role == "developer" else m.role,
+                             "content": _text_of(m.content)}
         for name in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if (v := getattr(m, name)) is not None:
                 d[name] = v
@@ -61,11 +62,11 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return conv
 
 
-async def chat_prompt_ids(tok: Tokenizing | None, messages: list[ChatMessage], add_generation_prompt: bool = True,
+async def chat_prompt_ids(tok: Tokenizing | None, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                           continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
                           tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The prompt's ids. `kwargs` (chat_template_kwargs) reach the template as variables, `tools`
-    as its `tools`."""
+    """The prompt's ids from the request's `messages` (ChatMessage.parse). `kwargs`
+    (chat_template_kwargs) reach the template as variables, `tools` as its `tools`."""
     if tok is None:
         raise ApiError(400, "chat needs a tokenizer, and this server runs with skip_tokenizer_init", "messages")
     if not tok.has_chat_template:
@@ -77,8 +78,9 @@ async def chat_prompt_ids(tok: Tokenizing | None, messages: list[ChatMessage], a
     if bad:
         raise ApiError(400, f"chat_template_kwargs: {', '.join(bad)} cannot be set there (a request field or "
                             "the server decides it)", "chat_template_kwargs")
+    conv = conversation(ChatMessage.parse(messages))
     try:
-        return await chat_ids(tok, conversation(messages), add_generation_prompt and not continue_final_message,
+        return await chat_ids(tok, conv, add_generation_prompt and not continue_final_message,
                               continue_final_message, tools, kwargs)
     except ValueError as e:  # a template that rejects this conversation
         raise ApiError(400, str(e), "messages") from None

@@ -51,11 +51,12 @@ _FIELD_AT = re.compile(r"at `\$\.([A-Za-z_][\w]*)")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _FIELD_NAMED = re.compile(r"(?:sampling_params\.)?([a-z_]+)=")
 _FIELD_LEAD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*): ")
+_FIELD_INDEXED = re.compile(r"^([a-z_]+)\[\d+\]=")
 
 
 def param_of(message: str) -> str | None:
     """Best guess of the request field an error message is about."""
-    for pat in (_UNKNOWN, _FIELD_AT, _FIELD_NAMED, _FIELD_LEAD):
+    for pat in (_UNKNOWN, _FIELD_AT, _FIELD_INDEXED, _FIELD_NAMED, _FIELD_LEAD):
         m = pat.search(message)
         if m:
             return m.group(1)
@@ -72,7 +73,7 @@ def code_of(message: str) -> str | None:
         return "invalid_type"
     if "context length" in message:
         return "context_length_exceeded"
-    if " is invalid" in message or "must lie in" in message:
+    if " is invalid" in message or "must lie in" in message or "out of the vocabulary" in message:
         return "invalid_value"
     return None
 

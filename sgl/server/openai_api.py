@@ -7,7 +7,10 @@ OpenAI's and SGLang's extras, are passed to the engine as a plain dict, so
 SamplingParams alone decides what is valid, and its errors come back in the
 caller's field names. A `model` other than the served name is a 404 (as vLLM).
 Streams are server-sent events ending in an optional usage chunk and `data: [DONE]`.
-Choices carry SGLang's `matched_stop` (the stop string or token id that ended them).
+Choices carry SGLang's `matched_stop` (the stop string or token id that ended them, or
+the text a stop_regex matched). Usage always has prompt_tokens_details.cached_tokens.
+vLLM's `prompt_logprobs` come back per choice (completions) or on the response (chat),
+never streamed.
 
 Chat takes OpenAI's tools, tool_choice and parallel_tool_calls (server/tool_calls:
 a forced choice is enforced by the grammar, "auto" read by the server's
@@ -35,7 +38,14 @@ from sgl.runtime.tokenizer_client import decode, encode
 from sgl.server.chat_render import chat_prompt_ids
 from sgl.server.common import SSE_HEADERS, ApiError, decode_body, json_response, sse_stream
 from sgl.server.native import ServerState, primed
-from sgl.server.openai_logprobs import chat_logprobs, check_top, completion_logprobs, logprob_options
+from sgl.server.openai_logprobs import (
+    chat_logprobs,
+    check_prompt_logprobs,
+    check_top,
+    completion_logprobs,
+    logprob_options,
+    prompt_logprobs,
+)
 from sgl.server.openai_protocol import (
     ChatRequest,
     CompletionRequest,
@@ -72,13 +82,12 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def usage(groups: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """OpenAI usage from the meta_info of each prompt's samples: a prompt's tokens (and
-    how many of them the radix cache held, from its first sample, which prefilled it)
-    once, every sample's completion tokens."""
+    how many of them the radix cache held, from its first sample, which prefilled it:
+    always reported, 0 included, as vLLM and OpenAI do) once, every sample's completion tokens."""
     p = sum(g[0]["prompt_tokens"] for g in groups)
     c = sum(m["completion_tokens"] for g in groups for m in g)
     out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-    if cached := sum(g[0].get("cached_tokens") or 0 for g in groups):
-        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    out["prompt_tokens_details"] = {"cached_tokens": sum(g[0].get("cached_tokens") or 0 for g in groups)}
     return out
 
 
@@ -104,6 +113,7 @@ def _check_completion(state: ServerState, req: CompletionRequest) -> None:
         raise ApiError(400, f"best_of={req.best_of} is not supported: only best_of=1 (use n for several samples)",
                        "best_of")
     check_top(req.logprobs, "logprobs")
+    check_prompt_logprobs(req.prompt_logprobs, req.stream)
     if (req.echo or req.logprobs is not None) and state.engine.tm.tok is None:
         name = "echo" if req.echo else "logprobs"
         raise ApiError(400, f"{name} needs a tokenizer, and this server runs with skip_tokenizer_init", name)
@@ -121,7 +131,9 @@ async def completions(state: ServerState, body: bytes) -> Response:
 async def _completions(state: ServerState, req: CompletionRequest) -> Response:
     sp = sampling_dict(req, req.max_tokens)
     prompts = _prompts(req.prompt)
-    opts = {} if req.logprobs is None else logprob_options(req.logprobs, req.echo)
+    opts = {}
+    if req.logprobs is not None or req.prompt_logprobs is not None:
+        opts = logprob_options(req.logprobs or 0, req.echo and req.logprobs is not None, req.prompt_logprobs)
     if req.custom_logit_processor is not None:
         opts["custom_logit_processor"] = req.custom_logit_processor
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
@@ -138,8 +150,12 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Response:
     echoes = await _echoes(state, prompts) if req.echo else [""] * len(prompts)
     outs = [(echo, o) for echo, g in zip(echoes, groups) for o in g]
     choices = [{"index": k, "text": echo + o["text"],
-                "logprobs": None if req.logprobs is None else completion_logprobs(o["meta_info"], req.echo, 0),
+                "logprobs": None if req.logprobs is None else completion_logprobs(o["meta_info"], req.echo, 0,
+                                                                                 req.logprobs),
                 **end_fields(o["meta_info"])} for k, (echo, o) in enumerate(outs)]
+    if req.prompt_logprobs is not None:
+        for choice, (_, o) in zip(choices, outs):
+            choice["prompt_logprobs"] = prompt_logprobs(o["meta_info"], req.prompt_logprobs)
     return json_response({"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
                           "choices": choices, "usage": usage([[o["meta_info"] for o in g] for g in groups])})
 
@@ -186,6 +202,7 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     check_top(req.top_logprobs, "top_logprobs")
+    check_prompt_logprobs(req.prompt_logprobs, req.stream)
     with callers_names(chat_names(req)):
         return await _chat(state, req)
 
@@ -245,7 +262,9 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
     if ids is None:  # the template, rendered in the tokenizer's process
         ids = await chat_prompt_ids(state.engine.tm.tok, req.messages, req.add_generation_prompt,
                                     req.continue_final_message, req.chat_template_kwargs, tp.tools)
-    opts = logprob_options(req.top_logprobs or 0, prompt=False) if req.logprobs else {}
+    opts = {}
+    if req.logprobs or req.prompt_logprobs is not None:
+        opts = logprob_options(req.top_logprobs or 0 if req.logprobs else 0, False, req.prompt_logprobs)
     if req.custom_logit_processor is not None:
         opts["custom_logit_processor"] = req.custom_logit_processor
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
@@ -278,7 +297,8 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
             if i not in seen:  # each choice's first delta names the role
                 delta["role"] = "assistant"
                 seen.add(i)
-            choice = {"index": i, "delta": delta, "logprobs": chat_logprobs(c["meta_info"]) if req.logprobs else None,
+            choice = {"index": i, "delta": delta,
+                      "logprobs": chat_logprobs(c["meta_info"], req.top_logprobs or 0) if req.logprobs else None,
                       **end_fields(c["meta_info"]), "finish_reason": ct.finish_reason(reason)}
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
                     "choices": [choice]}
@@ -296,12 +316,16 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
         msg, reason = message(tp, text, finish_reason(o["meta_info"]["finish_reason"]))
         if rp is not None and rp.separate:
             msg.update(_reasoning_fields(reasoning))
-        choices.append({"index": k, "message": msg, "logprobs": chat_logprobs(o["meta_info"]) if req.logprobs else None,
+        choices.append({"index": k, "message": msg,
+                        "logprobs": chat_logprobs(o["meta_info"], req.top_logprobs or 0) if req.logprobs else None,
                         **end_fields(o["meta_info"]), "finish_reason": reason})
     u = _with_reasoning(usage([[o["meta_info"] for o in outs]]),
                         None if rp is None else sum(rp.tokens(o.get("output_ids") or []) for o in outs))
-    return json_response({"id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
-                          "choices": choices, "usage": u})
+    body = {"id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
+            "choices": choices, "usage": u}
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs(outs[0]["meta_info"], req.prompt_logprobs)
+    return json_response(body)
 
 
 async def _openai_stream(chunks: AsyncIterator[dict[str, Any]], shape: Any, req: SamplingFields, cid: str, obj: str,

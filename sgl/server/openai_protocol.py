@@ -8,8 +8,8 @@ field is either used, or accepted and ignored where it cannot change the output
 refused with a 400 "not supported yet" where ignoring it would hand back
 something the caller did not ask for (REFUSED: the deprecated functions /
 function_call, LoRA, hidden states, ...). Structured output (response_format,
-SGLang's regex / json_schema / ebnf) becomes the sampling fields the grammar backend
-enforces; tools, tool_choice and parallel_tool_calls are server/tool_calls'.
+SGLang's regex / json_schema / ebnf, vLLM's structured_outputs and guided_*) becomes
+the sampling fields the grammar backend enforces; tools, tool_choice and parallel_tool_calls are server/tool_calls'.
 Errors raised below the route (SamplingParams, the request checks) are given back
 in the caller's names: `max_tokens`, not `sampling_params.max_new_tokens`. No
 engine is called here."""
@@ -20,12 +20,12 @@ import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from sgl.core.log import get_logger
-from sgl.server.common import ApiError, invalid
+from sgl.server.common import ApiError, code_of, invalid
 
 log = get_logger("http")
 
@@ -79,13 +79,19 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     images_config: Any = None
     return_cached_tokens_details: Any = None
     routed_experts_start_len: Any = None
-    # Structured output (grammar_fields).
+    stop_regex: Any = None  # SGLang's regex stops (SamplingParams checks them)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs with this many alternatives
+    # Structured output (grammar_fields), and vLLM's names for it.
     response_format: Any = None
     regex: Any = None
     json_schema: Any = None
     ebnf: Any = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # Refused when set: not implemented (yet).
-    stop_regex: Any = None
     lora_path: Any = None
     session_id: Any = None
     session_params: Any = None
@@ -107,7 +113,10 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    """One message. Any role is taken (a custom one is the template's to render, as vLLM
+    passes it); keys no field declares are kept in `extra` and reach the template too."""
+
+    role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls: the template shows them
@@ -116,10 +125,27 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     refusal: str | None = None
     function_call: dict[str, Any] | None = None  # OpenAI's deprecated form of tool_calls
     audio: Any = None  # a reference to an earlier audio answer: ignored
+    extra: dict[str, Any] = {}
+
+    @classmethod
+    def parse(cls, raw: list[dict[str, Any]]) -> list[ChatMessage]:
+        """The request's messages (JSON objects), each checked; an error names messages[k]."""
+        out = []
+        for k, m in enumerate(raw):
+            declared = {f: v for f, v in m.items() if f in cls.__struct_fields__ and f != "extra"}
+            try:
+                msg = msgspec.convert(declared, cls)
+            except msgspec.ValidationError as e:
+                raise ApiError(400, f"messages[{k}]: {e}", "messages", code_of(str(e))) from None
+            if not msg.role:
+                raise ApiError(400, f"messages[{k}].role is empty", "messages", "invalid_value")
+            msg.extra = {f: v for f, v in m.items() if f not in declared}
+            out.append(msg)
+        return out
 
 
 class ChatRequest(SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
+    messages: list[dict[str, Any]]  # ChatMessage.parse: unknown keys are the template's
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -166,7 +192,7 @@ IGNORED = ("user", "extra_key", "cache_salt", "priority", "custom_labels", "rout
            "task", "max_dynamic_patch", "min_dynamic_patch",
            "use_audio_in_video")
 _FUNCTIONS = "OpenAI's deprecated function calling: use tools and tool_choice"
-REFUSED = {"functions": _FUNCTIONS, "function_call": _FUNCTIONS, "stop_regex": "stop strings are plain text here",
+REFUSED = {"functions": _FUNCTIONS, "function_call": _FUNCTIONS,
            "lora_path": "this server runs no LoRA adapters", "session_id": "sessions are not implemented",
            "session_params": "sessions are not implemented", "audio": "this server makes no audio",
            "web_search_options": "this server searches nothing",
@@ -204,7 +230,7 @@ def screen(req: SamplingFields) -> None:
 _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
 _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "stop_token_ids", "ignore_eos", "skip_special_tokens",
            "spaces_between_special_tokens", "no_stop_trim", "length_penalty", "early_stopping", "custom_params",
-           *_NEUTRAL)
+           "stop_regex", *_NEUTRAL)
 
 
 def sampling_dict(req: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
@@ -244,6 +270,10 @@ def grammar_fields(req: SamplingFields) -> dict[str, Any]:
             raise ApiError(400, f"{name} must be a string" + (" or an object" if name == "json_schema" else ""), name,
                            "invalid_type")
         out[name] = v
+    for name, value in vllm_grammar(req).items():
+        if out:
+            raise ApiError(400, f"{name} cannot be combined with {next(iter(out))}", name, "invalid_value")
+        out = {value[0]: value[1]}
     rf = getattr(req, "response_format", None)
     if rf is None:
         return out
@@ -264,6 +294,50 @@ def grammar_fields(req: SamplingFields) -> dict[str, Any]:
         return {"json_schema": json.dumps(schema)}
     raise ApiError(400, f"response_format.type={kind!r} is invalid: must be text, json_object or json_schema",
                    "response_format", "invalid_value")
+
+
+# vLLM's structured_outputs keys (and its older guided_* fields) -> the grammar kind each becomes.
+_VLLM_GRAMMAR = {"json": "json_schema", "regex": "regex", "choice": "regex", "grammar": "ebnf",
+                 "json_object": "json_schema"}
+
+
+def vllm_grammar(req: SamplingFields) -> dict[str, tuple[str, str]]:
+    """vLLM's structured output: the caller's field name -> (grammar kind, text)."""
+    asked: dict[str, tuple[str, Any]] = {}
+    so = req.structured_outputs
+    for key, value in (so or {}).items():
+        if key not in _VLLM_GRAMMAR:
+            if value in (None, False):
+                continue
+            raise ApiError(400, f"structured_outputs.{key} is not supported yet: json, regex, choice, grammar and "
+                                "json_object are", "structured_outputs", "unsupported_parameter")
+        if value is not None and not (key == "json_object" and value is False):
+            asked[f"structured_outputs.{key}"] = (key, value)
+    for key in ("json", "regex", "choice", "grammar"):
+        if (value := getattr(req, f"guided_{key}")) is not None:
+            asked[f"guided_{key}"] = (key, value)
+    if len(asked) > 1:
+        a, b = list(asked)[:2]
+        raise ApiError(400, f"{a} cannot be combined with {b}: one constraint per request", a, "invalid_value")
+    return {name: (_VLLM_GRAMMAR[key], _grammar_text(name, key, value)) for name, (key, value) in asked.items()}
+
+
+_REGEX_SPECIAL = re.compile(r"[\\.^$|?*+()\[\]{}]")
+
+
+def _grammar_text(name: str, key: str, value: Any) -> str:
+    if key == "json_object":
+        return json.dumps({"type": "object"})
+    if key == "json" and isinstance(value, dict):
+        return json.dumps(value)
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise ApiError(400, f"{name} must be a non-empty list of strings", name, "invalid_type")
+        return "|".join(_REGEX_SPECIAL.sub(r"\\\g<0>", c) for c in value)
+    if not isinstance(value, str):
+        raise ApiError(400, f"{name} must be a string" + (" or an object" if key == "json" else ""), name,
+                       "invalid_type")
+    return value
 
 
 def beam_fields(req: SamplingFields) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from sgl.server.chat_render import chat_prompt_ids
 from sgl.server.common import ApiError, decode_body, json_response
 from sgl.server.native import ServerState
 from sgl.server.openai_api import check_model
-from sgl.server.openai_protocol import ChatMessage
 from sgl.server.tool_calls import check_tools
 
 MAX_BATCH = 1024  # the most prompts (or id lists) one call may hold
@@ -30,7 +29,7 @@ MAX_BATCH = 1024  # the most prompts (or id lists) one call may hold
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     prompt: str | list[str] | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[dict[str, Any]] | None = None  # ChatMessage.parse
     add_special_tokens: bool | None = None  # default true; with messages only false (the template adds them)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, TypeGuard
 
+import regex
+
 from sgl.core.stop_rule import stop_cut
 from sgl.testing._request import GenerateRequest, RequestItem
 
@@ -269,8 +271,9 @@ class SampleRules:
         require(grammar or n > p.min_new_tokens, "finish-stop", self.where,
                 f"stopped after {n} tokens, within min_new_tokens={p.min_new_tokens}")
         if isinstance(matched, str):
-            require(matched in p.stop_strs, "finish-stop", self.where,
-                    f"matched {matched!r}, not one of the stop strings {p.stop_strs}")
+            require(matched in p.stop_strs or any(regex.fullmatch(r, matched) for r in p.stop_regexes),
+                    "finish-stop", self.where,
+                    f"matched {matched!r}, not one of the stop strings {p.stop_strs} nor regexes {p.stop_regexes}")
             return
         require(bool(ids) and ids[-1] == matched, "finish-stop", self.where,
                 f"matched id {matched} is not the last output id (ids end {ids[-3:]})")

@@ -87,8 +87,8 @@ class FinishRule:
         early = len(out) <= p.min_new_tokens
         if not early and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)):
             return {"type": "stop", "matched": tok}
-        if not early and p.stop_strs and self.stops is not None:
-            s = self.stops.match(out, p.stop_strs, p.skip_special_tokens)
+        if not early and (p.stop_strs or p.stop_regex) and self.stops is not None:
+            s = self.stops.match(out, p.stop_strs, p.skip_special_tokens, p.stop_regexes)
             if s is not None:
                 return {"type": "stop", "matched": s}
         if min(p.max_new_tokens - len(out), self.context_length - prompt_len - len(out)) <= 0:
@@ -406,7 +406,7 @@ class ScriptedScheduler:
             if r.beams is not None:
                 r.sent = len(r.output_ids)  # the beams carry the ids
             self._finish(r, r.planned_finish)
-        elif r.msg.stream:
+        elif r.msg.stream or len(r.output_ids) == 1:  # the first token always goes out, as the scheduler's
             self.outbox[r] = None
 
     def _end(self, r: _Run, reason: FinishReason) -> None:
