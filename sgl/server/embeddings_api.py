@@ -9,6 +9,7 @@ The engine's messages about `input_ids` come back naming `input`."""
 from __future__ import annotations
 
 import base64
+import re
 from array import array
 from typing import Any, Literal
 
@@ -59,11 +60,7 @@ def _inputs(value: Any) -> tuple[list[str] | None, list[list[int]] | None]:
 
 def _input_error(e: ValueError) -> ApiError:
     """An engine's refusal of one prompt, naming OpenAI's field."""
-    message = str(e)
-    for name in ("input_ids: ", "prompt: "):
-        if message.startswith(name):
-            message = "input: " + message[len(name):]
-    return invalid(message)
+    return invalid(re.sub(r"^(input_ids|prompt)(?=[:\[])", "input", str(e)))
 
 
 async def embeddings(state: ServerState, body: bytes) -> Response:
