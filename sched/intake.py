@@ -57,7 +57,8 @@ class RequestIntake:
         if req.beam is not None and req.stream:
             return "stream: a beam search request cannot stream (its beams are known only at the end)"
         return request_error(req.origin_input_ids, req.sampling_params, req.logprob_start_len, req.top_logprobs_num,
-                             req.token_ids_logprob, req.processor, self.limits, return_logprob=req.return_logprob)
+                             req.token_ids_logprob, req.processor, self.limits, return_logprob=req.return_logprob,
+                             priority=req.priority, timeout=req.timeout)
 
     def _constrain(self, req: Req) -> str | None:
         """Set the request's trie and whether it runs serially; why it cannot run, or None."""

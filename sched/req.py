@@ -54,7 +54,7 @@ class Req:
         "cached_tokens", "to_abort", "retractions", "inflight", "epoch",
         "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
-        "grammar_width", "grammar_seen", "arrival", "oom_retried",
+        "grammar_width", "grammar_seen", "arrival", "oom_retried", "priority", "timeout", "deadline",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -101,6 +101,9 @@ class Req:
         # Its place in arrival order (set by the scheduler): retraction takes the youngest KV holder.
         self.arrival = -1
         self.oom_retried = False  # retracted once after a CUDA OOM: the next one aborts it
+        self.priority = m.priority  # higher is more urgent (schedule_policy="priority")
+        self.timeout = m.timeout  # seconds from receipt; None: the server's default
+        self.deadline: float | None = None  # on the scheduler's clock, set on acceptance (sgl.sched.deadlines)
 
     @property
     def all_ids(self) -> list[int]:

@@ -33,6 +33,10 @@ class GenerateReqInput(msgspec.Struct, tag="generate", forbid_unknown_fields=Tru
     detokenize: bool = True
     # n > 1: the rid of the first sample; this one waits until that one's prompt is cached.
     prefix_leader: str | None = None
+    priority: int = 0  # higher is more urgent (SGLang's); used by schedule_policy="priority"
+    # Seconds from the scheduler's receipt within which it must finish, else it ends with an
+    # abort naming the deadline; None: the server's request_timeout (None there: no deadline).
+    timeout: float | None = None
 
 
 class Logprobs(msgspec.Struct, forbid_unknown_fields=True, array_like=True):

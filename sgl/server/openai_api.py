@@ -40,6 +40,7 @@ from sgl.server.openai_protocol import (
     chat_names,
     completion_names,
     sampling_dict,
+    schedule_options,
     screen,
 )
 from sgl.server.tool_calls import ChoiceTools, ToolPlan, message, plan, tool_schema
@@ -117,6 +118,7 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Response:
     sp = sampling_dict(req, req.max_tokens)
     prompts = _prompts(req.prompt)
     opts = {} if req.logprobs is None else logprob_options(req.logprobs, req.echo)
+    opts.update(schedule_options(req))
     if req.custom_logit_processor is not None:
         opts["custom_logit_processor"] = req.custom_logit_processor
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
@@ -206,6 +208,7 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
         ids = await chat_prompt_ids(state.engine.tm.tok, req.messages, req.add_generation_prompt,
                                     req.continue_final_message, req.chat_template_kwargs, tp.tools)
     opts = logprob_options(req.top_logprobs or 0, prompt=False) if req.logprobs else {}
+    opts.update(schedule_options(req))
     if req.custom_logit_processor is not None:
         opts["custom_logit_processor"] = req.custom_logit_processor
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
