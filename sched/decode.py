@@ -7,8 +7,10 @@ each retraction.
 Liveness (why retraction can never leave the scheduler with no request making
 progress). The KV holders are the running requests and the admitted ones whose
 prompt is not done yet (`PrefillManager.prefilling`, the chunked request among them).
-The victim of a retraction is always the youngest holder by arrival
-(`Req.arrival`), never the oldest one H while any other holder exists:
+Holders are ranked by seniority (sgl.sched.policy.seniority): by arrival (`Req.arrival`,
+older is more senior), under the priority policy by priority first. The victim of a
+retraction is always the least senior holder, never the most senior one H while any
+other holder exists:
 - every request fits the pool alone (prompt + max_new_tokens <= max_total_tokens
   is checked at submit and again by the scheduler), so H alone can always get the
   slot of its next decode step or its next chunk: every other slot is free, in the
@@ -19,9 +21,16 @@ The victim of a retraction is always the youngest holder by arrival
   slots fit). A blocked chunk of H stops the whole round (PrefillAdder.add_chunked
   first, nothing else admitted), so the running requests, all younger, only
   shrink until the chunk fits;
-- H stops being the oldest holder only by finishing or when an older request is
-  re-admitted, which then has the same guarantee; arrivals are younger than every
-  live request, so an older one can be re-admitted only finitely often.
+- under the priority policy a waiting request may preempt (admission retracts running
+  requests for it, `victims`), but only requests of strictly lower priority than its
+  own, and only when it is then admitted: H is a victim only if the admitted request
+  outranks it, which then is the most senior holder. Preemption never cycles: a
+  victim can only ever preempt requests of lower priority still;
+- H stops being the most senior holder only by finishing or when a request that
+  outranks it is admitted, which then has the same guarantee; arrivals are younger
+  than every live request, so one outranks H only by a higher priority (the traffic
+  the priority policy serves first), and an older one can be re-admitted only
+  finitely often.
 So some request finishes within a bounded number of turns, whatever the traffic.
 DecodeManager never admits prefills and never processes results."""
 
@@ -33,6 +42,7 @@ from typing import Any
 from sgl.core.log import get_logger
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.kv_cache import KVCache
+from sgl.sched.policy import seniority
 from sgl.sched.prefill import PrefillManager
 from sgl.sched.req import Req
 
@@ -59,7 +69,7 @@ class DecodeManager:
         # The share of their remaining max_new_tokens that running requests are expected to
         # still need, which prefill admission reserves.
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self.stats = {"decode_steps": 0, "retractions": 0}
+        self.stats = {"decode_steps": 0, "retractions": 0, "preemptions": 0}
 
     def add(self, req: Req) -> None:
         self.running.append(req)
@@ -104,11 +114,26 @@ class DecodeManager:
         """The requests holding KV: running, or admitted with their prompt not done."""
         return [*self.running, *self.prefill.prefilling]
 
+    def victims(self, req: Req) -> list[Req]:
+        """The running requests a waiting `req` may preempt (the priority policy's): those
+        of strictly lower priority, least senior first; beam requests keep their KV."""
+        policy = self.prefill.policy
+        out = [r for r in self.running if r.priority < req.priority and r.beam is None]
+        return sorted(out, key=lambda r: seniority(r, policy))
+
+    def preempt(self, victims: list[Req]) -> None:
+        """Retract `victims` for a more urgent request: no sign that the KV estimate was
+        short, so the new-token ratio stays."""
+        for v in victims:
+            self.retract(v, bump=False)
+        self.stats["preemptions"] += len(victims)
+
     def _retract_youngest(self) -> None:
-        """Out of KV in decode: send the youngest KV holder back to the queue (see the
-        liveness argument above). The oldest is never retracted while another holds KV."""
+        """Out of KV in decode: send the least senior KV holder back to the queue (see the
+        liveness argument above). The most senior is never retracted while another holds KV."""
         held = self.holders()
-        victim = max(held, key=lambda r: r.arrival)
+        policy = self.prefill.policy
+        victim = min(held, key=lambda r: seniority(r, policy))
         if len(held) == 1:
             # Cannot happen (a request that fits alone gets its slots): ending it beats spinning.
             self.log.error("a lone request ran out of KV", rid=victim.rid, kv_len=victim.kv_len)
@@ -116,9 +141,10 @@ class DecodeManager:
             return
         self.retract(victim)
 
-    def retract(self, victim: Req) -> None:
+    def retract(self, victim: Req, bump: bool = True) -> None:
         """Give back the victim's KV and put it first in the queue; what it generated is
-        kept and recomputed on re-admission (its in-flight results are stale: epoch)."""
+        kept and recomputed on re-admission (its in-flight results are stale: epoch).
+        `bump`: raise the new-token ratio (admission reserved too little)."""
         if victim.to_abort is not None:
             self.finish(victim, {"type": "abort", "message": victim.to_abort})  # it was ending anyway
             return
@@ -134,7 +160,8 @@ class DecodeManager:
         victim.retractions += 1
         victim.epoch += 1
         self.prefill.requeue(victim)
-        self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_NEW_TOKEN_RATIO_BUMP)
+        if bump:
+            self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_NEW_TOKEN_RATIO_BUMP)
         self.log.info("retracted", rid=victim.rid, output_len=len(victim.output_ids), retractions=victim.retractions)
 
     def info(self) -> dict[str, Any]:

@@ -60,7 +60,8 @@ class RequestIntake:
         if req.embed and (error := self._embedding_error(req)) is not None:
             return error
         return request_error(req.origin_input_ids, req.sampling_params, req.logprob_start_len, req.top_logprobs_num,
-                             req.token_ids_logprob, req.processor, self.limits, return_logprob=req.return_logprob)
+                             req.token_ids_logprob, req.processor, self.limits, return_logprob=req.return_logprob,
+                             priority=req.priority, timeout=req.timeout)
 
     def _embedding_error(self, req: Req) -> str | None:
         """Why an embedding request cannot run, or None: then its pool is set."""

@@ -14,6 +14,7 @@ and rows, and hand them back."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 import torch
@@ -42,6 +43,20 @@ class KVCache:
     def available(self) -> int:
         """KV slots free or evictable now."""
         return self.allocator.available_size() + self.tree.evictable_size()
+
+    def freed_by(self, reqs: list[Req]) -> int:
+        """KV slots that retracting `reqs` (no beams; KV given back uncached) would make
+        free or evictable: their tails, and the tree nodes locked by them alone."""
+        tails = sum(r.kv_len - len(r.prefix_indices) for r in reqs if r.req_pool_idx is not None)
+        through: Counter[int] = Counter()
+        nodes: dict[int, Any] = {}
+        for r in reqs:
+            node = r.last_node if r.req_pool_idx is not None else None
+            while node is not None and node is not self.tree.root:
+                through[node.id] += 1
+                nodes[node.id] = node
+                node = node.parent
+        return tails + sum(len(node.value) for i, node in nodes.items() if through[i] == node.lock_ref)
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` KV slots, evicting from the radix tree what the free ones lack; None if even that fails."""

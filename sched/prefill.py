@@ -16,22 +16,30 @@ takes a req_to_token row, writes its cached prefix there and keeps the lock) or
 unlocks the match again.
 
 A blocked chunk ends the round with nothing admitted: the scheduler's liveness
-argument (sgl.sched.decode) rests on it, as the oldest KV holder's chunk must not
+argument (sgl.sched.decode) rests on it, as the most senior KV holder's chunk must not
 wait behind requests admitted after it.
 
+Under the priority policy a waiting request that lacks KV or a request slot may
+preempt: running requests of strictly lower priority are retracted, least senior
+first, as many as make it fit, and none when all of them would not. Only strictly
+lower priorities give way, so two requests never preempt each other, and the one
+admitted outranks every victim: the liveness argument in sgl.sched.decode holds.
+
 A PrefillAdder never allocates KV slots, builds a batch, or reorders or edits the
-waiting queue: its manager does that with `admitted` and `chunked_req`."""
+waiting queue: its manager does that with `admitted` and `chunked_req`, and a
+preemption's victims are requeued by the DecodeManager."""
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from sgl.cache.radix_cache import MatchResult
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.kv_cache import KVCache
-from sgl.sched.policy import order_waiting
+from sgl.sched.policy import order_waiting, queue_key
 from sgl.sched.req import Req
 
 CLIP_MAX_NEW_TOKENS = 4096
@@ -55,6 +63,18 @@ class Verdict(enum.Enum):
     def goes_on(self) -> bool:
         """Whether the next waiting request may still be considered this round."""
         return self in (Verdict.ADMITTED, Verdict.DEFERRED)
+
+
+class Preemption(Protocol):
+    """Who retracts running requests for a more urgent waiting one (the DecodeManager)."""
+
+    def victims(self, req: Req) -> list[Req]:
+        """The running requests `req` may preempt, the first to go first."""
+        ...
+
+    def preempt(self, victims: list[Req]) -> None:
+        """Retract them (their KV given back, requeued)."""
+        ...
 
 
 def future_tokens(req: Req) -> int:
@@ -86,8 +106,11 @@ class PrefillAdder:
         logprob_rows: int,
         max_running_requests: int,
         new_token_ratio: float,
+        preemption: Preemption | None = None,
     ) -> None:
         self.kv = kv
+        self.preemption = preemption  # the priority policy's: running requests may give way
+        self.preempted = False  # this round retracted running requests for a waiting one
         self.tree = kv.tree
         self.prefilling = prefilling  # admitted in earlier rounds, last prefill chunk not processed yet
         self.rids = rids  # live requests by rid (an n > 1 sibling's leader)
@@ -144,18 +167,18 @@ class PrefillAdder:
         if self.chunked_req is not None:
             return
         for req in order_waiting(waiting, policy, self.tree):
-            if not self.add_one(req).goes_on:
+            # After a preemption the round ends: its victims wait behind nothing of lower priority.
+            if not self.add_one(req).goes_on or self.preempted:
                 break
 
     def add_one(self, req: Req) -> Verdict:
         """Consider one waiting request (the caller stops at a verdict that does not go on)."""
         self.current = req
-        if self.chunk_left <= 0 or self.budget <= 0 or self.n_running + len(self.admitted) >= self.max_running_requests:
+        slot_short = not self._slots_free(req)
+        if self.chunk_left <= 0 or self.budget <= 0 or (slot_short and self.preemption is None):
             return Verdict.FULL
         if req.needs_input_logprobs and self.logprob_rows_left <= 0:
             return Verdict.FULL
-        if self.kv.pool.available_size() < (req.beam.width if req.beam is not None else 1):
-            return Verdict.FULL  # a beam request takes a row per beam
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) and lead.is_leader:
             return Verdict.DEFERRED  # waits for its leader's prompt to be in the tree
         ids = req.all_ids
@@ -169,11 +192,11 @@ class PrefillAdder:
         need = n + (int(future_tokens(req) * self.new_token_ratio) if n == todo else 0)
         # Lock the match first: a locked prefix is no longer evictable room.
         self.tree.inc_lock_ref(match.last_node)
-        if (need > self.room() and (self.admitted or self.n_running)) or n > self.available() - self.claimed:
+        if (slot_short or not self._fits(need, n)) and not self._preempt_for(req, need, n, slot_short):
             # It waits until running requests finish or retract; alone, it goes
             # without a reserve as soon as its own tokens fit.
             self.tree.dec_lock_ref(match.last_node)
-            return Verdict.NO_ROOM
+            return Verdict.FULL if slot_short else Verdict.NO_ROOM
         self._admit(req, match, n)
         self.admitted.append(req)
         self._take_rows(req, n)
@@ -184,6 +207,41 @@ class PrefillAdder:
             self.chunked_req = req
             return Verdict.CHUNKED
         return Verdict.ADMITTED
+
+    def _slots_free(self, req: Req, gone: int = 0) -> bool:
+        """Whether a request slot and its rows (a row per beam) are free, were `gone`
+        running requests (no beams) retracted."""
+        rows = req.beam.width if req.beam is not None else 1
+        return (self.n_running - gone + len(self.admitted) < self.max_running_requests
+                and self.kv.pool.available_size() + gone >= rows)
+
+    def _fits(self, need: int, n: int, freed: int = 0, reserve: int = 0, gone: int = 0) -> bool:
+        """Whether `n` tokens to compute (`need` with their reserve) fit, were `freed` KV
+        slots given back by `gone` running requests whose reserve was `reserve`."""
+        alone = not self.admitted and self.n_running == gone
+        return (alone or need <= self.room() + freed + reserve) and n <= self.available() - self.claimed + freed
+
+    def _preempt_for(self, req: Req, need: int, n: int, slot_short: bool) -> bool:
+        """Under the priority policy, make room for `req` (its match locked): retract the
+        least senior running requests of lower priority until it fits (a request slot
+        too if `slot_short`), none unless it then does. Whether it fits now."""
+        if self.preemption is None:
+            return False
+        victims: list[Req] = []
+        reserve = 0
+        for v in self.preemption.victims(req):
+            victims.append(v)
+            reserve += int(future_tokens(v) * self.new_token_ratio)
+            slots_ok = not slot_short or self._slots_free(req, len(victims))
+            if slots_ok and self._fits(need, n, self.kv.freed_by(victims), reserve, len(victims)):
+                break
+        else:
+            return False
+        self.preemption.preempt(victims)
+        self.preempted = True
+        self.n_running -= len(victims)
+        self.reserved -= reserve
+        return self._slots_free(req) and self._fits(need, n)
 
     def _chunk(self, req: Req, todo: int) -> int:
         """How much of a request's `todo` prompt tokens this round takes."""
@@ -245,12 +303,17 @@ class PrefillManager:
         return bool(self.waiting) or self.chunked is not None
 
     def add(self, req: Req) -> None:
-        self.waiting.append(req)
+        """A new request joins the queue: last (under the priority policy, last of its priority)."""
+        if self.policy == "priority":
+            self.waiting.insert(bisect.bisect_right(self.waiting, queue_key(req), key=queue_key), req)
+        else:
+            self.waiting.append(req)
 
     def requeue(self, req: Req) -> None:
-        """A retracted request: first in the queue, its KV given back already."""
+        """A retracted request: first in the queue (first of its priority), its KV given back already."""
         self.remove(req)
-        self.waiting.insert(0, req)
+        at = bisect.bisect_left(self.waiting, queue_key(req), key=queue_key) if self.policy == "priority" else 0
+        self.waiting.insert(at, req)
 
     def remove(self, req: Req) -> None:
         """Take an admitted request out of the chunk and the prefilling set."""
@@ -280,17 +343,19 @@ class PrefillManager:
         a = self.round
         return [*a.admitted, *([a.current] if a.current else [])] if a is not None else []
 
-    def schedule(self, running: Collection[Req], rids: Mapping[str, Req],
-                 new_token_ratio: float, admit: bool = True) -> ScheduleBatch | None:
+    def schedule(self, running: Collection[Req], rids: Mapping[str, Req], new_token_ratio: float,
+                 admit: bool = True, preemption: Preemption | None = None) -> ScheduleBatch | None:
         """The round: the chunked request's next chunk and (if `admit`) the waiting requests
-        that fit, admitted, given their KV slots and built into a batch; None when nothing is."""
+        that fit, admitted, given their KV slots and built into a batch; None when nothing is.
+        Under the priority policy `preemption` may retract running requests for them."""
         self.round = None
         if self.chunked is None and not (admit and self.waiting):
             return None
         adder = self.round = PrefillAdder(
             self.kv, running=running, prefilling=self.prefilling, rids=rids,
             max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size, logprob_rows=self.logprob_rows,
-            max_running_requests=self.max_running_requests, new_token_ratio=new_token_ratio)
+            max_running_requests=self.max_running_requests, new_token_ratio=new_token_ratio,
+            preemption=preemption if self.policy == "priority" else None)
         if self.chunked is not None and not adder.add_chunked(self.chunked):
             return None
         if admit:

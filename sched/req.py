@@ -56,6 +56,7 @@ class Req:
         "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
         "grammar_width", "grammar_seen", "grammar_after", "arrival", "oom_retried", "embed", "pooled", "embedding",
+        "priority", "timeout", "deadline",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -108,6 +109,9 @@ class Req:
         self.embed = m.embed  # an embedding request: prefill-only, its prompt pooled
         self.pooled: PooledPrompt | None = None  # its pool, set by the scheduler on arrival
         self.embedding: bytes | None = None  # its vector (float32 bytes), once its prompt is done
+        self.priority = m.priority  # higher is more urgent (schedule_policy="priority")
+        self.timeout = m.timeout  # seconds from receipt; None: the server's default
+        self.deadline: float | None = None  # on the scheduler's clock, set on acceptance (sgl.sched.deadlines)
 
     @property
     def all_ids(self) -> list[int]:

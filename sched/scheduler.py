@@ -9,7 +9,8 @@ launched it. The state lives with its owners: the waiting queue and admission
 (sgl.sched.prefill), the running set, decode steps and retraction (sgl.sched.decode),
 KV ownership (sgl.sched.kv_cache), grammars (sgl.sched.grammar), a new request's
 checks (sgl.sched.intake), results and failures (sgl.sched.results), a test's planted
-faults (sgl.sched.faults); the model, its pools and sampling are the runner's
+faults (sgl.sched.faults), deadlines (sgl.sched.deadlines); the model, its pools and
+sampling are the runner's
 (sgl.sched.runner). The scheduler itself holds the live requests by rid and ends them
 (`finish`, `abort_now`).
 
@@ -20,6 +21,7 @@ takes the loop down. It never talks to the caller directly and never decodes tex
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sgl.core.faults import Busy, ControlCall
@@ -45,6 +47,7 @@ from sgl.core.server_args import ServerArgs
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.beam import BeamSearch
 from sgl.sched.control import ControlPlane
+from sgl.sched.deadlines import Deadlines, deadline_message
 from sgl.sched.decode import DecodeManager
 from sgl.sched.faults import FaultInjector
 from sgl.sched.grammar import Grammars
@@ -69,7 +72,8 @@ GRAMMAR_POLL_S = 0.001
 
 class Scheduler:
     def __init__(self, args: ServerArgs, model_path: str, recv: Receiver, send: Sender,
-                 tp: TPGroup = TPGroup()) -> None:  # tp: this rank's group (channels: sgl.sched.tp_channels)
+                 tp: TPGroup = TPGroup(),  # this rank's group (channels: sgl.sched.tp_channels)
+                 clock: Callable[[], float] = time.monotonic) -> None:  # deadlines' (a test's own)
         self.args = args
         self.log = get_logger("scheduler", **({"tp_rank": tp.rank} if tp.size > 1 else {}))
         self.recv = recv
@@ -86,6 +90,7 @@ class Scheduler:
                                       max_running_requests=r.max_running_requests)
         self.decode = DecodeManager(self.kv, self.prefill, r.context_length, self.finish)
         self.faults = FaultInjector(self.prefill, self.decode, self.grammars, self._queue, self._abort, tp.size)
+        self.deadlines = Deadlines(args.request_timeout, clock, tp)
         self.outbox = Outbox()
         self.results = ResultProcessor(self.kv, self.prefill, self.decode,
                                        BeamSearch(self.kv, r.eos_ids, r.context_length, self.finish), self.outbox,
@@ -107,7 +112,8 @@ class Scheduler:
         out = {"model_path": self.args.model_path, "max_queued_requests": self.args.max_queued_requests,
                "max_top_logprobs_num": self.args.max_top_logprobs_num, **self.runner.info(), **self.kv.info(),
                **self.prefill.info(), **self.decode.info(), "grammars_compiling": len(self.grammars.pending),
-               "failures": self.results.failures, **self.stats, **self.control.info()}
+               "failures": self.results.failures, **self.stats, **self.control.info(), **self.deadlines.stats,
+               "deadlines": len(self.deadlines.reqs)}
         out["waiting"] += len(self.faults.delayed)  # held back by a planted fault: waiting all the same
         out["running"] += len(self.faults.hung)
         return out
@@ -136,6 +142,8 @@ class Scheduler:
                 self.send.send(msg)
                 return False
             self.handle(msg)
+        for req in self.deadlines.expired():
+            self._abort(req, deadline_message(req.timeout or 0.0))
         if self.faults.plan is not None:
             self.faults.step()
         for req, reason in self.grammars.ready():  # compiled: they join the queue, or end
@@ -186,8 +194,8 @@ class Scheduler:
 
     def _receive(self, block: bool) -> list[Message]:
         """The waiting messages. While idle (or paused, nothing in flight) and `block`,
-        wait for one up to IDLE_POLL_S (GRAMMAR_POLL_S with grammars compiling), checking
-        the KV accounting first when truly idle."""
+        wait for one up to IDLE_POLL_S (GRAMMAR_POLL_S with grammars compiling; at most
+        until the nearest deadline), checking the KV accounting first when truly idle."""
         idle = self.idle
         if not idle and not (self.control.frozen and self.last is None):
             return self.recv.recv_all_nowait()
@@ -197,8 +205,9 @@ class Scheduler:
                 self.kv.check_idle()
             self.runner.gpu_timeline.reset_gap()
         timeout = (GRAMMAR_POLL_S if compiling else IDLE_POLL_S) if block else 0
-        if (due := self.faults.first_due_s()) is not None:
-            timeout = min(timeout, due)
+        for due in (self.faults.first_due_s(), self.deadlines.next_in()):
+            if due is not None:
+                timeout = min(timeout, due)
         first = self.recv.recv(timeout)
         return [first, *self.recv.recv_all_nowait()] if first is not None else []
 
@@ -210,7 +219,7 @@ class Scheduler:
         builder: PrefillManager | DecodeManager = self.prefill
         try:
             batch = self.prefill.schedule(self.decode.running, self.rids, self.decode.new_token_ratio,
-                                          admit=self.control.admits)
+                                          admit=self.control.admits, preemption=self.decode)
             if batch is None and self.decode.running:
                 builder = self.decode
                 batch = self.decode.schedule()
@@ -286,6 +295,7 @@ class Scheduler:
         if req.prefix_leader is not None and (lead := self.rids.get(req.prefix_leader)) is not None:
             self.prefill.share_prompt(lead)
         self.rids[req.rid] = req
+        self.deadlines.add(req)
         if req.prefill_only and not req.needs_input_logprobs and not req.embed:
             self.finish(req, {"type": "length", "length": 0})  # nothing to compute
         elif not (effects and self.faults.accept(req, effects)):  # unless a planted fault holds it back
@@ -355,4 +365,5 @@ class Scheduler:
     def _forget(self, req: Req) -> None:
         if self.rids.get(req.rid) is req:
             self.rids.pop(req.rid)
+            self.deadlines.discard(req)
         self.outbox.add(req)

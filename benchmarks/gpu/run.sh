@@ -14,7 +14,7 @@
 # Steps (each is one case below; the comment beside it says what it measures):
 #   set-up      jit tests beamtests cpuinfo parts
 #   control     control control8b (memory release and resume, weight updates)
-#   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 tp startup looplag
+#   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 tp startup looplag priority
 #   A/B         old w3old w7old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
@@ -208,6 +208,8 @@ for step in "$@"; do
     profile) run 300 python3 -m benchmarks.profile_decode ;;
     # The front end's loop stalls with 64 long prompts (.lt: the default model's config
     # and tokenizer files, ~3.4 MB; null weights, so the host's 16 cores serve the front end).
+    # TTFT of priority-10 requests under a saturating priority-0 load, fcfs vs priority.
+    priority) run 300 python3 -m benchmarks.priority_ttft --device cuda ;;
     looplag) run 300 python3 benchmarks/loop_lag.py --prompts 64 --words 3000 --transport ipc --null --model .lt ;;
     # Grammar rows under overlap and graphs (tests/test_gpu_grammar.py), then 256 requests
     # generated plain and under a JSON schema (.lt, as looplag).

@@ -36,6 +36,10 @@ class GenerateReqInput(msgspec.Struct, tag="generate", forbid_unknown_fields=Tru
     # An embedding request (max_new_tokens=0): its result is its prompt's pooled final
     # hidden states (sgl.sched.pooling), in the output's `embeddings` column.
     embed: bool = False
+    priority: int = 0  # higher is more urgent (SGLang's); used by schedule_policy="priority"
+    # Seconds from the scheduler's receipt within which it must finish, else it ends with an
+    # abort naming the deadline; None: the server's request_timeout (None there: no deadline).
+    timeout: float | None = None
 
 
 class Logprobs(msgspec.Struct, forbid_unknown_fields=True, array_like=True):

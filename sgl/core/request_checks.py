@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sgl.core.logit_processor import check_allowed
-from sgl.core.sampling_params import MAX_BEAM_WIDTH, SamplingParams
+from sgl.core.sampling_params import INT64_MAX, MAX_BEAM_WIDTH, SamplingParams
+from sgl.core.server_args import MAX_TIMEOUT_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +43,11 @@ def limits_of(info: Mapping[str, Any], has_tokenizer: bool, allowed_processors: 
 def request_error(
     ids: Sequence[int], params: SamplingParams, logprob_start_len: int, top_logprobs_num: int,
     token_ids_logprob: Sequence[int] | None, processor: str | None, limits: RequestLimits,
-    return_logprob: bool = False,
+    return_logprob: bool = False, priority: int = 0, timeout: float | None = None,
 ) -> str | None:
     """Why the request cannot run, or None."""
+    if (error := schedule_error(priority, timeout)) is not None:
+        return error
     n, v = len(ids), limits.vocab_size
     if n == 0:
         return "input_ids: empty input: a request needs at least one token"
@@ -104,6 +107,15 @@ def out_of_vocab(name: str, ids: Sequence[int], vocab_size: int) -> str | None:
         return None
     k = next(k for k, t in enumerate(ids) if not 0 <= t < vocab_size)
     return f"{name}[{k}]={ids[k]} is out of the vocabulary (size {vocab_size})"
+
+
+def schedule_error(priority: int, timeout: float | None) -> str | None:
+    """Why a request's priority or timeout (seconds) is out of range, or None."""
+    if not -INT64_MAX <= priority <= INT64_MAX:
+        return f"priority={priority} is invalid: must be a 64-bit integer"
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:  # NaN fails too
+        return f"timeout={timeout} is invalid: must be in (0, {MAX_TIMEOUT_S:g}] seconds"
+    return None
 
 
 def beam_error(n: int, params: SamplingParams, limits: RequestLimits, return_logprob: bool) -> str | None:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import msgspec
 
 Transport = Literal["inproc", "ipc", "tcp"]
+MAX_TIMEOUT_S = 86_400.0  # a request's deadline (its timeout, or request_timeout): at most a day
 
 
 class ModelFiles(msgspec.Struct, frozen=True):
@@ -69,7 +70,13 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # generation's length, so a fast "retry later" (or another replica) serves it better,
     # and the queue's per-round scans stay short.
     max_queued_requests: int | None = 4096
-    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    # priority: the waiting queue by each request's `priority` (higher first, SGLang's order),
+    # arrival order within one, lower-priority running requests retracted to make room.
+    # With fcfs and lpm a request's priority is accepted and ignored (SGLang's default too).
+    schedule_policy: Literal["fcfs", "lpm", "priority"] = "fcfs"
+    # Seconds (from the scheduler's receipt) within which a request without its own `timeout`
+    # must finish, else it ends with an abort naming the deadline. None: no deadline.
+    request_timeout: float | None = None
     disable_radix_cache: bool = False
     # Serve embeddings (engine.encode, /v1/embeddings) with a model whose files do not say
     # how to pool (no sentence-transformers modules.json); `pooling` overrides the files' mode.
@@ -141,6 +148,9 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for name in ("control_timeout", "health_timeout", "watchdog_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be > 0 seconds")
+        if self.request_timeout is not None and not 0 < self.request_timeout <= MAX_TIMEOUT_S:
+            raise ValueError(f"request_timeout={self.request_timeout} is invalid: must be in (0, {MAX_TIMEOUT_S:g}] "
+                             "seconds, or None for no deadline")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} is invalid: must be >= 1")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:

@@ -47,7 +47,10 @@ FIELD_HELP: dict[str, str] = {
     "chunked_prefill_size": "prompt tokens per prefill forward; -1: no chunking (default: by device memory, "
                             "8192 on an H100, 16384 on an H200, 2048 on CPU)",
     "max_queued_requests": "waiting requests past which a new one is refused with a 503",
-    "schedule_policy": "admission order: fcfs (arrival) or lpm (longest cached prefix first)",
+    "schedule_policy": "admission order: fcfs (arrival), lpm (longest cached prefix first) or priority (the "
+                       "request's priority, higher first; lower-priority running requests retracted for room)",
+    "request_timeout": "seconds from receipt within which a request without its own timeout must finish, else "
+                       "it is aborted (default: no deadline)",
     "disable_radix_cache": "do not reuse the KV of shared prompt prefixes",
     "is_embedding": "serve embeddings (encode, /v1/embeddings) with a model that has no sentence-transformers "
                     "modules.json: last-token pooling, normalised (a model with one is recognised without it)",

@@ -72,7 +72,9 @@ class EngineFrontEnd(ABC):
 
         Options (SGLang's request-level arguments; in a batch each may be a list, one
         per prompt): return_logprob, logprob_start_len, top_logprobs_num,
-        token_ids_logprob, return_text_in_logprobs, custom_logit_processor, detokenize.
+        token_ids_logprob, return_text_in_logprobs, custom_logit_processor, detokenize;
+        priority (higher first under schedule_policy="priority") and timeout (seconds from
+        the scheduler's receipt; past it the request ends with an abort naming the deadline).
         Logprobs are log_softmax of the model's raw logits (before logit_bias,
         penalties, processors and temperature), as SGLang returns by default."""
         items = split_batch(prompt, input_ids, sampling_params, rid)

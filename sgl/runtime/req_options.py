@@ -31,6 +31,8 @@ class ReqOptions:
     return_text_in_logprobs: bool = False
     custom_logit_processor: str | None = None
     detokenize: bool = True
+    priority: int = 0  # higher is more urgent (SGLang's); schedule_policy="priority" orders by it
+    timeout: float | None = None  # seconds from the scheduler's receipt; None: the server's request_timeout
 
 
 def replace_params(p: SamplingParams, **changes: Any) -> SamplingParams:
@@ -77,10 +79,14 @@ def check_request(ids: list[int], params: SamplingParams, opts: ReqOptions, limi
     for name in ("return_logprob", "return_text_in_logprobs", "detokenize"):
         if not isinstance(getattr(opts, name), bool):
             raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be a bool")
-    for name in ("logprob_start_len", "top_logprobs_num"):
+    for name in ("logprob_start_len", "top_logprobs_num", "priority"):
         if not is_int(getattr(opts, name)):
             raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be an int")
+    t = opts.timeout
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
+        raise ValueError(f"timeout={t!r} is invalid: must be a number of seconds")
     error = request_error(ids, params, opts.logprob_start_len, opts.top_logprobs_num, opts.token_ids_logprob,
-                          opts.custom_logit_processor, limits, opts.return_logprob)
+                          opts.custom_logit_processor, limits, opts.return_logprob, opts.priority,
+                          None if t is None else float(t))
     if error is not None:
         raise ValueError(error)

@@ -250,7 +250,8 @@ class TokenizerManager:
                                      beam=params.beam_width > 0)
         self.send.send(GenerateReqInput(
             rid, ids, params, stream, opts.return_logprob, opts.logprob_start_len, opts.top_logprobs_num,
-            opts.token_ids_logprob, opts.custom_logit_processor, opts.detokenize, leader, embed))
+            opts.token_ids_logprob, opts.custom_logit_processor, opts.detokenize, leader, embed, opts.priority,
+            None if opts.timeout is None else float(opts.timeout)))
         return rid
 
     async def _one(self, rid: str, stream: bool) -> AsyncGenerator[Any, None]:  # a beam request: a list

@@ -54,10 +54,14 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     top_logprobs_num: int | list[int] | None = None
     token_ids_logprob: list[Any] | None = None  # ids for every prompt, or a list of them per prompt
     return_text_in_logprobs: bool | None = None
+    # Scheduling: SGLang's priority (higher first), a deadline in seconds from the scheduler's
+    # receipt; a list gives one per prompt.
+    priority: int | list[int] | None = None
+    timeout: float | list[float] | None = None
 
 
 _OPTION_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
-                  "return_text_in_logprobs")
+                  "return_text_in_logprobs", "priority", "timeout")
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):

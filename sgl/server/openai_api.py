@@ -54,6 +54,7 @@ from sgl.server.openai_protocol import (
     chat_names,
     completion_names,
     sampling_dict,
+    schedule_options,
     screen,
 )
 from sgl.server.reasoning import ReasoningPlan, ReasoningSplitter, format_of
@@ -134,6 +135,7 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Response:
     opts = {}
     if req.logprobs is not None or req.prompt_logprobs is not None:
         opts = logprob_options(req.logprobs or 0, req.echo and req.logprobs is not None, req.prompt_logprobs)
+    opts.update(schedule_options(req))
     if req.custom_logit_processor is not None:
         opts["custom_logit_processor"] = req.custom_logit_processor
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
@@ -265,6 +267,7 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
     opts = {}
     if req.logprobs or req.prompt_logprobs is not None:
         opts = logprob_options(req.top_logprobs or 0 if req.logprobs else 0, False, req.prompt_logprobs)
+    opts.update(schedule_options(req))
     if req.custom_logit_processor is not None:
         opts["custom_logit_processor"] = req.custom_logit_processor
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"

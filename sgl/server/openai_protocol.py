@@ -66,11 +66,14 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     beam_width: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
+    # Scheduling (the engine's options): SGLang's priority (higher first; vLLM takes the
+    # field too, lower first there), and a deadline in seconds from the scheduler's receipt.
+    priority: int | None = None
+    timeout: float | None = None
     # Accepted and ignored: they cannot change what comes back.
     user: Any = None
     extra_key: Any = None
     cache_salt: Any = None
-    priority: Any = None
     custom_labels: Any = None
     routed_dp_rank: Any = None
     disagg_prefill_dp_rank: Any = None
@@ -185,7 +188,7 @@ class ChatRequest(SamplingFields, kw_only=True):
     return_meta_info: Any = None
 
 
-IGNORED = ("user", "extra_key", "cache_salt", "priority", "custom_labels", "routed_dp_rank",
+IGNORED = ("user", "extra_key", "cache_salt", "custom_labels", "routed_dp_rank",
            "disagg_prefill_dp_rank", "data_parallel_rank", "ngram_corpus_id", "images_config",
            "return_cached_tokens_details", "routed_experts_start_len", "store", "metadata", "service_tier",
            "reasoning_effort", "prompt_cache_key", "safety_identifier", "verbosity", "prediction",
@@ -202,6 +205,11 @@ REFUSED = {"functions": _FUNCTIONS, "function_call": _FUNCTIONS,
 # Refused only when true: asking for an output this server does not return.
 REFUSED_IF_TRUE = ("return_hidden_states", "return_routed_experts", "return_token_ids", "return_prompt_token_ids",
                    "return_meta_info")
+
+
+def schedule_options(req: SamplingFields) -> dict[str, Any]:
+    """The engine's scheduling options the request gave (priority, timeout)."""
+    return {name: v for name in ("priority", "timeout") if (v := getattr(req, name)) is not None}
 
 
 def screen(req: SamplingFields) -> None:
