@@ -14,7 +14,7 @@ from typing import Any
 
 from sgl.core.request_checks import RequestLimits, request_error
 from sgl.sched.grammar import Grammars
-from sgl.sched.pooling import PooledPrompt
+from sgl.sched.models.pooling import PooledPrompt
 from sgl.sched.req import Req
 from sgl.sched.runner.model_runner import ModelRunner
 from sgl.sched.trie_store import TrieStore

@@ -19,7 +19,7 @@ import torch
 from sgl.core.protocol import Beam, GenerateReqInput, Logprobs
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.trie import Trie
-from sgl.sched.pooling import PooledPrompt
+from sgl.sched.models.pooling import PooledPrompt
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 

@@ -30,7 +30,7 @@ from sgl.runtime.req_options import check_request
 from sgl.runtime.tokenizer_manager import TokenizerManager
 from sgl.sched.json_schema_rewrite import for_xgrammar
 from sgl.server.chat_render import conversation
-from sgl.server.openai_protocol import ChatRequest
+from sgl.server.openai_protocol import ChatMessage, ChatRequest
 from sgl.server.tool_calls import check_tools
 from sgl.testing import strategies as sgs
 from sgl.testing.strategies import GenerateRequest, InvalidRequest, Limits
@@ -154,8 +154,8 @@ def test_chat_messages_and_tools_are_what_the_openai_routes_take(chat_tokenizer:
     assert answered == {c["id"] for c in calls}
     for call in calls:
         jsonschema.validate(json.loads(call["function"]["arguments"]), by_name[call["function"]["name"]])
-    text = chat_tokenizer.apply_chat_template(conversation(chat.messages), tools=tools, tokenize=False,
-                                              add_generation_prompt=True)
+    conv = conversation(ChatMessage.parse(chat.messages))
+    text = chat_tokenizer.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True)
     assert messages[-1]["content"] in text
 
 

@@ -264,11 +264,11 @@ def test_template_gets_tools_and_earlier_calls() -> None:
             assert texts == ["rendered"] and not add_special_tokens
             return {"input_ids": [[1, 2]]}
 
-    msgs = [ChatMessage("user", "hi"), ChatMessage("assistant", None, tool_calls=[
-        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}]),
-            ChatMessage("tool", "12:00", tool_call_id="call_1")]
+    raw = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}]},
+           {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}]
     tok = Tok()
-    assert asyncio.run(chat_prompt_ids(LocalTokenizer(tok), msgs, tools=TOOLS)) == [1, 2]
+    assert asyncio.run(chat_prompt_ids(LocalTokenizer(tok), raw, tools=TOOLS)) == [1, 2]
     assert tok.seen["tools"] == TOOLS
     assert tok.seen["conv"][1]["tool_calls"][0]["function"]["arguments"] == {"tz": "CET"}
-    assert conversation(msgs)[2] == {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}
+    assert conversation(ChatMessage.parse(raw))[2] == {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}

@@ -32,7 +32,7 @@ from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
 from sgl.sched.models.parallel import TPGroup
-from sgl.sched.pooling import PoolingConfig, pooling_config
+from sgl.sched.models.pooling import PoolingConfig, pooling_config
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.grammar_masks import GrammarFill
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
@@ -307,7 +307,7 @@ class ModelRunner:
         return model, config  # in eval mode already
 
     def _pooling(self, args: ServerArgs, model_path: str) -> PoolingConfig | None:
-        """How embedding requests pool (None: the model serves none; sgl.sched.pooling)."""
+        """How embedding requests pool (None: the model serves none; sgl.sched.models.pooling)."""
         if args.load_format == "null":
             if args.is_embedding:
                 raise ValueError("is_embedding: the null model (load_format='null') has no hidden states to pool")

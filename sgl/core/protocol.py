@@ -34,7 +34,7 @@ class GenerateReqInput(msgspec.Struct, tag="generate", forbid_unknown_fields=Tru
     # n > 1: the rid of the first sample; this one waits until that one's prompt is cached.
     prefix_leader: str | None = None
     # An embedding request (max_new_tokens=0): its result is its prompt's pooled final
-    # hidden states (sgl.sched.pooling), in the output's `embeddings` column.
+    # hidden states (sgl.sched.models.pooling), in the output's `embeddings` column.
     embed: bool = False
     priority: int = 0  # higher is more urgent (SGLang's); used by schedule_policy="priority"
     # Seconds from the scheduler's receipt within which it must finish, else it ends with an

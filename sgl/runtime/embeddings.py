@@ -4,7 +4,7 @@ the model was trained for it (Matryoshka), and renormalised when the model norma
 then given as floats or as OpenAI's base64 bytes. No torch: stdlib arrays.
 
 `Embeddings` is built from the scheduler's server info entry "embedding"
-(sgl.sched.pooling.PoolingConfig.info), None when the model serves none."""
+(sgl.sched.models.pooling.PoolingConfig.info), None when the model serves none."""
 
 from __future__ import annotations
 

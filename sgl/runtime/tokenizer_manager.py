@@ -213,7 +213,7 @@ class TokenizerManager:
     async def encode(self, prompt: str | None, input_ids: list[int] | None, rid: str | None) -> dict[str, Any]:
         """One prompt's embedding request: its final dict, whose "embedding" holds the
         vector as little-endian float32 bytes. The scheduler pools the prompt's final
-        hidden states as the model's files say (sgl.sched.pooling)."""
+        hidden states as the model's files say (sgl.sched.models.pooling)."""
         params = SamplingParams(max_new_tokens=0)
         opts = ReqOptions(detokenize=False)
         ids = await self.tokenize(prompt, input_ids)
