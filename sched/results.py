@@ -225,8 +225,7 @@ class ResultProcessor:
             self.kv.cache_unfinished(req)  # its prompt is shareable while it decodes
         if reason is not None:
             self.finish(req, reason)
-        elif req.stream or len(req.output_ids) == 1:
-            # Every request's first token goes out: its time to first token is measured on arrival.
+        elif req.stream:
             self.outbox.add(req)
 
     def _finish_reason(self, req: Req, tok: int) -> dict[str, Any] | None:

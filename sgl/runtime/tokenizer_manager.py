@@ -82,7 +82,7 @@ class _ReqState:
     opts: ReqOptions
     stream: bool = False
     prompt_tokens: int = 0
-    last_at: float | None = None  # when the previous tokens arrived (its first, for a request not streamed)
+    last_at: float | None = None  # when the previous streamed tokens arrived
     cached_tokens: int = 0  # as last reported
     observed: bool = False  # its end is in the metrics: each request's exactly once
     text: str = ""
@@ -408,14 +408,15 @@ class TokenizerManager:
             st.queue.put_nowait(item)
 
     def _observe(self, st: _ReqState, b: BatchStrOutput, i: int, now: float) -> None:
-        """A request's output in the metrics. The scheduler sends every request's first
-        token on its own (streamed or not), so each one that made a token has its time to
-        first token; a request not streamed spreads the rest evenly over its tokens."""
+        """A request's output in the metrics. Only a streamed request's tokens arrive as they
+        are made, so only its time to first token and inter-token latencies are observed (a
+        request not streamed arrives whole: it counts in the end-to-end latency)."""
         assert self.metrics is not None
         n = len(b.new_ids[i])
         st.cached_tokens = b.cached_tokens[i]
         if n:
             self.metrics.generated(n, now)
+        if n and st.stream:
             if st.last_at is None:
                 self.metrics.first_token(now - st.created)
                 n -= 1

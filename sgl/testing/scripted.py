@@ -406,7 +406,7 @@ class ScriptedScheduler:
             if r.beams is not None:
                 r.sent = len(r.output_ids)  # the beams carry the ids
             self._finish(r, r.planned_finish)
-        elif r.msg.stream or len(r.output_ids) == 1:  # the first token always goes out, as the scheduler's
+        elif r.msg.stream:
             self.outbox[r] = None
 
     def _end(self, r: _Run, reason: FinishReason) -> None:
