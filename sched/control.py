@@ -104,13 +104,21 @@ class ControlPlane:
         """Answer a control-plane request; None for a weight update that waits for the
         running requests (its answer comes from `step`)."""
         try:
-            if isinstance(msg, WeightUpdate):
-                return self._update(msg)
-            return self._call(msg)
+            out = self._update(msg) if isinstance(msg, WeightUpdate) else self._call(msg)
         except Exception as e:  # noqa: BLE001 - a refused call: the engine is as it was
             self.log.warning("control call refused", call=type(msg).__name__, error=str(e))
-            return ControlReqOutput(success=False, message=f"{type(e).__name__}: {e}" if not isinstance(
+            out = ControlReqOutput(success=False, message=f"{type(e).__name__}: {e}" if not isinstance(
                 e, ValueError) else str(e))
+        return None if out is None else self._agreed(out)
+
+    def _agreed(self, out: ControlReqOutput) -> ControlReqOutput:
+        """Under tensor parallelism every rank runs each call (the same decisions: the same
+        input): rank 0 answers once all have, since the caller may free what the call read
+        (a shared buffer) as soon as the answer comes, and fails if any rank failed."""
+        tp = self.runner.tp
+        if tp.size > 1 and tp.min_int(int(out.success)) == 0 and out.success:
+            return ControlReqOutput(success=False, message="another tensor-parallel rank failed the call: see its log")
+        return out
 
     def _call(self, msg: Message) -> ControlReqOutput:
         r = self.runner
@@ -130,6 +138,7 @@ class ControlPlane:
             return ControlReqOutput(success=True, message=f"left weight update group {msg.group_name!r}")
         if isinstance(msg, GetWeightsByNameReq):
             self._check_weights_present()
+            self.drain()  # under tensor parallelism the read gathers on the group the forward uses
             return ControlReqOutput(success=True, data={"parameter": r.weights.get(msg.name, msg.truncate_size)})
         if isinstance(msg, ReleaseMemoryReq):
             return self._release(set[str](msg.tags or MEMORY_TAGS))
@@ -199,6 +208,7 @@ class ControlPlane:
                 got = self._apply(msg)
             except Exception as e:  # noqa: BLE001 - refused: the engine is as it was
                 got = ControlReqOutput(success=False, message=str(e))
+            got = self._agreed(got)
             got.origin, got.req_id = msg.origin, msg.req_id
             out.append(got)
         return out
