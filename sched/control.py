@@ -35,6 +35,7 @@ from sgl.core.protocol import (
     ABORTED_ALL,
     MEMORY_TAGS,
     PAUSED_ABORT,
+    PAUSED_REFUSAL,
     UPDATE_ABORT,
     AbortAllReq,
     ContinueGenerationReq,
@@ -93,9 +94,7 @@ class ControlPlane:
     def refusal(self) -> dict[str, Any] | None:
         """The finish reason of a request arriving now, if it is refused."""
         if self.refuse_new and self.frozen:
-            return {"type": "abort", "status_code": 503,
-                    "message": "the engine is paused (pause_generation with refuse_new): "
-                               "retry after continue_generation"}
+            return {"type": "abort", "status_code": 503, "message": PAUSED_REFUSAL}
         return None
 
     # ---- calls -----------------------------------------------------------------------

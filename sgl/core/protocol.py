@@ -175,6 +175,8 @@ MEMORY_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache")
 PAUSED_ABORT = "aborted: the engine's generation was paused (pause_generation mode='abort')"
 ABORTED_ALL = "aborted: abort_all"
 UPDATE_ABORT = "aborted: a weight update with abort_all_requests"
+# The 503 reason of a request refused while paused with refuse_new.
+PAUSED_REFUSAL = "the engine is paused (pause_generation with refuse_new): retry after continue_generation"
 
 
 class ControlReqOutput(msgspec.Struct, tag="control_out", forbid_unknown_fields=True, kw_only=True):
