@@ -40,6 +40,8 @@ class GenerateReqInput(msgspec.Struct, tag="generate", forbid_unknown_fields=Tru
     # Seconds from the scheduler's receipt within which it must finish, else it ends with an
     # abort naming the deadline; None: the server's request_timeout (None there: no deadline).
     timeout: float | None = None
+    # The LoRA adapter (by name) that runs this request; None: the base model.
+    lora_path: str | None = None
 
 
 class Logprobs(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
@@ -324,9 +326,30 @@ class ResumeMemoryReq(msgspec.Struct, tag="resume_memory", forbid_unknown_fields
     req_id: int = 0
 
 
+class LoadLoraAdapterReq(msgspec.Struct, tag="load_lora", forbid_unknown_fields=True, kw_only=True):
+    """Load a PEFT adapter from `lora_path` under `lora_name` (requests then name it). A
+    malformed adapter, a rank or module the engine cannot hold, or a name in use is
+    refused, and nothing already loaded changes. The reply's data: "loaded_adapters"
+    ({name: path})."""
+
+    lora_name: str
+    lora_path: str
+    origin: str = ""
+    req_id: int = 0
+
+
+class UnloadLoraAdapterReq(msgspec.Struct, tag="unload_lora", forbid_unknown_fields=True, kw_only=True):
+    """Unload an adapter; refused while a live request (queued or running) uses it."""
+
+    lora_name: str
+    origin: str = ""
+    req_id: int = 0
+
+
 CONTROL_PLANE = (PauseGenerationReq, ContinueGenerationReq, AbortAllReq, UpdateWeightsFromDiskReq,
                  UpdateWeightsFromTensorReq, InitWeightsUpdateGroupReq, UpdateWeightsFromDistributedReq,
-                 DestroyWeightsUpdateGroupReq, GetWeightsByNameReq, ReleaseMemoryReq, ResumeMemoryReq)
+                 DestroyWeightsUpdateGroupReq, GetWeightsByNameReq, ReleaseMemoryReq, ResumeMemoryReq,
+                 LoadLoraAdapterReq, UnloadLoraAdapterReq)
 
 
 class AttachReq(msgspec.Struct, tag="attach", forbid_unknown_fields=True):
@@ -418,6 +441,8 @@ Message = (
     | GetWeightsByNameReq
     | ReleaseMemoryReq
     | ResumeMemoryReq
+    | LoadLoraAdapterReq
+    | UnloadLoraAdapterReq
     | AttachReq
     | AttachReqOutput
     | DetachReq

@@ -3,12 +3,16 @@ nothing of sgl. Validated on construction; errors name the field."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import msgspec
 
 Transport = Literal["inproc", "ipc", "tcp"]
 MAX_TIMEOUT_S = 86_400.0  # a request's deadline (its timeout, or request_timeout): at most a day
+MAX_LORA_RANK = 256  # the largest LoRA rank an engine's adapter pool may hold
+# An adapter's name, as requests give it (lora_path, or the OpenAI `model`).
+LORA_NAME = re.compile(r"[A-Za-z0-9._\-/:]{1,128}")
 
 
 class ModelFiles(msgspec.Struct, frozen=True):
@@ -78,6 +82,21 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # must finish, else it ends with an abort naming the deadline. None: no deadline.
     request_timeout: float | None = None
     disable_radix_cache: bool = False
+    # LoRA adapters (PEFT's format) served beside the base model, in one batch with it.
+    # enable_lora: reserve the adapters' device pool even with no lora_paths (adapters loaded
+    # later); None: on when lora_paths names any. lora_paths: "name=path" (or a path, named
+    # by its folder) loaded at start. max_lora_rank: the largest rank the pool holds (None:
+    # the largest of lora_paths, else 16); lora_target_modules: the projections adapters may
+    # change (empty: all of q/k/v/o and gate/up/down); max_loras_per_batch: adapters on the
+    # device at once, so in one batch (SGLang's default); max_loaded_loras: adapters held in
+    # host memory at once.
+    enable_lora: bool | None = None
+    lora_paths: list[str] = []
+    max_lora_rank: int | None = None
+    lora_target_modules: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                      "all"]] = []
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int = 64
     # Serve embeddings (engine.encode, /v1/embeddings) with a model whose files do not say
     # how to pool (no sentence-transformers modules.json); `pooling` overrides the files' mode.
     is_embedding: bool = False
@@ -139,7 +158,16 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         _positive(self, "max_total_tokens", "context_length", "max_running_requests", "cuda_graph_max_bs",
                   "tensor_core_decode_min_batch",
-                  "max_top_logprobs_num", "max_queued_requests")
+                  "max_top_logprobs_num", "max_queued_requests", "max_lora_rank", "max_loras_per_batch",
+                  "max_loaded_loras")
+        if self.max_lora_rank is not None and self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} is invalid: must be at most {MAX_LORA_RANK}")
+        adapters = self.lora_adapters  # checks the entries
+        if self.enable_lora is False and adapters:
+            raise ValueError("lora_paths is invalid with enable_lora=False: drop one of them")
+        if len(adapters) > self.max_loaded_loras:
+            raise ValueError(f"lora_paths names {len(adapters)} adapters, more than max_loaded_loras="
+                             f"{self.max_loaded_loras}")
         if not 1 <= self.tokenizer_threads <= 64:
             raise ValueError(f"tokenizer_threads={self.tokenizer_threads} is invalid: must be in [1, 64]")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1 and self.chunked_prefill_size != -1:
@@ -190,6 +218,29 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.reasoning_markers and self.reasoning_parser != "generic":
             raise ValueError("reasoning_markers is invalid without reasoning_parser='generic' (the other parsers "
                              "know their markers)")
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """lora_paths as {name: path}: "name=path", or a path named by its last folder.
+        The one place those entries are read; a bad entry is a ValueError naming it."""
+        out: dict[str, str] = {}
+        for entry in self.lora_paths:
+            name, sep, path = entry.partition("=")
+            if not sep:
+                path = entry
+                name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if not name or not path or not LORA_NAME.fullmatch(name):
+                raise ValueError(f"lora_paths entry {entry!r} is invalid: give name=path (a name of letters, digits "
+                                 "and ._-/:, at most 128 characters) or a path")
+            if name in out:
+                raise ValueError(f"lora_paths names the adapter {name!r} twice")
+            out[name] = path
+        return out
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves LoRA adapters (enable_lora, or lora_paths given)."""
+        return bool(self.enable_lora) or (self.enable_lora is None and bool(self.lora_paths))
 
     def model_files(self, model_path: str) -> ModelFiles:
         """The files these args name once the model is found at `model_path` (model_path

@@ -6,6 +6,15 @@ imports nothing of sgl."""
 from __future__ import annotations
 
 FIELD_HELP: dict[str, str] = {
+    "enable_lora": "serve LoRA adapters (on when --lora-paths names any; give it to load adapters only at run "
+                   "time)",
+    "lora_paths": "LoRA adapters (PEFT folders) loaded at start, as NAME=PATH or PATH (named by its folder)",
+    "max_lora_rank": "the largest LoRA rank adapters may have; default: the largest of --lora-paths, else 16",
+    "lora_target_modules": "the projections LoRA adapters may change (q_proj k_proj v_proj o_proj gate_proj up_proj "
+                           "down_proj, or all); default: all",
+    "max_loras_per_batch": "LoRA adapters on the device at once, so in one batch (others wait, or are loaded "
+                           "in place of unused ones)",
+    "max_loaded_loras": "LoRA adapters held in host memory at once (loads past it are refused)",
     "model_path": "Hugging Face model directory or .gguf file (also the positional MODEL of `sgl serve`); "
                   "unset: the default model, SmolLM2-135M-Instruct",
     "tokenizer_path": "tokenizer directory, if not the model's",
