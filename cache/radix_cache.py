@@ -16,6 +16,11 @@ Ownership. Every usable KV slot (1..allocator.size) has exactly one owner:
 Pages are one token, as the allocator's: any prefix can be matched, inserted or
 evicted, and a node's children are keyed by the first token of their keys.
 
+Namespaces: each has its own root (namespace 0's is `root`), and a match never leaves
+the namespace it starts in, so KV computed under one namespace (a LoRA adapter: the
+same tokens, other values) is never served to another. Eviction is LRU over all of
+them; a namespace's root goes once its last node is evicted or it is dropped.
+
 The cache never allocates KV slots, never touches KV tensors and never evicts on its
 own: the scheduler allocates and calls `evict` when it runs short.
 """
@@ -74,6 +79,11 @@ class CacheableReq(Protocol):
     req_pool_idx: int | None  # its req_to_token row; None once released
 
     @property
+    def cache_namespace(self) -> int:
+        """Whose cached prefixes it may share (0: the common namespace)."""
+        ...
+
+    @property
     def fill_ids(self) -> list[int]:
         """Tokens whose KV is written in the row: prompt + outputs so far."""
         ...
@@ -99,6 +109,7 @@ class RadixCache:
 
     def _init_tree(self) -> None:
         self.root = TreeNode(None, [], self._empty, 0)  # never locked, never evicted
+        self.roots: dict[int, TreeNode] = {0: self.root}  # by namespace; every root's parent is None
         # Invariant: exactly the non-root nodes with no children and lock_ref == 0.
         self._evictable_leaves: set[TreeNode] = set()
         # A heap over them by (last_access, id), kept across evictions: each time a node
@@ -133,7 +144,7 @@ class RadixCache:
     def nodes(self) -> Iterator[TreeNode]:
         """Every node below the root, each after its parent. The tree must not change
         while the walk is under way."""
-        stack = list(self.root.children.values())
+        stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node
@@ -165,7 +176,13 @@ class RadixCache:
         top.children[child.key[0]] = child
         return top
 
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+    def _root(self, namespace: int) -> TreeNode:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = TreeNode(None, [], self._empty, 0)
+        return root
+
+    def match_prefix(self, key: Sequence[int], namespace: int = 0) -> MatchResult:
         """The longest cached prefix of `key`, splitting the node where the match ends
         inside it, and marking the matched path as used now (LRU).
 
@@ -176,7 +193,9 @@ class RadixCache:
             return MatchResult(self._empty, self.root)
         key = list(key)
         self._tick += 1
-        node = self.root
+        node = self.roots.get(namespace)
+        if node is None:  # nothing cached there: the match ends at a root that need not exist
+            return MatchResult(self._empty, self.root)
         values = []
         while key:
             child = node.children.get(key[0])
@@ -191,7 +210,7 @@ class RadixCache:
             key = key[n:]
         return MatchResult(torch.cat(values) if values else self._empty, node)
 
-    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
+    def insert(self, key: Sequence[int], value: torch.Tensor, namespace: int = 0) -> int:
         """Cache `value` (KV slots) under `key`; return the length of the prefix that was
         already cached. Those first slots of `value` are NOT taken: the caller still owns
         them and frees those it allocated itself. The rest are the tree's."""
@@ -199,9 +218,11 @@ class RadixCache:
             return 0
         if len(key) != len(value):
             raise ValueError(f"insert needs len(key) == len(value), got {len(key)}, {len(value)}")
+        if not key:
+            return 0
         key = list(key)
         self._tick += 1
-        node = self.root
+        node = self._root(namespace)  # a namespace's root exists only while something is cached under it
         i = 0
         while i < len(key):
             child = node.children.get(key[i])
@@ -251,14 +272,42 @@ class RadixCache:
             del parent.children[node.key[0]]
             self._evictable_leaves.remove(node)
             self._evictable_size -= len(node.key)
-            if not parent.children and parent.lock_ref == 0 and parent is not self.root:
+            if parent.parent is None:  # a root: another namespace's goes with its last node
+                if not parent.children and parent is not self.root:
+                    self.roots = {ns: r for ns, r in self.roots.items() if r is not parent}
+            elif not parent.children and parent.lock_ref == 0:
                 self._add_evictable(parent)
                 heap = self._heap  # it may have been rebuilt
         return freed
 
+    def drop_namespace(self, namespace: int) -> int:
+        """Free everything cached under a namespace (none of it may be locked); returns the
+        tokens freed."""
+        root = self.roots.get(namespace)
+        if root is None or root is self.root:
+            return 0
+        nodes = list(self._subtree(root))
+        locked = [n for n in nodes if n.lock_ref]
+        if locked:
+            raise RuntimeError(f"drop_namespace({namespace}) with locked nodes {locked[:4]}")
+        for node in nodes:
+            self.allocator.free(node.value)
+            self._evictable_leaves.discard(node)  # its heap entries go stale
+            self._evictable_size -= len(node.key)
+        del self.roots[namespace]
+        return sum(len(n.key) for n in nodes)
+
+    @staticmethod
+    def _subtree(root: TreeNode) -> Iterator[TreeNode]:
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect node and its ancestors from eviction."""
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable_size -= len(node.key)
                 self._protected_size += len(node.key)
@@ -268,7 +317,7 @@ class RadixCache:
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one `inc_lock_ref(node)`."""
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 1:
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
@@ -314,7 +363,8 @@ class RadixCache:
         tokens = req.fill_ids
         n_old = len(req.prefix_indices)
         n_cached = self._insert_written(req, row, tokens)
-        new_indices, new_last = self.match_prefix(tokens)  # all of it: cached, and nothing evicts in between
+        # All of it: cached, and nothing evicts in between.
+        new_indices, new_last = self.match_prefix(tokens, req.cache_namespace)
         # Past n_cached the row already holds the slots the tree just took.
         self.req_to_token_pool.write(row, n_old, new_indices[n_old:n_cached])
         self.inc_lock_ref(new_last)
@@ -330,7 +380,7 @@ class RadixCache:
         """Insert the KV of `tokens` (req.fill_ids) from the request's row and free the
         request's duplicates; return how many leading tokens were already cached."""
         kv = self._row_slots(row, len(tokens))
-        n_cached = self.insert(tokens, kv)
+        n_cached = self.insert(tokens, kv, req.cache_namespace)
         # kv[:len(prefix_indices)] came from the tree; the rest up to n_cached are the request's duplicates.
         self.allocator.free(kv[len(req.prefix_indices) : n_cached])
         return n_cached
@@ -352,8 +402,11 @@ class RadixCache:
         given = running_tail_slots
         tails = self._empty.cpu() if given is None else given.reshape(-1).to("cpu", torch.int64)
         free = self.allocator.free_slots()
-        if self.root.key or self.root.value.numel() or self.root.lock_ref:
-            raise AssertionError("the root must have an empty key and value and no lock")
+        for ns, root in self.roots.items():
+            if root.key or root.value.numel() or root.lock_ref or root.parent is not None:
+                raise AssertionError(f"namespace {ns}'s root must have no parent, an empty key and value and no lock")
+            if ns and not root.children:
+                raise AssertionError(f"namespace {ns}'s root is empty: it should have gone")
         evictable = protected = 0
         leaves: set[TreeNode] = set()
         seen: set[TreeNode] = set()
@@ -368,9 +421,9 @@ class RadixCache:
             # its first token, which also makes siblings differ there.
             if parent is None or parent.children.get(self._child_key(node.key)) is not node:
                 raise AssertionError(f"{node} is not stored under its first token by its parent {parent}")
-            if node.lock_ref < 0 or (parent is not self.root and parent.lock_ref < node.lock_ref):
+            if node.lock_ref < 0 or (parent.parent is not None and parent.lock_ref < node.lock_ref):
                 raise AssertionError(f"lock_ref: parent {parent}, child {node}")
-            if parent is not self.root and parent.last_access < node.last_access:
+            if parent.parent is not None and parent.last_access < node.last_access:
                 raise AssertionError(f"LRU: parent {parent} older than child {node}")
             if node.lock_ref:
                 protected += len(node.key)

@@ -18,6 +18,9 @@ Rules:
   the weights, the cache and the requests as they were. With `flush_cache` the radix
   tree is emptied afterwards and requests still holding KV (paused in place) are
   retracted, so no KV made by the old weights is read again.
+- A LoRA adapter loads at once (read and checked before anything changes); unloading
+  is refused while a live request uses it, and frees what the radix cache holds
+  under it (sgl.sched.lora.manager).
 - Releasing the KV pool needs no request to hold KV (pause with "abort" or "retract"
   first); the weights may be released under paused requests. A weight update while
   the weights are released is refused.
@@ -43,11 +46,13 @@ from sgl.core.protocol import (
     DestroyWeightsUpdateGroupReq,
     GetWeightsByNameReq,
     InitWeightsUpdateGroupReq,
+    LoadLoraAdapterReq,
     Message,
     PauseGenerationReq,
     PauseMode,
     ReleaseMemoryReq,
     ResumeMemoryReq,
+    UnloadLoraAdapterReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
@@ -55,6 +60,7 @@ from sgl.core.protocol import (
 )
 from sgl.sched.decode import DecodeManager
 from sgl.sched.kv_cache import KVCache
+from sgl.sched.lora.manager import LoraManager
 from sgl.sched.prefill import PrefillManager
 from sgl.sched.req import Req
 from sgl.sched.runner.model_runner import ModelRunner
@@ -62,8 +68,10 @@ from sgl.sched.runner.model_runner import ModelRunner
 
 class ControlPlane:
     def __init__(self, runner: ModelRunner, kv: KVCache, prefill: PrefillManager, decode: DecodeManager,
-                 rids: dict[str, Req], drain: Callable[[], None], end: Callable[[Req, str], None]) -> None:
+                 rids: dict[str, Req], drain: Callable[[], None], end: Callable[[Req, str], None],
+                 lora: LoraManager | None = None) -> None:
         self.runner = runner
+        self.lora = lora
         self.kv = kv
         self.prefill = prefill
         self.decode = decode
@@ -139,6 +147,8 @@ class ControlPlane:
             self._check_weights_present()
             self.drain()  # under tensor parallelism the read gathers on the group the forward uses
             return ControlReqOutput(success=True, data={"parameter": r.weights.get(msg.name, msg.truncate_size)})
+        if isinstance(msg, (LoadLoraAdapterReq, UnloadLoraAdapterReq)):
+            return self._lora_call(msg)
         if isinstance(msg, ReleaseMemoryReq):
             return self._release(set[str](msg.tags or MEMORY_TAGS))
         if isinstance(msg, ResumeMemoryReq):
@@ -147,6 +157,19 @@ class ControlPlane:
             r.resume_memory(tags)
             return ControlReqOutput(success=True, data={"seconds": time.perf_counter() - t0})
         raise ValueError(f"{type(msg).__name__} is not a control-plane call")
+
+    def _lora_call(self, msg: LoadLoraAdapterReq | UnloadLoraAdapterReq) -> ControlReqOutput:
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with --enable-lora (or --lora-paths)")
+        if isinstance(msg, LoadLoraAdapterReq):
+            self.lora.load(msg.lora_name, msg.lora_path)
+            message = f"loaded LoRA adapter {msg.lora_name!r}"
+        else:
+            self.drain()  # a finished request of it may still be in the batch in flight
+            self.kv.forget(self.lora.unload(msg.lora_name, self.rids.values()))
+            message = f"unloaded LoRA adapter {msg.lora_name!r}"
+        return ControlReqOutput(success=True, message=message,
+                                data={"loaded_adapters": self.lora.info()["lora_adapters"]})
 
     def _pause(self, mode: PauseMode, refuse_new: bool) -> ControlReqOutput:
         self.drain()

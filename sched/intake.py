@@ -2,7 +2,7 @@
 both sides apply (sgl.core.request_checks), a duplicate rid, a stream of beams, the
 queue's bound (past it a request is refused with status_code 503), and what this
 engine can run: its trie constraint (resolved here, kept by sgl.sched.trie_store),
-its grammar, and whether its steps must run serially.
+its grammar, its LoRA adapter, and whether its steps must run serially.
 
 It queues nothing and holds no request: the scheduler does that with its verdict."""
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from sgl.core.request_checks import RequestLimits, request_error
 from sgl.sched.grammar import Grammars
+from sgl.sched.lora.manager import LoraManager
 from sgl.sched.models.pooling import PooledPrompt
 from sgl.sched.req import Req
 from sgl.sched.runner.model_runner import ModelRunner
@@ -23,8 +24,9 @@ from sgl.sched.trie_store import TrieStore
 class RequestIntake:
     def __init__(self, runner: ModelRunner, grammars: Grammars, has_tokenizer: bool,
                  allowed_processors: tuple[str, ...], max_top_logprobs_num: int,
-                 max_queued_requests: int | None) -> None:
+                 max_queued_requests: int | None, lora: LoraManager | None = None) -> None:
         self.runner = runner
+        self.lora = lora
         self.grammars = grammars
         self.tries = TrieStore()
         self._arrivals = itertools.count()
@@ -59,6 +61,12 @@ class RequestIntake:
             return "stream: a beam search request cannot stream (its beams are known only at the end)"
         if req.embed and (error := self._embedding_error(req)) is not None:
             return error
+        if req.lora_name is not None:
+            if self.lora is None:
+                return ("lora_path: this engine serves no LoRA adapters: start it with --lora-paths NAME=PATH or "
+                        "--enable-lora")
+            if (error := self.lora.resolve(req)) is not None:
+                return error
         return request_error(req.origin_input_ids, req.sampling_params, req.logprob_start_len, req.top_logprobs_num,
                              req.token_ids_logprob, req.processor, self.limits, return_logprob=req.return_logprob,
                              priority=req.priority, timeout=req.timeout)

@@ -167,6 +167,12 @@ class KVCache:
         self.tree.evict(self.tree.evictable_size())
         self.log.warning("dropped the radix cache's unlocked part: a failed batch's KV was in it")
 
+    def forget(self, namespace: int) -> None:
+        """Free what the tree holds under a namespace (an unloaded LoRA adapter's: no
+        request of it may hold KV)."""
+        self._checked = False
+        self.tree.drop_namespace(namespace)
+
     def flush(self) -> None:
         """Empty the radix tree (no request may hold KV)."""
         self._checked = False

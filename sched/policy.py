@@ -28,7 +28,7 @@ def order_waiting(waiting: list[Req], policy: str, tree: Any) -> list[Req]:
         # Retracted requests keep their head start whatever their prefix.
         def key(r: Req) -> tuple[int, int]:
             ids = r.all_ids
-            return (r.retractions == 0, -len(tree.match_prefix(ids[: len(ids) - 1]).indices))
+            return (r.retractions == 0, -len(tree.match_prefix(ids[: len(ids) - 1], r.cache_namespace).indices))
 
         return sorted(waiting, key=key)
     raise ValueError(f"schedule_policy={policy!r} is invalid: must be one of {POLICIES}")

@@ -15,6 +15,10 @@ the prompt in the radix tree, locks the match, and either admits the request (it
 takes a req_to_token row, writes its cached prefix there and keeps the lock) or
 unlocks the match again.
 
+With LoRA adapters each admitted request takes its adapter's device slot
+(sgl.sched.lora.manager); one whose adapter finds every slot busy is deferred, and
+the round goes on with the others.
+
 A blocked chunk ends the round with nothing admitted: the scheduler's liveness
 argument (sgl.sched.decode) rests on it, as the most senior KV holder's chunk must not
 wait behind requests admitted after it.
@@ -39,6 +43,7 @@ from typing import Any, Protocol
 from sgl.cache.radix_cache import MatchResult
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.kv_cache import KVCache
+from sgl.sched.lora.manager import LoraManager
 from sgl.sched.policy import order_waiting, queue_key
 from sgl.sched.req import Req
 
@@ -107,8 +112,13 @@ class PrefillAdder:
         max_running_requests: int,
         new_token_ratio: float,
         preemption: Preemption | None = None,
+        lora: LoraManager | None = None,
     ) -> None:
         self.kv = kv
+        self.lora = lora
+        # The adapter slots of the requests holding KV (admitted ones join as they are).
+        self.lora_busy = lora.busy((*running, *prefilling)) if lora is not None else set()
+        self.running = running
         self.preemption = preemption  # the priority policy's: running requests may give way
         self.preempted = False  # this round retracted running requests for a waiting one
         self.tree = kv.tree
@@ -183,9 +193,9 @@ class PrefillAdder:
             return Verdict.DEFERRED  # waits for its leader's prompt to be in the tree
         ids = req.all_ids
         limit = req.prefix_limit
-        match = self.tree.match_prefix(ids[:limit])
+        match = self.tree.match_prefix(ids[:limit], req.cache_namespace)
         # Only a request that may take its whole prefix from the tree waits for one in flight.
-        if limit == len(ids) - 1 and self.prefix_in_flight(ids, len(match.indices)):
+        if limit == len(ids) - 1 and self.prefix_in_flight(ids, len(match.indices), req.cache_namespace):
             return Verdict.DEFERRED  # its prefix is being computed: wait a round and reuse it
         todo = len(ids) - len(match.indices)
         n = self._chunk(req, todo)
@@ -197,6 +207,9 @@ class PrefillAdder:
             # without a reserve as soon as its own tokens fit.
             self.tree.dec_lock_ref(match.last_node)
             return Verdict.FULL if slot_short else Verdict.NO_ROOM
+        if self.lora is not None and not self.lora.slot_for(req, self.lora_busy):
+            self.tree.dec_lock_ref(match.last_node)
+            return Verdict.DEFERRED  # every adapter slot is busy with other adapters
         self._admit(req, match, n)
         self.admitted.append(req)
         self._take_rows(req, n)
@@ -238,6 +251,8 @@ class PrefillAdder:
         else:
             return False
         self.preemption.preempt(victims)
+        if self.lora is not None:  # the victims' slots are free now
+            self.lora_busy = self.lora.busy((*self.running, *self.prefilling, *self.admitted))
         self.preempted = True
         self.n_running -= len(victims)
         self.reserved -= reserve
@@ -252,7 +267,7 @@ class PrefillAdder:
         if req.needs_input_logprobs:
             self.logprob_rows_left -= n
 
-    def prefix_in_flight(self, ids: list[int], matched: int) -> bool:
+    def prefix_in_flight(self, ids: list[int], matched: int, namespace: int = 0) -> bool:
         """Whether a request being prefilled (this round or in flight) shares a longer
         prefix with `ids` than the radix tree holds now: then waiting for it to be
         cached beats computing the same prefix twice (in-batch prefix caching)."""
@@ -260,6 +275,8 @@ class PrefillAdder:
             return False
         limit = len(ids) - 1
         for other in (*self.prefilling, *self.admitted):
+            if other.cache_namespace != namespace:
+                continue
             o = other.origin_input_ids
             n = min(limit, len(o))
             if n - matched < IN_BATCH_PREFIX_MIN or ids[matched] != o[matched]:
@@ -284,8 +301,9 @@ class PrefillManager:
     admission round a turn."""
 
     def __init__(self, kv: KVCache, *, policy: str, max_prefill_tokens: int, chunk_size: int, vocab_size: int,
-                 max_running_requests: int) -> None:
+                 max_running_requests: int, lora: LoraManager | None = None) -> None:
         self.kv = kv
+        self.lora = lora
         self.policy = policy
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunk_size
@@ -355,7 +373,7 @@ class PrefillManager:
             self.kv, running=running, prefilling=self.prefilling, rids=rids,
             max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size, logprob_rows=self.logprob_rows,
             max_running_requests=self.max_running_requests, new_token_ratio=new_token_ratio,
-            preemption=preemption if self.policy == "priority" else None)
+            preemption=preemption if self.policy == "priority" else None, lora=self.lora)
         if self.chunked is not None and not adder.add_chunked(self.chunked):
             return None
         if admit:

@@ -56,7 +56,7 @@ class Req:
         "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
         "grammar_width", "grammar_seen", "grammar_after", "arrival", "oom_retried", "embed", "pooled", "embedding",
-        "priority", "timeout", "deadline",
+        "priority", "timeout", "deadline", "lora_name", "lora_id", "lora_slot",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -112,6 +112,9 @@ class Req:
         self.priority = m.priority  # higher is more urgent (schedule_policy="priority")
         self.timeout = m.timeout  # seconds from receipt; None: the server's default
         self.deadline: float | None = None  # on the scheduler's clock, set on acceptance (sgl.sched.deadlines)
+        self.lora_name = m.lora_path  # its LoRA adapter's name; None: the base model
+        self.lora_id = 0  # that adapter's load (sgl.sched.lora.manager), set on acceptance; 0: the base model
+        self.lora_slot = -1  # the device slot of its adapter, set at each admission; -1: none
 
     @property
     def all_ids(self) -> list[int]:
@@ -121,6 +124,11 @@ class Req:
     def fill_ids(self) -> list[int]:
         """The tokens whose KV is written (what the radix cache may insert)."""
         return self.all_ids[: self.kv_len]
+
+    @property
+    def cache_namespace(self) -> int:
+        """Whose radix-cache prefixes it may share: its adapter's load's (0: the base model's)."""
+        return self.lora_id
 
     @property
     def seq_len(self) -> int:

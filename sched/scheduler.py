@@ -57,6 +57,7 @@ from sgl.sched.models.parallel import TPGroup
 from sgl.sched.prefill import PrefillManager
 from sgl.sched.req import Req
 from sgl.sched.results import Outbox, ResultProcessor, error_message
+from sgl.sched.lora.manager import LoraManager
 from sgl.sched.runner.model_runner import ModelRunner
 from sgl.sched.runner.step import Step
 from sgl.sched.stop import StopStrings
@@ -81,13 +82,14 @@ class Scheduler:
         self.runner = r = ModelRunner(args, model_path, tp)
         tok_path = None if args.skip_tokenizer_init else args.model_files(model_path).tokenizer_path
         self.kv = KVCache(r.req_to_token_pool, r.allocator, args.disable_radix_cache)
+        self.lora = LoraManager(r, args) if r.lora_spec is not None else None
         self.grammars = Grammars(tok_path, r.vocab_size, set(r.eos_ids), args.trust_remote_code,
                                  enabled=args.grammar_backend != "none", tp=tp)
         self.intake = RequestIntake(r, self.grammars, tok_path is not None, tuple(args.custom_logit_processors),
-                                    args.max_top_logprobs_num, args.max_queued_requests)
+                                    args.max_top_logprobs_num, args.max_queued_requests, self.lora)
         self.prefill = PrefillManager(self.kv, policy=args.schedule_policy, max_prefill_tokens=args.max_prefill_tokens,
                                       chunk_size=r.chunked_prefill_size or r.context_length, vocab_size=r.vocab_size,
-                                      max_running_requests=r.max_running_requests)
+                                      max_running_requests=r.max_running_requests, lora=self.lora)
         self.decode = DecodeManager(self.kv, self.prefill, r.context_length, self.finish)
         self.faults = FaultInjector(self.prefill, self.decode, self.grammars, self._queue, self._abort, tp.size)
         self.deadlines = Deadlines(args.request_timeout, clock, tp)
@@ -98,7 +100,8 @@ class Scheduler:
                                        tp.size, self.finish, self.abort_now)
         self.rids: dict[str, Req] = {}  # the live requests: queued, compiling, prefilling or running
         self.last: Step | None = None  # launched, results not processed yet (the overlap loop's)
-        self.control = ControlPlane(r, self.kv, self.prefill, self.decode, self.rids, self._drain, self.abort_now)
+        self.control = ControlPlane(r, self.kv, self.prefill, self.decode, self.rids, self._drain, self.abort_now,
+                                    self.lora)
         # The loop's time: building and launching batches (mask_wait_s of it: queueing a grammar
         # batch's sampling once its masks are in), waiting for results, processing them.
         self.stats = {"build_s": 0.0, "mask_wait_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
@@ -113,7 +116,7 @@ class Scheduler:
                "max_top_logprobs_num": self.args.max_top_logprobs_num, **self.runner.info(), **self.kv.info(),
                **self.prefill.info(), **self.decode.info(), "grammars_compiling": len(self.grammars.pending),
                "failures": self.results.failures, **self.stats, **self.control.info(), **self.deadlines.stats,
-               "deadlines": len(self.deadlines.reqs)}
+               "deadlines": len(self.deadlines.reqs), **(self.lora.info() if self.lora is not None else {})}
         out["waiting"] += len(self.faults.delayed)  # held back by a planted fault: waiting all the same
         out["running"] += len(self.faults.hung)
         return out

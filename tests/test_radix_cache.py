@@ -19,6 +19,7 @@ class Req:
     prefix_indices: torch.Tensor
     last_node: TreeNode
     tail: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    cache_namespace: int = 0  # whose cached prefixes it may share
 
 
 def make(size: int = 32, disable: bool = False) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator, RadixCache]:

@@ -1,6 +1,8 @@
 """Stateful property test of the radix cache with the allocator and the req pool, driven
 the way the scheduler drives them, against a plain model: the set of cached prefixes
-with their last-use stamps, and what each KV slot was computed for."""
+with their last-use stamps, and what each KV slot was computed for. Every prefix and
+every slot's content is keyed by its namespace too, so a match that crossed
+namespaces (served one adapter's KV to another) would fail the model."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ prompts = st.builds(
     lambda pre, suf: list(pre) + suf or [1], st.sampled_from(PREFIXES), st.lists(st.integers(1, 3), max_size=10)
 )
 which = st.integers(0, ROWS - 1)
+namespaces = st.integers(0, 2)  # the tree's namespaces (a LoRA adapter's prefixes are its own)
 
 # Examples per run: the profile's, but 100 (Hypothesis' default) under "ci" rather than its 200,
 # which doubled the module's time for nothing new: the first 25 examples already run every
@@ -47,6 +50,7 @@ class Req:
     last_node: TreeNode
     prompt: list[int]
     pending: int = 0  # slots allocated at row[len(fill_ids):] whose KV is not written yet
+    cache_namespace: int = 0  # whose cached prefixes it may share
 
 
 class RadixMachine(RuleBasedStateMachine):
@@ -58,21 +62,21 @@ class RadixMachine(RuleBasedStateMachine):
         self.alloc = TokenToKVPoolAllocator(SIZE)
         self.cache = RadixCache(self.pool, self.alloc)
         self.reqs: list[Req] = []
-        self.cached: dict[tuple[int, ...], int] = {}  # prefix -> last-use stamp
-        self.kv: dict[int, tuple[int, ...]] = {}  # slot -> the token sequence its KV ends
+        self.cached: dict[tuple[int, ...], int] = {}  # (namespace, *prefix) -> last-use stamp
+        self.kv: dict[int, tuple[int, ...]] = {}  # slot -> (namespace, *the token sequence its KV ends)
         self.tick = 0
 
     # ---- model ----
 
-    def _touch(self, key: list[int], n: int) -> None:
+    def _touch(self, key: list[int], n: int, ns: int = 0) -> None:
         """Model of match/insert: the prefixes of key[:n] are cached and used now."""
         self.tick += 1
         for i in range(1, n + 1):
-            self.cached[tuple(key[:i])] = self.tick
+            self.cached[(ns, *key[:i])] = self.tick
 
-    def _model_match(self, key: list[int]) -> int:
+    def _model_match(self, key: list[int], ns: int = 0) -> int:
         n = 0
-        while n < len(key) and tuple(key[: n + 1]) in self.cached:
+        while n < len(key) and (ns, *key[: n + 1]) in self.cached:
             n += 1
         return n
 
@@ -83,12 +87,13 @@ class RadixMachine(RuleBasedStateMachine):
         return self.reqs[i % len(self.reqs)]
 
     def _tree(self) -> Iterator[tuple[TreeNode, list[int]]]:
-        """(node, tokens from the root to its end) for every non-root node."""
-        paths: dict[TreeNode, list[int]] = {self.cache.root: []}
-        for node in self.cache.nodes():  # each after its parent
-            assert node.parent is not None
-            paths[node] = paths[node.parent] + node.key
-            yield node, paths[node]
+        """(node, [namespace, *tokens from its root to its end]) for every non-root node."""
+        for ns, root in self.cache.roots.items():
+            stack = [(child, [ns, *child.key]) for child in root.children.values()]
+            while stack:
+                node, path = stack.pop()
+                yield node, path
+                stack.extend((c, path + c.key) for c in node.children.values())
 
     def _tree_prefixes(self) -> set[tuple[int, ...]]:
         return {
@@ -98,7 +103,7 @@ class RadixMachine(RuleBasedStateMachine):
         }
 
     def _locked_prefixes(self) -> set[tuple[int, ...]]:
-        return {tuple(r.fill_ids[:i]) for r in self.reqs for i in range(1, len(r.prefix_indices) + 1)}
+        return {(r.cache_namespace, *r.fill_ids[:i]) for r in self.reqs for i in range(1, len(r.prefix_indices) + 1)}
 
     def _evict(self, n: int) -> None:
         before, free_before, evictable = dict(self.cached), self.alloc.available_size(), self.cache.evictable_size()
@@ -118,17 +123,17 @@ class RadixMachine(RuleBasedStateMachine):
     # ---- the scheduler's moves ----
 
     @precondition(lambda self: self.pool.available_size() > 0)
-    @rule(prompt=prompts)
-    def start(self, prompt: list[int]) -> None:
+    @rule(prompt=prompts, ns=namespaces)
+    def start(self, prompt: list[int], ns: int) -> None:
         row = self.pool.alloc()
         assert row is not None
         key = prompt[:-1]  # at least one token is computed
-        idx, node = self.cache.match_prefix(key)
-        assert len(idx) == self._model_match(key)
-        self._touch(key, len(idx))
+        idx, node = self.cache.match_prefix(key, ns)
+        assert len(idx) == self._model_match(key, ns)
+        self._touch(key, len(idx), ns)
         self.cache.inc_lock_ref(node)
         self.pool.write(row, 0, idx)
-        self.reqs.append(Req(row, prompt[: len(idx)], idx, node, prompt))
+        self.reqs.append(Req(row, prompt[: len(idx)], idx, node, prompt, cache_namespace=ns))
 
     @precondition(lambda self: self.reqs)
     @rule(i=which, k=st.integers(1, 12))
@@ -156,7 +161,7 @@ class RadixMachine(RuleBasedStateMachine):
         r.fill_ids = r.fill_ids + (r.prompt[f : f + r.pending] if f < len(r.prompt) else [tok])
         row = self._row(r)
         for j in range(f, f + r.pending):
-            self.kv[int(row[j])] = tuple(r.fill_ids[: j + 1])
+            self.kv[int(row[j])] = (r.cache_namespace, *r.fill_ids[: j + 1])
         r.pending = 0
 
     @precondition(lambda self: self.reqs)
@@ -165,7 +170,7 @@ class RadixMachine(RuleBasedStateMachine):
         r = self._pick(i)
         n = len(r.fill_ids)
         self.cache.cache_unfinished_req(r)
-        self._touch(r.fill_ids, n)
+        self._touch(r.fill_ids, n, r.cache_namespace)
         assert len(r.prefix_indices) == n
 
     @precondition(lambda self: self.reqs)
@@ -176,35 +181,45 @@ class RadixMachine(RuleBasedStateMachine):
         if r.pending:  # aborted with slots reserved: the caller frees those first
             self.alloc.free(self._row(r)[f : f + r.pending])
         self.cache.cache_finished_req(r)
-        self._touch(r.fill_ids, f)
+        self._touch(r.fill_ids, f, r.cache_namespace)
         assert r.req_pool_idx is None
 
     @rule(n=st.integers(0, 40))
     def evict(self, n: int) -> None:
         self._evict(n)
 
-    @rule(key=prompts)
-    def match(self, key: list[int]) -> None:
-        idx, node = self.cache.match_prefix(key)
-        n = self._model_match(key)
+    @rule(key=prompts, ns=namespaces)
+    def match(self, key: list[int], ns: int) -> None:
+        idx, node = self.cache.match_prefix(key, ns)
+        n = self._model_match(key, ns)
         assert len(idx) == n, f"match {len(idx)} != model {n}"
-        assert [self.kv[s] for s in idx.tolist()] == [tuple(key[: j + 1]) for j in range(n)]
-        self._touch(key, n)
+        assert [self.kv[s] for s in idx.tolist()] == [(ns, *key[: j + 1]) for j in range(n)]
+        self._touch(key, n, ns)
 
-    @rule(key=prompts)
-    def insert(self, key: list[int]) -> None:
+    @rule(ns=namespaces)
+    def drop(self, ns: int) -> None:
+        """An unloaded adapter's prefixes go (none of its requests is running)."""
+        if ns == 0 or any(r.cache_namespace == ns for r in self.reqs):
+            return
+        free = self.alloc.available_size()
+        gone = [k for k in self.cached if k[0] == ns]
+        assert self.cache.drop_namespace(ns) == len(gone) == self.alloc.available_size() - free
+        self.cached = {k: v for k, v in self.cached.items() if k[0] != ns}
+
+    @rule(key=prompts, ns=namespaces)
+    def insert(self, key: list[int], ns: int) -> None:
         if self.alloc.available_size() < len(key):
             self._evict(len(key) - self.alloc.available_size())
         slots = self.alloc.alloc(len(key))
         if not key or slots is None:
             return
         for j, s in enumerate(slots.tolist()):
-            self.kv[s] = tuple(key[: j + 1])
-        expect = self._model_match(key)
-        n = self.cache.insert(key, slots)
+            self.kv[s] = (ns, *key[: j + 1])
+        expect = self._model_match(key, ns)
+        n = self.cache.insert(key, slots, ns)
         assert n == expect, f"insert reported {n} cached, model {expect}"
         self.alloc.free(slots[:n])
-        self._touch(key, len(key))
+        self._touch(key, len(key), ns)
 
     @precondition(lambda self: not self.reqs)
     @rule()
@@ -227,9 +242,10 @@ class RadixMachine(RuleBasedStateMachine):
             row = self._row(r).tolist()
             p = len(r.prefix_indices)
             assert row[:p] == r.prefix_indices.tolist()
-            assert all(self.kv[row[j]] == tuple(r.fill_ids[: j + 1]) for j in range(len(r.fill_ids)))
+            ns = r.cache_namespace
+            assert all(self.kv[row[j]] == (ns, *r.fill_ids[: j + 1]) for j in range(len(r.fill_ids)))
             path, node = [], r.last_node
-            while node is not self.cache.root:
+            while node.parent is not None:
                 assert node in in_tree, f"{node} locked by a running request is no longer in the tree"
                 locks[node] += 1
                 path = node.value.tolist() + path

@@ -11,6 +11,7 @@ import torch
 
 from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.kernels.attention import AttentionBackend, AttnMetadata
+from sgl.kernels.lora import LoraBatch
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class ForwardBatch:
     attn_backend: AttentionBackend
     kv_pool: MHATokenToKVPool
     pool: PoolRows | None = None  # embedding requests' rows (prefill only)
+    lora: LoraBatch | None = None  # each row's LoRA adapter slot; None: no adapters in this engine
 
 
 class CausalLM(Protocol):

@@ -27,7 +27,9 @@ from torch import nn
 from sgl.kernels.layers import RopeTables, add_rms_norm, apply_rope, rms_norm, rope_tables, silu_and_mul
 from sgl.kernels.norm_rope_store import available as fused_available
 from sgl.kernels.norm_rope_store import norm_rope_store
+from sgl.kernels.lora import LoraBatch
 from sgl.sched.models.forward_batch import ForwardBatch
+from sgl.sched.models.lora_layers import LoraSpec
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.models.tp_layers import Embedding, Linear, local_heads, rank_slice
 
@@ -70,6 +72,7 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TPGroup,
+        lora: LoraSpec | None,
     ):
         super().__init__()
         hidden = config.hidden_size
@@ -84,8 +87,11 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device, reduce=tp)
+        qkv = (self.q_size, self.kv_size, self.kv_size)
+        self.qkv_proj = Linear(hidden, sum(qkv), qkv_bias, dtype, device, lora=lora and lora.weights(
+            ("q_proj", "k_proj", "v_proj"), hidden, qkv, dtype, device))
+        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device, reduce=tp,
+                             lora=lora and lora.weights(("o_proj",), self.q_size, (hidden,), dtype, device))
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
@@ -93,7 +99,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: RopeTables) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, fb.lora)
         pool = fb.kv_pool
         if self.fused is None:
             self.fused = fused_available(x.device, x.dtype, pool.dtype)
@@ -116,18 +122,22 @@ class Attention(nn.Module):
             q, k = apply_rope(q, k, fb.positions, rope)
             pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
         o = fb.attn_backend.forward(q, k, v, layer_k, layer_v, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj(o.reshape(t, self.q_size), fb.lora)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype, device: torch.device, tp: TPGroup):
+    def __init__(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype, device: torch.device, tp: TPGroup,
+                 lora: LoraSpec | None):
         super().__init__()
         lo, hi = tp.split(inter)
-        self.gate_up_proj = Linear(hidden, 2 * (hi - lo), bias, dtype, device)
-        self.down_proj = Linear(hi - lo, hidden, bias, dtype, device, reduce=tp)
+        n = hi - lo
+        self.gate_up_proj = Linear(hidden, 2 * n, bias, dtype, device, lora=lora and lora.weights(
+            ("gate_proj", "up_proj"), hidden, (n, n), dtype, device))
+        self.down_proj = Linear(n, hidden, bias, dtype, device, reduce=tp,
+                                lora=lora and lora.weights(("down_proj",), n, (hidden,), dtype, device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -141,12 +151,13 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TPGroup,
+        lora: LoraSpec | None,
     ):
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = Attention(config, layer_id, qkv_bias, o_bias, qk_norm, dtype, device, tp)
+        self.self_attn = Attention(config, layer_id, qkv_bias, o_bias, qk_norm, dtype, device, tp, lora)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, mlp_bias, dtype, device, tp)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, mlp_bias, dtype, device, tp, lora)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
@@ -161,7 +172,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(x, fb, rope)
         ln = self.post_attention_layernorm
         x, residual = add_rms_norm(h, residual, ln.weight, ln.eps)
-        return self.mlp(x), residual
+        return self.mlp(x, fb.lora), residual
 
 
 class Backbone(nn.Module):
@@ -174,11 +185,12 @@ class Backbone(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TPGroup,
+        lora: LoraSpec | None,
     ):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, qkv_bias, o_bias, qk_norm, dtype, device, tp)
+            DecoderLayer(config, i, qkv_bias, o_bias, qk_norm, dtype, device, tp, lora)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -197,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         tp: TPGroup = TPGroup(),
+        lora: LoraSpec | None = None,
     ):
         super().__init__()
         device = torch.device(device)
@@ -208,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = self.qkv_bias_default or attn_bias
         o_bias = attn_bias and self.o_bias_follows_config
-        self.model = Backbone(config, qkv_bias, o_bias, self.qk_norm, dtype, device, tp)
+        self.model = Backbone(config, qkv_bias, o_bias, self.qk_norm, dtype, device, tp, lora)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         local_vocab = self.model.embed_tokens.weight.shape[0]  # this rank's rows, as the embedding's
         self.lm_head = (
@@ -325,6 +338,30 @@ class LlamaForCausalLM(nn.Module):
         if kind == "o_proj":
             return rank_slice(name, full, 1, *q)
         return rank_slice(name, full, 0, *(q if shard == 0 else kv))
+
+    def load_lora(self, slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Fill LoRA slot `slot` with an adapter's matrices ((layer, Hugging Face projection)
+        -> (A [r, in], B [out, r] scaled), full: under tensor parallelism this rank keeps its
+        part, as `load_weights` does); every projection it leaves out is zero. Queued on the
+        device in order with the forwards (call it between them)."""
+        for layer in self.model.layers:
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                         layer.mlp.down_proj):
+                if proj.lora is not None:
+                    proj.lora.clear(slot)
+        for (i, module), (a, b) in weights.items():
+            layer = cast(DecoderLayer, self.model.layers[i])
+            fused, part = self._FUSED.get(module, (module, 0))
+            proj = getattr(layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp, fused)
+            assert proj.lora is not None, f"no LoRA slots for {module}: the adapter was checked against the targets"
+            if self.tp.size > 1:
+                name = f"model.layers.{i}.{fused}.weight"
+                hf = f"model.layers.{i}.{module}.lora"
+                if proj.reduce is None:  # column-parallel: this rank's output rows of B
+                    b = self._rank_part(hf, name, part if fused in ("qkv_proj", "gate_up_proj") else None, b)
+                else:  # row-parallel: this rank's input columns of A
+                    a = self._rank_part(hf, name, None, a)
+            proj.lora.load(slot, part, a, b)
 
     def unfuse(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """The Hugging Face-named tensors that `load_weights` would fuse into our

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from sgl.core.progress import progress_bar
+from sgl.sched.models.lora_layers import LoraSpec
 from sgl.sched.models.llama import LlamaForCausalLM
 from sgl.sched.models.model_config import AnyConfig, model_config, read_model_config
 from sgl.sched.models.parallel import TPGroup
@@ -66,8 +67,10 @@ def load_model(
     *,
     seed: int = 0,
     tp: TPGroup = TPGroup(),
+    lora: LoraSpec | None = None,
 ) -> tuple[LlamaForCausalLM, AnyConfig]:
-    """The model (eval mode, on `device`, in `dtype`; this rank's shard under `tp`) and its config."""
+    """The model (eval mode, on `device`, in `dtype`; this rank's shard under `tp`; with
+    `lora`, empty LoRA slots in its projections) and its config."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     if model_path is None:
@@ -87,7 +90,7 @@ def load_model(
     config = gguf_ckpt.config if gguf_ckpt is not None else hf_config(path)
 
     cls = model_class(getattr(config, "architectures", None))
-    model = cls(config, dtype=dtype, device=device, tp=tp)
+    model = cls(config, dtype=dtype, device=device, tp=tp, lora=lora)
     if load_format == "dummy":
         _init_dummy(model, seed)
     elif gguf_ckpt is not None:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl.kernels.lora import LoraBatch
+from sgl.sched.models.lora_layers import LoraWeights
 from sgl.sched.models.parallel import TPGroup
 
 
@@ -42,7 +44,9 @@ def rank_slice(name: str, full: torch.Tensor, dim: int, n: int, lo: int, hi: int
 class Linear(nn.Module):
     """y = x W^T + b. With `reduce` (a group of size > 1) it is row-parallel: `in_features`
     is this rank's shard of the input, the partial products are summed over the ranks,
-    and the bias (whole on every rank) is added once, after the sum."""
+    and the bias (whole on every rank) is added once, after the sum. With `lora`, a
+    forward given a LoraBatch adds each row's adapter delta (before the sum, so a
+    row-parallel layer's delta is summed with it: no collective of its own)."""
 
     def __init__(
         self,
@@ -52,9 +56,11 @@ class Linear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         reduce: TPGroup | None = None,
+        lora: LoraWeights | None = None,
     ):
         super().__init__()
         self.reduce = reduce if reduce is not None and reduce.size > 1 else None
+        self.lora = lora
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
         )
@@ -62,10 +68,16 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         if self.reduce is None:
-            return F.linear(x, self.weight, self.bias)
-        y = self.reduce.all_reduce(F.linear(x, self.weight))
+            y = F.linear(x, self.weight, self.bias)
+            if lora is not None and self.lora is not None:
+                self.lora.add_delta(x, y, lora)
+            return y
+        y = F.linear(x, self.weight)
+        if lora is not None and self.lora is not None:
+            self.lora.add_delta(x, y, lora)
+        y = self.reduce.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

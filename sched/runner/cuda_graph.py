@@ -19,6 +19,7 @@ import torch
 
 from sgl.core.progress import progress_bar
 from sgl.kernels.attention import AttnMetadata
+from sgl.kernels.lora import LoraBatch
 from sgl.sched.models.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -41,6 +42,9 @@ class CudaGraphRunner:
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=dev)
+        # Each size's LoRA blocks (views of one set of buffers): a replay copies its batch's in.
+        lora = LoraBatch.empty(LoraBatch.max_blocks(max_bs, max_bs), dev) if runner.lora_spec is not None else None
+        self.lora = {bs: lora.view(LoraBatch.max_blocks(bs, bs)) for bs in self.sizes} if lora is not None else {}
         # (kind, bs) -> the graph and its output buffer; kind: "cascade", or plain decode's
         # kernel ("tc" tensor cores, "decode")
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -60,7 +64,7 @@ class CudaGraphRunner:
                 meta = AttnMetadata(True, indptr, indptr, torch.zeros(bs, dtype=torch.int32, device=dev),
                                     [1] * bs, [1] * bs)
                 fb = ForwardBatch(self.input_ids[:bs], self.positions[:bs], self.out_cache_loc[:bs],
-                                  self.logits_indices[:bs], meta, backend, runner.kv_pool)
+                                  self.logits_indices[:bs], meta, backend, runner.kv_pool, lora=self.lora.get(bs))
                 # A valid plan for capture: every row attends to the padding slot alone
                 # (in a cascade, to a shared prefix of that one slot and a suffix of it).
                 slot0 = torch.zeros(bs, dtype=torch.int32, device=dev)
@@ -97,6 +101,8 @@ class CudaGraphRunner:
         self.input_ids[:b].copy_(input_ids)
         self.positions[:b].copy_(p.positions)
         self.out_cache_loc[:b].copy_(p.out_cache_loc)
+        if p.lora is not None:
+            p.lora.copy_into(self.lora[bs])
         if bs > b:
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()

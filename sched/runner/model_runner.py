@@ -28,9 +28,11 @@ from sgl.core.logit_processor import resolve
 from sgl.core.protocol import MEMORY_TAGS
 from sgl.core.server_args import ServerArgs
 from sgl.kernels.attention import AttentionBackend
+from sgl.kernels.lora import available as lora_kernels_available
 from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
+from sgl.sched.models.lora_layers import LoraSpec
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.models.pooling import PoolingConfig, pooling_config
 from sgl.sched.runner.gpu_timeline import GpuTimeline
@@ -41,6 +43,7 @@ from sgl.sched.runner.step import Step, StepResult
 from sgl.sched.runner.weights import WeightManager
 
 if TYPE_CHECKING:
+    from sgl.sched.lora.adapter import LoraAdapter
     from sgl.sched.models.model_config import AnyConfig
     from sgl.sched.runner.cuda_graph import CudaGraphRunner
 
@@ -124,6 +127,11 @@ class ModelRunner:
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
         # Start-up phases in seconds (weights, KV pools, CUDA graphs), logged and in the scheduler's info.
+        # The LoRA adapters' device slots, in every projection they may change (sgl.sched.lora).
+        self.lora_spec = self._lora_spec(args)
+        # The Triton LoRA kernels on CUDA where Triton runs, else the torch path (sgl.kernels.lora).
+        self.lora_triton = self.lora_spec is not None and self.device.type == "cuda" and lora_kernels_available(
+            self.device)
         t0 = time.perf_counter()
         self.model, self.config = self._load(args, model_path)
         self.startup = {"weights_s": time.perf_counter() - t0}
@@ -303,8 +311,22 @@ class ModelRunner:
         from sgl.sched.models.loader import load_model
 
         model, config = load_model(model_path, args.load_format, self.dtype, self.device,
-                                   seed=args.random_seed or 0, tp=self.tp)
+                                   seed=args.random_seed or 0, tp=self.tp, lora=self.lora_spec)
         return model, config  # in eval mode already
+
+    def _lora_spec(self, args: ServerArgs) -> LoraSpec | None:
+        if not args.lora_enabled:
+            return None
+        if args.load_format == "null":
+            raise ValueError("LoRA adapters need a real model: the null model (load_format='null') has no projections")
+        from sgl.sched.lora.manager import lora_max_rank, lora_targets
+
+        return LoraSpec(args.max_loras_per_batch, lora_max_rank(args), lora_targets(args))
+
+    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy an adapter into a device slot, after the forwards queued so far (which may
+        read the slot's previous adapter) and before the next."""
+        self._submit(self.model.load_lora, slot, adapter.weights)  # type: ignore[attr-defined]
 
     def _pooling(self, args: ServerArgs, model_path: str) -> PoolingConfig | None:
         """How embedding requests pool (None: the model serves none; sgl.sched.models.pooling)."""
@@ -394,6 +416,7 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             kv_pool=self.kv_pool,
             pool=p.pool,
+            lora=p.lora,
         )
         return self.model(fb)
 

@@ -16,6 +16,7 @@ import torch
 from sgl.cache.host_copy import pinned, to_device
 from sgl.cache.req_to_token_pool import gather_kv_indices
 from sgl.kernels.attention import AttnMetadata, CascadeMeta
+from sgl.kernels.lora import LoraBatch
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import PoolRows
 from sgl.sched.runner.beam_select import BeamGroup
@@ -58,6 +59,7 @@ class PreparedBatch:
     tries: list[TrieGroup]  # trie-constrained rows, by trie
     grammar: GrammarRows | None  # grammar rows among the sampled rows (their bitmasks come at sampling)
     pool: PoolRows | None = None  # embedding requests' rows to pool (a prefill with any)
+    lora: LoraBatch | None = None  # each row's adapter slot (an engine with LoRA adapters)
 
 
 class BatchPreparer:
@@ -149,6 +151,8 @@ class BatchPreparer:
             logprobs=lp,
             counts_reset=reset,
             pool=self._pool_rows(batch, pooled) if pooled else None,
+            lora=(LoraBatch.from_runs([q.lora_slot for q in reqs], batch.qo_lens, dev, r.lora_triton)
+                  if r.lora_spec is not None else None),
         )
 
     def _pool_rows(self, batch: ScheduleBatch, entries: list[int]) -> PoolRows:

@@ -1,0 +1,154 @@
+"""The scheduler's LoRA adapters: which are loaded (in host memory), and which sit in
+the device's slots.
+
+`LoraManager` owns the adapters by name, the id each load gets, and the slot table.
+Rules, one place:
+- Each load gets a fresh id (never reused): requests carry it, and the radix cache
+  keys prefixes by it (id 0 is the base model), so a prefix cached under one adapter
+  is never served to another, nor to the same name loaded again from other files.
+- A request takes its adapter's slot at admission (`slot_for`); slots held by
+  requests that hold KV (running, prefilling, admitted this round) are busy. An
+  adapter not in a slot goes into a free one, else into the least recently used idle
+  one; with every slot busy the request waits (the round goes on with others, as
+  vLLM's scheduler does), so at most `slots` adapters are in a batch.
+- Unloading is refused while a live request (queued or running) uses the adapter; a
+  load that fails leaves every loaded adapter as it was.
+
+It decides nothing else about requests and touches the device only through the
+runner's `load_lora`, queued in order with the forwards."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from sgl.core.log import get_logger
+from sgl.core.server_args import LORA_NAME, ServerArgs
+from sgl.sched.lora.adapter import TARGETS, LoraAdapter
+
+if TYPE_CHECKING:
+    from sgl.sched.req import Req
+    from sgl.sched.runner.model_runner import ModelRunner
+
+BASE = 0  # the base model's id (no adapter)
+DEFAULT_MAX_RANK = 16  # vLLM's default max_lora_rank
+
+
+def lora_targets(args: ServerArgs) -> frozenset[str]:
+    """The projections an engine's adapters may change (lora_target_modules; all by default)."""
+    given = set(args.lora_target_modules)
+    return frozenset(TARGETS) if not given or "all" in given else frozenset(given)
+
+
+def lora_max_rank(args: ServerArgs) -> int:
+    """max_lora_rank, or the largest rank of the adapters loaded at start, or DEFAULT_MAX_RANK."""
+    if args.max_lora_rank is not None:
+        return args.max_lora_rank
+    ranks = [LoraAdapter.declared_rank(p) for p in args.lora_adapters.values()]
+    return max([r for r in ranks if r > 0], default=DEFAULT_MAX_RANK)
+
+
+class LoraManager:
+    def __init__(self, runner: ModelRunner, args: ServerArgs) -> None:
+        spec = runner.lora_spec
+        assert spec is not None, "the runner was built without LoRA slots"
+        self.runner = runner
+        self.max_rank = spec.rank
+        self.targets = spec.targets
+        self.max_loaded = args.max_loaded_loras
+        self.log = get_logger("scheduler")
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.ids: dict[str, int] = {}  # name -> the id of its current load
+        self._ids = itertools.count(BASE + 1)
+        self.slot_id: list[int] = [BASE] * spec.slots  # the adapter id in each slot; BASE: empty
+        self.slot_used: list[int] = [0] * spec.slots  # when each slot was last taken (LRU)
+        self._tick = itertools.count(1)
+        self.slot_loads = 0  # adapters copied into a slot
+        for name, path in args.lora_adapters.items():
+            self.load(name, path)
+
+    # ---- loading -------------------------------------------------------------
+
+    def load(self, name: str, path: str) -> None:
+        """Read, check and keep an adapter; ValueError saying why not (nothing changes)."""
+        if not LORA_NAME.fullmatch(name):
+            raise ValueError(f"lora_name {name!r} is invalid: letters, digits and ._-/: only, 1 to 128 characters")
+        if name in self.adapters:
+            raise ValueError(f"lora_name: an adapter named {name!r} is loaded already ({self.adapters[name].path}); "
+                             "unload it first")
+        if len(self.adapters) >= self.max_loaded:
+            raise ValueError(f"{len(self.adapters)} adapters are loaded, max_loaded_loras={self.max_loaded}: unload "
+                             "one first")
+        r = self.runner
+        adapter = LoraAdapter.load(name, path, r.config, r.dtype, self.max_rank, self.targets,
+                                   pin=r.device.type == "cuda")
+        self.adapters[name] = adapter
+        self.ids[name] = next(self._ids)
+        self.log.info("LoRA adapter loaded", lora=name, path=path, rank=adapter.rank,
+                      targets=sorted(adapter.targets), mib=round(adapter.nbytes / 2**20, 1))
+
+    def unload(self, name: str, live: Iterable[Req]) -> int:
+        """Forget an adapter; returns its id (the caller drops what the cache holds under
+        it). ValueError if it is not loaded or a live request uses it."""
+        if name not in self.adapters:
+            raise ValueError(f"lora_name: no adapter named {name!r} is loaded ({self._loaded()})")
+        uid = self.ids[name]
+        users = sum(1 for q in live if q.lora_id == uid)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} live requests: unload it once they finish "
+                             "(or abort them)")
+        del self.adapters[name], self.ids[name]
+        for s, held in enumerate(self.slot_id):
+            if held == uid:
+                self.slot_id[s] = BASE  # its content stays until another adapter overwrites it
+        self.log.info("LoRA adapter unloaded", lora=name)
+        return uid
+
+    # ---- requests ------------------------------------------------------------
+
+    def resolve(self, req: Req) -> str | None:
+        """Set a new request's adapter id from its adapter name; the error if it has none."""
+        if req.lora_name is None:
+            return None
+        uid = self.ids.get(req.lora_name)
+        if uid is None:
+            return f"lora_path: no LoRA adapter named {req.lora_name!r} is loaded ({self._loaded()})"
+        req.lora_id = uid
+        return None
+
+    def busy(self, holders: Iterable[Req]) -> set[int]:
+        """The slots the given requests (those holding KV) use."""
+        return {q.lora_slot for q in holders if q.lora_slot >= 0}
+
+    def slot_for(self, req: Req, busy: set[int]) -> bool:
+        """Give an admitted request its adapter's slot (loading the adapter into a free or
+        the least recently used idle slot if it is in none), and add it to `busy`. False
+        when every slot is busy with other adapters: the request waits."""
+        if req.lora_id == BASE:
+            req.lora_slot = -1
+            return True
+        name = req.lora_name
+        assert name is not None and self.ids.get(name) == req.lora_id, "a live request's adapter stays loaded"
+        try:
+            slot = self.slot_id.index(req.lora_id)
+        except ValueError:
+            idle = [s for s in range(len(self.slot_id)) if s not in busy]
+            if not idle:
+                return False
+            slot = min(idle, key=lambda s: (self.slot_id[s] != BASE, self.slot_used[s]))
+            self.runner.load_lora(slot, self.adapters[name])
+            self.slot_id[slot] = req.lora_id
+            self.slot_loads += 1
+        self.slot_used[slot] = next(self._tick)
+        req.lora_slot = slot
+        busy.add(slot)
+        return True
+
+    def _loaded(self) -> str:
+        return "loaded: " + (", ".join(sorted(self.adapters)) or "none")
+
+    def info(self) -> dict[str, Any]:
+        return {"lora_adapters": {n: a.path for n, a in self.adapters.items()},
+                "max_loras_per_batch": len(self.slot_id), "max_lora_rank": self.max_rank,
+                "lora_slot_loads": self.slot_loads}

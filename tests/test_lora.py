@@ -1,0 +1,212 @@
+"""LoRA adapters end to end on CPU in float32: outputs equal PEFT's merged model token
+for token (greedy) with logprobs within 1e-4, for three random adapters of different
+ranks and targets in one batch with base requests, on SmolLM2-135M and a tiny Qwen3;
+after an unload and a reload; with beams and grammars (against an engine whose base
+is the merged model); the radix cache never shares a prefix across adapters; what is
+refused is refused with the caller's field named and nothing changed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import sgl
+from tests.conftest import tiny_model_dir
+from tests.paged_driver import converted_default_model
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, targets, lora_alpha, use_rslora): three ranks, three target sets, rsLoRA once.
+SPECS: dict[str, tuple[int, list[str], int, bool]] = {
+    "qv4": (4, ["q_proj", "v_proj"], 8, False),
+    "all8": (8, ALL, 16, False),
+    "mlp16": (16, ["o_proj", "gate_proj", "up_proj", "down_proj"], 8, True),
+}
+NEW = 8
+GREEDY = {"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True}
+
+
+def make_adapter(model_dir: str, out: Path, rank: int, targets: list[str], alpha: int, rslora: bool,
+                 seed: int) -> str:
+    """A random PEFT adapter (A and B both random: every target changes the outputs)."""
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
+                          use_rslora=rslora, lora_dropout=0.0)
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(0.5)
+    model.save_pretrained(out)
+    return str(out)
+
+
+def merged(model_dir: str, adapter: str | None) -> torch.nn.Module:
+    """The base model with the adapter merged in (PEFT's merge_and_unload), float32."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return model.eval()
+
+
+def check_against(hf: torch.nn.Module, prompt: list[int], result: dict[str, Any]) -> None:
+    """`result` (greedy, with logprobs) is what the model `hf` gives: its argmax after
+    every prefix, and each token's logprob within 1e-4, from one teacher-forced forward."""
+    out = result["output_ids"]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : len(prompt) + len(out) - 1].float()
+    assert logits.argmax(-1).tolist() == out
+    ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out)[:, None])[:, 0]
+    got = torch.tensor([lp for lp, _, _ in result["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("lora-models")
+    return {"smollm2": converted_default_model(str(request.config.cache.mkdir("sgl-default-model"))),
+            "qwen3": tiny_model_dir(base, "qwen3", vocab=384, seed=7, head_dim=16)}
+
+
+@pytest.fixture(scope="module")
+def adapters(models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
+    """model -> adapter name -> folder, plus "all8-other": another adapter of all8's shape."""
+    base = tmp_path_factory.mktemp("lora-adapters")
+    out: dict[str, dict[str, str]] = {}
+    for m, d in models.items():
+        out[m] = {name: make_adapter(d, base / m / name, *spec, seed=i) for i, (name, spec) in enumerate(SPECS.items())}
+        out[m]["all8-other"] = make_adapter(d, base / m / "all8-other", *SPECS["all8"], seed=99)
+    return out
+
+
+PROMPTS = [[1, 17, 29, 3, 44, 61, 7], [2, 90, 33, 12], [1, 17, 29, 3, 44, 61, 7, 8, 100, 21, 5]]
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen3"])
+def lora_engine(request: pytest.FixtureRequest, models: dict[str, str],
+                adapters: dict[str, dict[str, str]]) -> Iterator[tuple[str, sgl.Engine]]:
+    m = request.param
+    paths = [f"{n}={p}" for n, p in adapters[m].items() if n in SPECS]
+    with sgl.Engine(models[m], lora_paths=paths, skip_tokenizer_init=m != "smollm2", dtype="float32",
+                    transport="ipc" if m == "smollm2" else "inproc", random_seed=0) as e:
+        yield m, e
+
+
+def run_mixed(e: sgl.Engine, names: list[str | None]) -> list[tuple[str | None, list[int], dict[str, Any]]]:
+    jobs = [(n, p) for n in names for p in PROMPTS]
+    res = e.generate(input_ids=[p for _, p in jobs], sampling_params=GREEDY, lora_path=[n for n, _ in jobs],
+                     return_logprob=True)
+    return [(n, p, r) for (n, p), r in zip(jobs, res)]
+
+
+def test_mixed_batch_equals_peft_merged(lora_engine: tuple[str, sgl.Engine], models: dict[str, str],
+                                        adapters: dict[str, dict[str, str]]) -> None:
+    m, e = lora_engine
+    got = run_mixed(e, [None, *SPECS])
+    refs = {n: merged(models[m], None if n is None else adapters[m][n]) for n in [None, *SPECS]}
+    for n, p, r in got:
+        check_against(refs[n], p, r)
+    # Every adapter changes the outputs: the comparison above could not pass by ignoring them.
+    firsts = {n: tuple(r["output_ids"]) for n, p, r in got if p == PROMPTS[1]}
+    assert len(set(firsts.values())) == len(firsts), firsts
+    assert e.get_server_info()["lora_adapters"].keys() == set(SPECS)
+
+
+def test_unload_and_reload(lora_engine: tuple[str, sgl.Engine], models: dict[str, str],
+                           adapters: dict[str, dict[str, str]]) -> None:
+    m, e = lora_engine
+    e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="all8")
+    e.unload_lora_adapter("all8")
+    with pytest.raises(ValueError, match="lora_path"):
+        e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="all8")
+    e.load_lora_adapter("all8", adapters[m]["all8-other"])  # the same name, other weights
+    try:
+        first = e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="all8", return_logprob=True)
+        # The prompt cached under the first load is not served to the second.
+        assert first["meta_info"]["cached_tokens"] == 0
+        check_against(merged(models[m], adapters[m]["all8-other"]), PROMPTS[0], first)
+        for n, p, r in run_mixed(e, [None, "qv4"]):
+            check_against(merged(models[m], None if n is None else adapters[m][n]), p, r)
+    finally:
+        e.unload_lora_adapter("all8")
+        e.load_lora_adapter("all8", adapters[m]["all8"])
+
+
+def test_radix_cache_is_keyed_by_adapter(lora_engine: tuple[str, sgl.Engine]) -> None:
+    _, e = lora_engine
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    cached = {}
+    for n in ["qv4", "qv4", "mlp16", None, "mlp16", None]:
+        r = e.generate(input_ids=prompt, sampling_params=GREEDY, lora_path=n)
+        cached.setdefault(n, []).append(r["meta_info"]["cached_tokens"])
+    assert cached == {"qv4": [0, len(prompt) - 1], "mlp16": [0, len(prompt) - 1], None: [0, len(prompt) - 1]}
+
+
+def test_refusals_change_nothing(lora_engine: tuple[str, sgl.Engine], models: dict[str, str],
+                                 adapters: dict[str, dict[str, str]], tmp_path: Path) -> None:
+    m, e = lora_engine
+    before = e.generate(input_ids=PROMPTS[1], sampling_params=GREEDY, lora_path="qv4")["output_ids"]
+    loaded = e.get_server_info()["lora_adapters"]
+    bad_shape = tmp_path / "bad-shape"
+    shutil.copytree(adapters[m]["qv4"], bad_shape)
+    cfg = json.loads((bad_shape / "adapter_config.json").read_text())
+    other = tiny_model_dir(tmp_path, "llama", vocab=300, seed=3, hidden_size=32)  # another hidden size
+    wrong_model = make_adapter(other, tmp_path / "wrong-model", 4, ["q_proj"], 8, False, seed=1)
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters[m]["qv4"], dora)
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    big = make_adapter(models[m], tmp_path / "big", 32, ["q_proj"], 8, False, seed=2)  # rank over the max
+    cases = {str(tmp_path / "missing"): "adapter_config.json", wrong_model: "do not fit", str(dora): "DoRA",
+             big: "max_lora_rank"}
+    for path, why in cases.items():
+        with pytest.raises(ValueError, match=why):
+            e.load_lora_adapter("new", path)
+    with pytest.raises(ValueError, match="loaded already"):
+        e.load_lora_adapter("qv4", adapters[m]["mlp16"])
+    with pytest.raises(ValueError, match="no adapter named"):
+        e.unload_lora_adapter("never-loaded")
+    assert e.get_server_info()["lora_adapters"] == loaded
+    assert e.generate(input_ids=PROMPTS[1], sampling_params=GREEDY, lora_path="qv4")["output_ids"] == before
+
+
+@pytest.fixture(scope="module")
+def merged_engines(models: dict[str, str], adapters: dict[str, dict[str, str]],
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[sgl.Engine, sgl.Engine]]:
+    """SmolLM2 with adapter all8, and SmolLM2 with all8 merged into its weights."""
+    d = tmp_path_factory.mktemp("merged") / "smollm2-all8"
+    merged(models["smollm2"], adapters["smollm2"]["all8"]).save_pretrained(d, safe_serialization=True)
+    for f in Path(models["smollm2"]).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, d / f.name)
+    kw: dict[str, Any] = {"dtype": "float32", "transport": "inproc", "random_seed": 0}
+    with sgl.Engine(models["smollm2"], lora_paths=[f"all8={adapters['smollm2']['all8']}"], **kw) as a, \
+            sgl.Engine(str(d), **kw) as b:
+        yield a, b
+
+
+def test_beams_and_grammars_equal_the_merged_model(merged_engines: tuple[sgl.Engine, sgl.Engine]) -> None:
+    lora, plain = merged_engines
+    beams = {"max_new_tokens": 6, "beam_width": 3, "ignore_eos": True}
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    grammar = {"temperature": 0.0, "max_new_tokens": 40, "json_schema": json.dumps(schema)}
+    prompt = "Give me a person as JSON:"
+    for params in (beams, grammar):
+        a = lora.generate(prompt, sampling_params=params, lora_path="all8")
+        b = plain.generate(prompt, sampling_params=params)
+        assert a["output_ids"] == b["output_ids"]
+        base = lora.generate(prompt, sampling_params=params)  # the adapter matters here too
+        assert base["output_ids"] != a["output_ids"]
+    json.loads(a["text"])
