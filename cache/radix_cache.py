@@ -313,7 +313,7 @@ class RadixCache:
                 self._protected_size += len(node.key)
                 self._evictable_leaves.discard(node)
             node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one `inc_lock_ref(node)`."""
@@ -326,7 +326,7 @@ class RadixCache:
             elif node.lock_ref < 1:
                 raise RuntimeError(f"dec_lock_ref below zero on {node}")
             node.lock_ref -= 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     # ---- request hand-off ----
 

@@ -53,11 +53,11 @@ from sgl.sched.faults import FaultInjector
 from sgl.sched.grammar import Grammars
 from sgl.sched.intake import RequestIntake
 from sgl.sched.kv_cache import KVCache
+from sgl.sched.lora.manager import LoraManager
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.prefill import PrefillManager
 from sgl.sched.req import Req
 from sgl.sched.results import Outbox, ResultProcessor, error_message
-from sgl.sched.lora.manager import LoraManager
 from sgl.sched.runner.model_runner import ModelRunner
 from sgl.sched.runner.step import Step
 from sgl.sched.stop import StopStrings

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from sgl.kernels.layers import RopeTables, add_rms_norm, apply_rope, rms_norm, rope_tables, silu_and_mul
+from sgl.kernels.lora import LoraBatch
 from sgl.kernels.norm_rope_store import available as fused_available
 from sgl.kernels.norm_rope_store import norm_rope_store
-from sgl.kernels.lora import LoraBatch
 from sgl.sched.models.forward_batch import ForwardBatch
 from sgl.sched.models.lora_layers import LoraSpec
 from sgl.sched.models.parallel import TPGroup
@@ -88,10 +88,10 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         qkv = (self.q_size, self.kv_size, self.kv_size)
-        self.qkv_proj = Linear(hidden, sum(qkv), qkv_bias, dtype, device, lora=lora and lora.weights(
+        self.qkv_proj = Linear(hidden, sum(qkv), qkv_bias, dtype, device, lora=None if lora is None else lora.weights(
             ("q_proj", "k_proj", "v_proj"), hidden, qkv, dtype, device))
         self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device, reduce=tp,
-                             lora=lora and lora.weights(("o_proj",), self.q_size, (hidden,), dtype, device))
+                             lora=None if lora is None else lora.weights(("o_proj",), self.q_size, (hidden,), dtype, device))
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
@@ -131,10 +131,10 @@ class MLP(nn.Module):
         super().__init__()
         lo, hi = tp.split(inter)
         n = hi - lo
-        self.gate_up_proj = Linear(hidden, 2 * n, bias, dtype, device, lora=lora and lora.weights(
+        self.gate_up_proj = Linear(hidden, 2 * n, bias, dtype, device, lora=None if lora is None else lora.weights(
             ("gate_proj", "up_proj"), hidden, (n, n), dtype, device))
         self.down_proj = Linear(n, hidden, bias, dtype, device, reduce=tp,
-                                lora=lora and lora.weights(("down_proj",), n, (hidden,), dtype, device))
+                                lora=None if lora is None else lora.weights(("down_proj",), n, (hidden,), dtype, device))
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
@@ -344,7 +344,7 @@ class LlamaForCausalLM(nn.Module):
         -> (A [r, in], B [out, r] scaled), full: under tensor parallelism this rank keeps its
         part, as `load_weights` does); every projection it leaves out is zero. Queued on the
         device in order with the forwards (call it between them)."""
-        for layer in self.model.layers:
+        for layer in cast(list[DecoderLayer], list(self.model.layers)):
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                          layer.mlp.down_proj):
                 if proj.lora is not None:

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from sgl.core.progress import progress_bar
-from sgl.sched.models.lora_layers import LoraSpec
 from sgl.sched.models.llama import LlamaForCausalLM
+from sgl.sched.models.lora_layers import LoraSpec
 from sgl.sched.models.model_config import AnyConfig, model_config, read_model_config
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.models.registry import model_class

@@ -40,6 +40,9 @@ class LoraSpec:
 
 
 class LoraWeights(nn.Module):
+    a: torch.Tensor  # [slots, parts * rank, in_features]
+    b: torch.Tensor  # [slots, out_features, rank]
+
     def __init__(self, slots: int, rank: int, in_features: int, sizes: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
