@@ -88,10 +88,11 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         qkv = (self.q_size, self.kv_size, self.kv_size)
-        self.qkv_proj = Linear(hidden, sum(qkv), qkv_bias, dtype, device, lora=None if lora is None else lora.weights(
-            ("q_proj", "k_proj", "v_proj"), hidden, qkv, dtype, device))
+        slots = LoraSpec.none() if lora is None else lora
+        self.qkv_proj = Linear(hidden, sum(qkv), qkv_bias, dtype, device,
+                               lora=slots.weights(("q_proj", "k_proj", "v_proj"), hidden, qkv, dtype, device))
         self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device, reduce=tp,
-                             lora=None if lora is None else lora.weights(("o_proj",), self.q_size, (hidden,), dtype, device))
+                             lora=slots.weights(("o_proj",), self.q_size, (hidden,), dtype, device))
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
@@ -131,10 +132,11 @@ class MLP(nn.Module):
         super().__init__()
         lo, hi = tp.split(inter)
         n = hi - lo
-        self.gate_up_proj = Linear(hidden, 2 * n, bias, dtype, device, lora=None if lora is None else lora.weights(
-            ("gate_proj", "up_proj"), hidden, (n, n), dtype, device))
+        slots = LoraSpec.none() if lora is None else lora
+        self.gate_up_proj = Linear(hidden, 2 * n, bias, dtype, device,
+                                   lora=slots.weights(("gate_proj", "up_proj"), hidden, (n, n), dtype, device))
         self.down_proj = Linear(n, hidden, bias, dtype, device, reduce=tp,
-                                lora=None if lora is None else lora.weights(("down_proj",), n, (hidden,), dtype, device))
+                                lora=slots.weights(("down_proj",), n, (hidden,), dtype, device))
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)

@@ -30,6 +30,11 @@ class LoraSpec:
     rank: int
     targets: frozenset[str]
 
+    @classmethod
+    def none(cls) -> LoraSpec:
+        """A model without LoRA slots."""
+        return cls(0, 0, frozenset())
+
     def weights(self, parts: tuple[str, ...], in_features: int, sizes: tuple[int, ...], dtype: torch.dtype,
                 device: torch.device) -> LoraWeights | None:
         """The matrices of a projection fusing `parts` (output sizes `sizes`), or None when
