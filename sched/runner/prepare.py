@@ -67,12 +67,15 @@ class BatchPreparer:
     vocabulary, EOS ids and processors, has the sampling state allocate its penalty
     counts when a batch first needs them, and counts its cascade steps. A decode batch of the same requests in
     the same rows as the last one (the common case: nothing joined, finished or was
-    retracted) reuses what depends on them alone: the shared prefix and the sampling."""
+    retracted) reuses what depends on them alone: the shared prefix, the sampling and
+    the LoRA blocks."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self._shared: tuple[tuple, int] = ((), 0)  # (decode batch identity, its shared prefix length)
         self._sampling: tuple[tuple, SamplingBatch | None] = ((), None)  # (decode batch identity, its sampling)
+        # (decode batch identity, its LoRA blocks): a request keeps its adapter slot while it holds KV.
+        self._lora: tuple[tuple, LoraBatch | None] = ((), None)
         self.cascade_steps = 0  # decode steps that ran cascade attention
 
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
@@ -151,9 +154,17 @@ class BatchPreparer:
             logprobs=lp,
             counts_reset=reset,
             pool=self._pool_rows(batch, pooled) if pooled else None,
-            lora=(LoraBatch.from_runs([q.lora_slot for q in reqs], batch.qo_lens, dev, r.lora_triton)
-                  if r.lora_spec is not None else None),
+            lora=self._lora_batch(batch, key) if r.lora_spec is not None else None,
         )
+
+    def _lora_batch(self, batch: ScheduleBatch, key: tuple) -> LoraBatch:
+        """Each row's adapter slot, in blocks; reused for a decode batch of the same requests."""
+        if key and self._lora[0] == key and self._lora[1] is not None:
+            return self._lora[1]
+        lora = LoraBatch.from_runs([q.lora_slot for q in batch.reqs], batch.qo_lens, self.runner.device,
+                                   self.runner.lora_triton)
+        self._lora = (key, lora if key else None)
+        return lora
 
     def _pool_rows(self, batch: ScheduleBatch, entries: list[int]) -> PoolRows:
         """The packed rows the `entries` pool (batch.pooled_entries), each one's in order."""
