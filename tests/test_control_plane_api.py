@@ -34,12 +34,14 @@ from sgl.core.protocol import (
     GetServerInfoReqOutput,
     GetWeightsByNameReq,
     InitWeightsUpdateGroupReq,
+    LoadLoraAdapterReq,
     Message,
     PauseGenerationReq,
     ReleaseMemoryReq,
     ResumeMemoryReq,
     SharedTensors,
     TensorEntry,
+    UnloadLoraAdapterReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
@@ -302,7 +304,7 @@ def test_dp_merges_control_replies() -> None:
 CONTROL_METHODS = ("pause_generation", "continue_generation", "abort_all", "abort", "update_weights_from_disk",
                    "update_weights_from_tensor", "init_weights_update_group", "update_weights_from_distributed",
                    "destroy_weights_update_group", "get_weights_by_name", "release_memory_occupation",
-                   "resume_memory_occupation", "get_weight_version")
+                   "resume_memory_occupation", "get_weight_version", "load_lora_adapter", "unload_lora_adapter")
 
 
 @pytest.mark.parametrize("name", CONTROL_METHODS)
@@ -332,6 +334,7 @@ SAMPLES: list[Any] = [
     InitWeightsUpdateGroupReq(master_address="h", master_port=1, rank_offset=1, world_size=2),
     UpdateWeightsFromDistributedReq(names=["w"], dtypes=["float32"], shapes=[[1]]),
     DestroyWeightsUpdateGroupReq(), GetWeightsByNameReq(name="w"), ReleaseMemoryReq(), ResumeMemoryReq(),
+    LoadLoraAdapterReq(lora_name="sql", lora_path="/adapters/sql"), UnloadLoraAdapterReq(lora_name="sql"),
 ]
 
 

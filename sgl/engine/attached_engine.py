@@ -17,6 +17,7 @@ from sgl.core.protocol import AttachReq, AttachReqOutput, DetachReq, GetServerIn
 from sgl.core.request_checks import limits_of
 from sgl.core.server_args import ModelFiles, ServerArgs
 from sgl.engine.front_end import EngineFrontEnd
+from sgl.engine.lora_adapters import LoraAdapters
 from sgl.runtime.identity import attach_channels
 from sgl.runtime.launch import off_loop
 from sgl.runtime.metrics import Metrics
@@ -68,7 +69,8 @@ class AttachedEngine(EngineFrontEnd):
                  metrics: Metrics, heartbeat: Heartbeat) -> None:
         """An engine over the route `connect` registered (call that, on the loop it will
         serve): `heartbeat` runs since."""
-        super().__init__(args, files, info, tm, metrics)
+        # Its args are this client's, not the server's: what the server serves is in its info.
+        super().__init__(args, files, info, tm, metrics, LoraAdapters.of_info(info))
         self.heartbeat = heartbeat
 
     @classmethod

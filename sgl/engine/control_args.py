@@ -9,18 +9,21 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from sgl.core.lora_rules import NAME_RULE, is_name
 from sgl.core.protocol import (
     MEMORY_TAGS,
     ControlReqOutput,
     DestroyWeightsUpdateGroupReq,
     GetWeightsByNameReq,
     InitWeightsUpdateGroupReq,
+    LoadLoraAdapterReq,
     MemoryTag,
     PauseGenerationReq,
     PauseMode,
     ReleaseMemoryReq,
     ResumeMemoryReq,
     SharedTensors,
+    UnloadLoraAdapterReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
@@ -213,6 +216,22 @@ def release(tags: Any) -> ReleaseMemoryReq:
 
 def resume(tags: Any) -> ResumeMemoryReq:
     return ResumeMemoryReq(tags=memory_tags(tags))
+
+
+def lora_name(value: Any) -> str:
+    if not is_name(value):
+        raise invalid("lora_name", value, NAME_RULE)
+    return str(value)
+
+
+def load_lora(name: Any, path: Any) -> LoadLoraAdapterReq:
+    if not isinstance(path, str) or not path.strip():
+        raise invalid("lora_path", path, "must be the adapter's folder (PEFT's adapter_config.json and weights)")
+    return LoadLoraAdapterReq(lora_name=lora_name(name), lora_path=path)
+
+
+def unload_lora(name: Any) -> UnloadLoraAdapterReq:
+    return UnloadLoraAdapterReq(lora_name=lora_name(name))
 
 
 def result(out: ControlReqOutput) -> dict[str, Any]:

@@ -3,11 +3,14 @@ its own roles (`AsyncEngine`) or attached to a running engine's scheduler
 (`AttachedEngine`): generate, stream, encode (embeddings), abort, the control calls (flush_cache,
 get_server_info, health), the control plane with SGLang's names (pause and continue,
 abort all, weight updates and versions, memory release and resume: docs/control.md),
+LoRA adapters (loading, unloading, the adapter a request names: docs/lora.md),
 liveness, and closing (`aclose`, `async with`).
 
 Requests go to its tokenizer manager, which runs on the caller's loop; the front
-end holds no request state of its own. How an engine stops is its own
-(`_stop`: the roles shut down, or only this client's route detached)."""
+end holds no request state of its own. What it knows of the loaded adapters is its
+`LoraAdapters`' (sgl/engine/lora_adapters.py), for a fast check of a request's adapter.
+How an engine stops is its own (`_stop`: the roles shut down, or only this client's
+route detached)."""
 
 from __future__ import annotations
 
@@ -19,10 +22,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeVar
 
 from sgl.core.log import get_logger
+from sgl.core.lora_rules import is_name
 from sgl.core.protocol import AbortAllReq, ContinueGenerationReq, MemoryTag, Message, PauseMode, SharedTensors
 from sgl.core.server_args import ModelFiles, ServerArgs
 from sgl.engine import control_args as ca
 from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
+from sgl.engine.lora_adapters import LoraAdapters
 from sgl.runtime.embeddings import Embeddings
 from sgl.runtime.launch import off_loop
 from sgl.runtime.metrics import Metrics
@@ -35,12 +40,14 @@ E = TypeVar("E", bound="EngineFrontEnd")
 
 class EngineFrontEnd(ABC):
     def __init__(self, args: ServerArgs, files: ModelFiles, info: dict[str, Any], tm: TokenizerManager,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, loras: LoraAdapters | None = None) -> None:
+        """`loras`: the adapters as far as this front end knows them; None: as `args` started them."""
         self.args = args
         self.files = files
         self.info = info  # the scheduler's server info when this engine began (its limits, its model)
         self.tm = tm
         self.metrics = metrics
+        self.loras = loras if loras is not None else LoraAdapters.of_args(args)
         self.log = get_logger("engine")
         self._closed = False
         atexit.register(self.shutdown)
@@ -74,14 +81,19 @@ class EngineFrontEnd(ABC):
         per prompt): return_logprob, logprob_start_len, top_logprobs_num,
         token_ids_logprob, return_text_in_logprobs, custom_logit_processor, detokenize;
         priority (higher first under schedule_policy="priority") and timeout (seconds from
-        the scheduler's receipt; past it the request ends with an abort naming the deadline).
+        the scheduler's receipt; past it the request ends with an abort naming the deadline);
+        lora_path, the name of the LoRA adapter that runs it (None: the base model; an
+        adapter not loaded is a ValueError before anything is sent).
         Logprobs are log_softmax of the model's raw logits (before logit_bias,
         penalties, processors and temperature), as SGLang returns by default."""
         items = split_batch(prompt, input_ids, sampling_params, rid)
         if items is None:
             p, ids, r = one_request(prompt, input_ids, rid)
-            return await self._one(p, ids, sampling_params, r, options_of(options))
+            one = options_of(options)
+            await self._check_adapters([one])
+            return await self._one(p, ids, sampling_params, r, one)
         opts = batch_options(options, len(items))
+        await self._check_adapters(opts)
         # One task group: a failed or cancelled prompt cancels its siblings (each sends its abort).
         return await gather_calls([functools.partial(self._one, *it, o) for it, o in zip(items, opts)])
 
@@ -113,9 +125,13 @@ class EngineFrontEnd(ABC):
         items = split_batch(prompt, input_ids, sampling_params, rid)
         if items is None:
             p, ids, r = one_request(prompt, input_ids, rid)
-            gen = self.tm.generate(p, ids, sampling_params, r, stream=True, opts=options_of(options))
+            one = options_of(options)
+            await self._check_adapters([one])
+            gen = self.tm.generate(p, ids, sampling_params, r, stream=True, opts=one)
         else:
-            gen = self._stream_batch(items, batch_options(options, len(items)))
+            opts = batch_options(options, len(items))
+            await self._check_adapters(opts)
+            gen = self._stream_batch(items, opts)
         try:
             async for chunk in gen:
                 yield chunk
@@ -127,6 +143,19 @@ class EngineFrontEnd(ABC):
         offsets = index_offsets([sp for _, _, sp, _ in items])
         gens = [self.tm.generate(p, ids, sp, r, stream=True, opts=o) for (p, ids, sp, r), o in zip(items, opts)]
         return merge_streams(gens, offsets)
+
+    async def _check_adapters(self, opts: list[ReqOptions]) -> None:
+        """Refuse a call whose requests name an adapter this engine does not serve
+        (a ValueError naming lora_path), asking the scheduler once before refusing a
+        name this front end does not know: another client may have loaded it."""
+        names = self.loras.requested(o.lora_path for o in opts)
+        await self._learn_adapters(names)
+        self.loras.check(names, "lora_path")
+
+    async def _learn_adapters(self, names: set[str]) -> None:
+        if self.loras.lacks(names):
+            self._check_open()
+            self.loras.learn(await self.tm.server_info())
 
     # ---- embeddings --------------------------------------------------------------
 
@@ -262,6 +291,38 @@ class EngineFrontEnd(ABC):
         """Take back what `release_memory_occupation` freed (tags as there); released
         weights come back as they were unless an update loaded new ones."""
         return await self._control(ca.resume(tags))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load a LoRA adapter (a PEFT folder: adapter_config.json and its weights) under
+        `lora_name`, which requests then give as lora_path (over HTTP also as the OpenAI
+        `model`). Returns {"success", "message", "loaded_adapters": {name: path}}; the
+        engine refuses (ValueError, nothing changed) a name in use, a rank above
+        max_lora_rank, a module outside lora_target_modules, more than max_loaded_loras
+        adapters, or an engine started without LoRA."""
+        req = ca.load_lora(lora_name, lora_path)
+        self.loras.check_enabled("lora_name")
+        out = await self._control(req)
+        self.loras.after(out, req.lora_name, req.lora_path)
+        return out
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload the adapter `lora_name`; refused (ValueError) while live requests use it,
+        and for a name not loaded. Returns as `load_lora_adapter`."""
+        req = ca.unload_lora(lora_name)
+        self.loras.check_enabled("lora_name")
+        await self._learn_adapters({req.lora_name})
+        self.loras.check({req.lora_name}, "lora_name")
+        out = await self._control(req)
+        self.loras.after(out, req.lora_name, None)
+        return out
+
+    async def lora_adapter_path(self, name: str) -> str | None:
+        """The folder of the loaded adapter `name`; None when no adapter of that name is
+        known to be loaded (the scheduler is asked once when this front end lacks it)."""
+        if self.loras.enabled is False or not is_name(name):
+            return None
+        await self._learn_adapters({name})
+        return self.loras.listed().get(name)
 
     async def get_weight_version(self) -> str:
         """The version of the weights serving now: "default" until an update sets one

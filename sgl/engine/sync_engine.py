@@ -209,6 +209,14 @@ class Engine:
     def resume_memory_occupation(self, tags: list[MemoryTag] | None = None) -> dict[str, Any]:
         return self._run(self._engine.resume_memory_occupation(tags))
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load a LoRA adapter under `lora_name` (requests name it as lora_path); a refusal raises ValueError."""
+        return self._run(self._engine.load_lora_adapter(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload the adapter `lora_name`; refused (ValueError) while live requests use it."""
+        return self._run(self._engine.unload_lora_adapter(lora_name))
+
     def get_weight_version(self) -> str:
         return self._run(self._engine.get_weight_version())
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from sgl.core.lora_rules import bad_name, is_name
 from sgl.core.request_checks import RequestLimits, request_error
 from sgl.core.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
 
@@ -33,6 +34,7 @@ class ReqOptions:
     detokenize: bool = True
     priority: int = 0  # higher is more urgent (SGLang's); schedule_policy="priority" orders by it
     timeout: float | None = None  # seconds from the scheduler's receipt; None: the server's request_timeout
+    lora_path: str | None = None  # the LoRA adapter (its name, as SGLang's field) that runs it; None: the base model
 
 
 def replace_params(p: SamplingParams, **changes: Any) -> SamplingParams:
@@ -82,6 +84,8 @@ def check_request(ids: list[int], params: SamplingParams, opts: ReqOptions, limi
     for name in ("logprob_start_len", "top_logprobs_num", "priority"):
         if not is_int(getattr(opts, name)):
             raise ValueError(f"{name}={getattr(opts, name)!r} is invalid: must be an int")
+    if opts.lora_path is not None and not is_name(opts.lora_path):
+        raise ValueError(bad_name("lora_path", opts.lora_path))
     t = opts.timeout
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
         raise ValueError(f"timeout={t!r} is invalid: must be a number of seconds")

@@ -251,7 +251,7 @@ class TokenizerManager:
         self.send.send(GenerateReqInput(
             rid, ids, params, stream, opts.return_logprob, opts.logprob_start_len, opts.top_logprobs_num,
             opts.token_ids_logprob, opts.custom_logit_processor, opts.detokenize, leader, embed, opts.priority,
-            None if opts.timeout is None else float(opts.timeout)))
+            None if opts.timeout is None else float(opts.timeout), lora_path=opts.lora_path))
         return rid
 
     async def _one(self, rid: str, stream: bool) -> AsyncGenerator[Any, None]:  # a beam request: a list

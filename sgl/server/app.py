@@ -4,8 +4,8 @@ failure into a JSON error; CORS (Starlette's middleware) for `allow_origins`. It
 only wires; handlers live in those modules.
 
 Every path but /health (and a CORS preflight) needs the API key when one is set;
-the control routes (sgl/server/control_api.py) need the admin key instead when the
-server has one, which also opens every other path.
+the control routes (sgl/server/control_api.py, the LoRA routes of lora_api.py) need
+the admin key instead when the server has one, which also opens every other path.
 The served model name is `served_model_name`, else the model directory's name
 (a .gguf file's without the suffix), else the default model's."""
 
@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sgl.core.log import get_logger
-from sgl.server import control_api, embeddings_api, native, tokenize_api
+from sgl.server import control_api, embeddings_api, lora_api, native, tokenize_api
 from sgl.server import openai_api as openai
 from sgl.server.common import ApiError, api_error_of, check_api_key, error_response, read_body
 from sgl.server.native import ServerState
@@ -86,7 +86,8 @@ def build_app(engine: Any, model_name: str | None = None) -> Starlette:
         route("/abort_request", native.abort_request, ("POST",), public=True),
         route("/get_weight_version", control_api.get_weight_version, ("GET",)),
         *(route(path, control_api.failing_as_sglang(handler), methods, admin=True)
-          for path, (handler, methods) in control_api.ROUTES.items()),
+          for path, (handler, methods) in (control_api.ROUTES | lora_api.ROUTES).items()),
+        *(route(path, handler, methods, admin=True) for path, (handler, methods) in lora_api.VLLM_ROUTES.items()),
         route("/metrics", lambda s, r, b: native.metrics(s), ("GET",)),
         route("/version", lambda s, r, b: _now(native.version()), ("GET",)),
         route("/tokenize", lambda s, r, b: tokenize_api.tokenize(s, b), ("POST",)),
@@ -94,8 +95,7 @@ def build_app(engine: Any, model_name: str | None = None) -> Starlette:
         route("/v1/tokenize", lambda s, r, b: tokenize_api.tokenize(s, b), ("POST",)),
         route("/v1/detokenize", lambda s, r, b: tokenize_api.detokenize(s, b), ("POST",)),
         route("/v1/models", lambda s, r, b: _now(openai.models(s)), ("GET",)),
-        route("/v1/models/{model_id:path}", lambda s, r, b: _now(openai.model(s, r.path_params["model_id"])),
-              ("GET",)),
+        route("/v1/models/{model_id:path}", lambda s, r, b: openai.model(s, r.path_params["model_id"]), ("GET",)),
         route("/v1/completions", lambda s, r, b: openai.completions(s, b), ("POST",)),
         route("/v1/chat/completions", lambda s, r, b: openai.chat_completions(s, b), ("POST",)),
         route("/v1/embeddings", lambda s, r, b: embeddings_api.embeddings(s, b), ("POST",)),

@@ -59,6 +59,12 @@ class ControlFailed(ApiError):
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
+def missing_field(message: str) -> str | None:
+    """The field a decoding error says is missing, if it says one is."""
+    found = _MISSING.search(message)
+    return found.group(1) if found else None
+
+
 def failing_as_sglang(handler: Handler) -> Handler:
     """Report a handler's invalid input or refused call (400) as a ControlFailed."""
 
@@ -68,8 +74,7 @@ def failing_as_sglang(handler: Handler) -> Handler:
         except ApiError as e:
             if e.status != 400:
                 raise
-            missing = _MISSING.search(e.message)
-            raise ControlFailed(400, e.message, e.param or (missing and missing.group(1)), e.code) from None
+            raise ControlFailed(400, e.message, e.param or missing_field(e.message), e.code) from None
         except FieldError as e:
             raise ControlFailed(400, str(e), e.field, "invalid_value") from None
         except ValueError as e:  # the scheduler refused the call

@@ -58,10 +58,12 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     # receipt; a list gives one per prompt.
     priority: int | list[int] | None = None
     timeout: float | list[float] | None = None
+    # The LoRA adapter (its name) that runs the request; a list gives one per prompt (None: the base model).
+    lora_path: str | list[str | None] | None = None
 
 
 _OPTION_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
-                  "return_text_in_logprobs", "priority", "timeout")
+                  "return_text_in_logprobs", "priority", "timeout", "lora_path")
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):

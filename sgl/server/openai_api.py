@@ -5,7 +5,10 @@ Requests are msgspec Structs (openai_protocol: unknown fields are a 400, fields
 that do not apply are ignored, unimplemented ones refused); sampling fields,
 OpenAI's and SGLang's extras, are passed to the engine as a plain dict, so
 SamplingParams alone decides what is valid, and its errors come back in the
-caller's field names. A `model` other than the served name is a 404 (as vLLM).
+caller's field names. A `model` other than the served name or a loaded LoRA adapter's
+is a 404 (as vLLM); naming an adapter runs it (vLLM's way), as SGLang's `lora_path` does,
+and responses report the name the caller gave. /v1/models lists the adapters after the
+base model, in vLLM's shape.
 Streams are server-sent events ending in an optional usage chunk and `data: [DONE]`.
 Choices carry SGLang's `matched_stop` (the stop string or token id that ended them, or
 the text a stop_regex matched). Usage always has prompt_tokens_details.cached_tokens.
@@ -78,7 +81,42 @@ def end_fields(meta: dict[str, Any]) -> dict[str, Any]:
 def check_model(state: ServerState, model: str | None) -> None:
     """A request naming another model is a 404, as vLLM answers it; no name means the served one."""
     if model is not None and model != state.model_name:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        raise _no_such_model(model)
+
+
+def _no_such_model(model: str) -> ApiError:
+    return ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
+async def adapter_of(state: ServerState, req: SamplingFields) -> str | None:
+    """The LoRA adapter a request runs: `model` naming a loaded adapter (vLLM's way) or
+    SGLang's `lora_path` (checked by the engine); None: the base model. A `model` that is
+    neither the served name nor an adapter's is a 404; both fields naming different
+    adapters a 400."""
+    named = None
+    if req.model is not None and req.model != state.model_name:
+        if await state.engine.lora_adapter_path(req.model) is None:
+            raise _no_such_model(req.model)
+        named = req.model
+    if named is not None and req.lora_path is not None and req.lora_path != named:
+        raise ApiError(400, f"lora_path={req.lora_path!r} disagrees with model={named!r}: name the adapter in one "
+                            "of them, or the same in both", "lora_path", "invalid_value")
+    return named if named is not None else req.lora_path
+
+
+def shown_model(state: ServerState, req: SamplingFields) -> str:
+    """The `model` of a response: the name the caller gave (the base model's or an adapter's)."""
+    return req.model if req.model is not None else state.model_name
+
+
+def request_options(req: SamplingFields, adapter: str | None) -> dict[str, Any]:
+    """The engine's options every OpenAI request may carry: scheduling, the adapter, a processor."""
+    opts = schedule_options(req)
+    if adapter is not None:
+        opts["lora_path"] = adapter
+    if req.custom_logit_processor is not None:
+        opts["custom_logit_processor"] = req.custom_logit_processor
+    return opts
 
 
 def usage(groups: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -122,22 +160,20 @@ def _check_completion(state: ServerState, req: CompletionRequest) -> None:
 
 async def completions(state: ServerState, body: bytes) -> Response:
     req = decode_body(body, CompletionRequest)
-    check_model(state, req.model)
+    adapter = await adapter_of(state, req)
     screen(req)
     _check_completion(state, req)
     with callers_names(completion_names(req)):
-        return await _completions(state, req)
+        return await _completions(state, req, adapter)
 
 
-async def _completions(state: ServerState, req: CompletionRequest) -> Response:
+async def _completions(state: ServerState, req: CompletionRequest, adapter: str | None) -> Response:
     sp = sampling_dict(req, req.max_tokens)
     prompts = _prompts(req.prompt)
     opts = {}
     if req.logprobs is not None or req.prompt_logprobs is not None:
         opts = logprob_options(req.logprobs or 0, req.echo and req.logprobs is not None, req.prompt_logprobs)
-    opts.update(schedule_options(req))
-    if req.custom_logit_processor is not None:
-        opts["custom_logit_processor"] = req.custom_logit_processor
+    opts.update(request_options(req, adapter))
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     if len(prompts) > 1 and req.rid is not None:
         raise ApiError(400, "rid: a batch of prompts takes no rid", "rid")
@@ -158,8 +194,9 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Response:
     if req.prompt_logprobs is not None:
         for choice, (_, o) in zip(choices, outs):
             choice["prompt_logprobs"] = prompt_logprobs(o["meta_info"], req.prompt_logprobs)
-    return json_response({"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
-                          "choices": choices, "usage": usage([[o["meta_info"] for o in g] for g in groups])})
+    return json_response({"id": cid, "object": "text_completion", "created": created,
+                          "model": shown_model(state, req), "choices": choices,
+                          "usage": usage([[o["meta_info"] for o in g] for g in groups])})
 
 
 async def _stream_completion(state: ServerState, req: CompletionRequest,
@@ -174,6 +211,7 @@ async def _stream_completion(state: ServerState, req: CompletionRequest,
         texts, ids = [t for t, _ in prompts if t is not None], [i for _, i in prompts if i is not None]
         chunks = await primed(state.engine.stream(texts or None, sp, ids or None, **opts))
     echoes = await _echoes(state, prompts) if req.echo else [""] * len(prompts)
+    model = shown_model(state, req)
     offsets: dict[int, int] = {}  # each choice's text offset so far; absent before its first chunk
 
     def chunk(c: dict[str, Any]) -> dict[str, Any]:
@@ -184,10 +222,9 @@ async def _stream_completion(state: ServerState, req: CompletionRequest,
         text = c["text"] if i in offsets else echoes[i // req.n] + c["text"]
         choice = {"index": i, "text": text, "logprobs": lp, **end_fields(c["meta_info"])}
         offsets[i] = offsets.get(i, 0) + (sum(map(len, lp["tokens"])) if lp else 0)
-        return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
-                "choices": [choice]}
+        return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
-    return _sse(_openai_stream(chunks, chunk, req, cid, "text_completion", created, state.model_name))
+    return _sse(_openai_stream(chunks, chunk, req, cid, "text_completion", created, model))
 
 
 async def _echoes(state: ServerState, prompts: list[tuple[str | None, list[int] | None]]) -> list[str]:
@@ -199,14 +236,14 @@ async def _echoes(state: ServerState, prompts: list[tuple[str | None, list[int] 
 
 async def chat_completions(state: ServerState, body: bytes) -> Response:
     req = decode_body(body, ChatRequest)
-    check_model(state, req.model)
+    adapter = await adapter_of(state, req)
     screen(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     check_top(req.top_logprobs, "top_logprobs")
     check_prompt_logprobs(req.prompt_logprobs, req.stream)
     with callers_names(chat_names(req)):
-        return await _chat(state, req)
+        return await _chat(state, req, adapter)
 
 
 def _tool_plan(state: ServerState, req: ChatRequest, sp: dict[str, Any]) -> ToolPlan:
@@ -256,7 +293,7 @@ def _reasoning_fields(reasoning: str | None) -> dict[str, Any]:
     return {"reasoning_content": reasoning, "reasoning": reasoning}
 
 
-async def _chat(state: ServerState, req: ChatRequest) -> Response:
+async def _chat(state: ServerState, req: ChatRequest, adapter: str | None) -> Response:
     sp = sampling_dict(req, req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens)
     tp = _tool_plan(state, req, sp)
     rp = await _reasoning_plan(state, req, sp)
@@ -267,10 +304,8 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
     opts = {}
     if req.logprobs or req.prompt_logprobs is not None:
         opts = logprob_options(req.top_logprobs or 0 if req.logprobs else 0, False, req.prompt_logprobs)
-    opts.update(schedule_options(req))
-    if req.custom_logit_processor is not None:
-        opts["custom_logit_processor"] = req.custom_logit_processor
-    created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+    opts.update(request_options(req, adapter))
+    created, cid, model = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}", shown_model(state, req)
     if req.stream:
         chunks = await primed(state.engine.stream(None, sp, ids, req.rid, **opts))
         seen: set[int] = set()
@@ -303,13 +338,13 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
             choice = {"index": i, "delta": delta,
                       "logprobs": chat_logprobs(c["meta_info"], req.top_logprobs or 0) if req.logprobs else None,
                       **end_fields(c["meta_info"]), "finish_reason": ct.finish_reason(reason)}
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [choice]}
 
         def reasoning_tokens() -> int | None:
             return None if rp is None else sum(map(rp.tokens, out_ids.values()))
 
-        return _sse(_openai_stream(chunks, chunk, req, cid, "chat.completion.chunk", created, state.model_name,
+        return _sse(_openai_stream(chunks, chunk, req, cid, "chat.completion.chunk", created, model,
                                    reasoning_tokens))
     res = await state.engine.generate(None, sp, ids, req.rid, **opts)
     outs = res if isinstance(res, list) else [res]
@@ -324,7 +359,7 @@ async def _chat(state: ServerState, req: ChatRequest) -> Response:
                         **end_fields(o["meta_info"]), "finish_reason": reason})
     u = _with_reasoning(usage([[o["meta_info"] for o in outs]]),
                         None if rp is None else sum(rp.tokens(o.get("output_ids") or []) for o in outs))
-    body = {"id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
+    body = {"id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": u}
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs(outs[0]["meta_info"], req.prompt_logprobs)
@@ -363,10 +398,22 @@ def _model_card(state: ServerState) -> dict[str, Any]:
             "root": state.model_name, "parent": None, "max_model_len": state.engine.info["context_length"]}
 
 
+def _adapter_card(state: ServerState, name: str, path: str) -> dict[str, Any]:
+    """A loaded LoRA adapter, as vLLM lists one: its folder as root, the base model as parent."""
+    return {"id": name, "object": "model", "created": int(state.started_wall), "owned_by": "sgl", "root": path,
+            "parent": state.model_name, "max_model_len": state.engine.info["context_length"]}
+
+
 def models(state: ServerState) -> Response:
-    return json_response({"object": "list", "data": [_model_card(state)]})
+    """The base model, then each adapter this server knows to be loaded, in the order they were loaded."""
+    adapters = [_adapter_card(state, name, path) for name, path in state.engine.loras.listed().items()]
+    return json_response({"object": "list", "data": [_model_card(state), *adapters]})
 
 
-def model(state: ServerState, model_id: str) -> Response:
-    check_model(state, model_id)
-    return json_response(_model_card(state))
+async def model(state: ServerState, model_id: str) -> Response:
+    if model_id == state.model_name:
+        return json_response(_model_card(state))
+    path = await state.engine.lora_adapter_path(model_id)
+    if path is None:
+        raise _no_such_model(model_id)
+    return json_response(_adapter_card(state, model_id, path))

@@ -7,7 +7,8 @@ field is either used, or accepted and ignored where it cannot change the output
 (IGNORED: `store`, `metadata`, `user`, ...; one debug log line names them), or
 refused with a 400 "not supported yet" where ignoring it would hand back
 something the caller did not ask for (REFUSED: the deprecated functions /
-function_call, LoRA, hidden states, ...). Structured output (response_format,
+function_call, session_id, hidden states, ...). The LoRA adapter is `model` naming one, or
+SGLang's `lora_path` (openai_api resolves them). Structured output (response_format,
 SGLang's regex / json_schema / ebnf, vLLM's structured_outputs and guided_*) becomes
 the sampling fields the grammar backend enforces; tools, tool_choice and parallel_tool_calls are server/tool_calls'.
 Errors raised below the route (SamplingParams, the request checks) are given back
@@ -70,6 +71,8 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # field too, lower first there), and a deadline in seconds from the scheduler's receipt.
     priority: int | None = None
     timeout: float | None = None
+    # SGLang's: the LoRA adapter (its name) that runs the request, as `model` naming it does.
+    lora_path: str | None = None
     # Accepted and ignored: they cannot change what comes back.
     user: Any = None
     extra_key: Any = None
@@ -95,7 +98,6 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
     # Refused when set: not implemented (yet).
-    lora_path: Any = None
     session_id: Any = None
     session_params: Any = None
     return_hidden_states: Any = None
@@ -196,7 +198,7 @@ IGNORED = ("user", "extra_key", "cache_salt", "custom_labels", "routed_dp_rank",
            "use_audio_in_video")
 _FUNCTIONS = "OpenAI's deprecated function calling: use tools and tool_choice"
 REFUSED = {"functions": _FUNCTIONS, "function_call": _FUNCTIONS,
-           "lora_path": "this server runs no LoRA adapters", "session_id": "sessions are not implemented",
+           "session_id": "sessions are not implemented",
            "session_params": "sessions are not implemented", "audio": "this server makes no audio",
            "web_search_options": "this server searches nothing",
            "bootstrap_host": "this server runs no prefill/decode disaggregation",

@@ -1,12 +1,14 @@
 """The control plane of a fake engine's scheduler (sgl/testing/scripted.py): pausing,
 aborting every request, weight updates with no weights, the weight version, memory
-release and update groups, under the real scheduler's rules (sgl.sched.control, which
-this module does not import: it imports torch)."""
+release and update groups, LoRA adapters loaded and unloaded with no weights, under the
+real scheduler's rules (sgl.sched.control, which this module does not import: it imports
+torch), its refusals worded by sgl.core.lora_rules as the real one's are."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sgl.core import lora_rules
 from sgl.core.protocol import (
     ABORTED_ALL,
     MEMORY_TAGS,
@@ -20,17 +22,66 @@ from sgl.core.protocol import (
     FinishReason,
     GetWeightsByNameReq,
     InitWeightsUpdateGroupReq,
+    LoadLoraAdapterReq,
     Message,
     PauseGenerationReq,
     PauseMode,
     ReleaseMemoryReq,
     ResumeMemoryReq,
+    UnloadLoraAdapterReq,
     UpdateWeightsFromDistributedReq,
     WeightUpdate,
 )
+from sgl.core.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from sgl.testing.scripted import ScriptedScheduler
+
+
+class FakeAdapters:
+    """The scheduler's LoRA adapters with no weights: {name: path} of those loaded (from
+    lora_paths at start), and the refusals of the real one. A load reads no file, so any
+    path is taken; it is refused on an engine started without LoRA, under a name already
+    loaded (from any path: unload first, as SGLang and vLLM require), and past
+    max_loaded_loras. An unload is refused for a name not loaded and while live requests
+    use the adapter. A request naming an adapter not loaded is refused (a 400)."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.enabled = args.lora_enabled
+        self.max_loaded = args.max_loaded_loras
+        self.loaded: dict[str, str] = args.lora_adapters if self.enabled else {}
+
+    def refusal(self, name: str | None) -> str | None:
+        """Why a request naming the adapter `name` cannot run, or None when it can."""
+        if name is None:
+            return None
+        if not self.enabled:
+            return lora_rules.disabled("lora_path")
+        return None if name in self.loaded else lora_rules.not_loaded("lora_path", name, self.loaded)
+
+    def load(self, name: str, path: str) -> ControlReqOutput:
+        if not self.enabled:
+            raise ValueError(lora_rules.disabled("lora_name"))
+        if name in self.loaded:
+            raise ValueError(lora_rules.name_in_use(name, self.loaded[name]))
+        if len(self.loaded) >= self.max_loaded:
+            raise ValueError(lora_rules.too_many(self.max_loaded))
+        self.loaded[name] = path
+        return self._reply(f"a fake engine loads no weights: LoRA adapter {name!r} is loaded")
+
+    def unload(self, name: str, users: int) -> ControlReqOutput:
+        """Unload `name`, which `users` live requests name."""
+        if not self.enabled:
+            raise ValueError(lora_rules.disabled("lora_name"))
+        if name not in self.loaded:
+            raise ValueError(lora_rules.not_loaded("lora_name", name, self.loaded))
+        if users:
+            raise ValueError(lora_rules.in_use_by_requests(name, users))
+        del self.loaded[name]
+        return self._reply(f"LoRA adapter {name!r} is unloaded")
+
+    def _reply(self, message: str) -> ControlReqOutput:
+        return ControlReqOutput(success=True, message=message, data={"loaded_adapters": dict(self.loaded)})
 
 
 class FakeControlPlane:
@@ -49,6 +100,7 @@ class FakeControlPlane:
         self.weight_version = "default"
         self.released: set[str] = set()
         self.groups: set[str] = set()
+        self.adapters = FakeAdapters(scheduler.args)
 
     @property
     def frozen(self) -> bool:
@@ -108,6 +160,12 @@ class FakeControlPlane:
         if isinstance(msg, ResumeMemoryReq):
             self.released -= self._tags(set[str](msg.tags or MEMORY_TAGS), released=True)
             return ControlReqOutput(success=True, data={"seconds": 0.0})
+        if isinstance(msg, LoadLoraAdapterReq):
+            return self.adapters.load(msg.lora_name, msg.lora_path)
+        if isinstance(msg, UnloadLoraAdapterReq):
+            out = self.adapters.unload(msg.lora_name, sum(r.msg.lora_path == msg.lora_name for r in s.live.values()))
+            s.memory.drop(msg.lora_name)
+            return out
         raise ValueError(f"{type(msg).__name__} is not a control-plane call")
 
     def _check_group(self, name: str, hint: str) -> None:
@@ -183,4 +241,4 @@ class FakeControlPlane:
     def info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "paused": self.paused,
                 "memory_released": sorted(self.released), "weight_updates_waiting": len(self.waiting_updates),
-                "weight_update_s": 0.0, "last_weight_update_s": 0.0}
+                "weight_update_s": 0.0, "last_weight_update_s": 0.0, "lora_adapters": dict(self.adapters.loaded)}

@@ -4,10 +4,11 @@ BatchTokenIDOutput messages the scheduler would send, built from a responder's o
 its text or token ids, or for a grammar request that text if it matches, else a text
 written from the grammar (`grammar_text`, sgl/testing/fake_grammar.py); ended by the scheduler's rules (`FinishRule`);
 sent one token per step on the loop's clock, shaped as the scheduler's Outbox shapes
-them, with stand-in logprobs of the real shapes and cached_tokens from a prefix memory;
-under the faults of a FaultPlan. It answers control calls as the scheduler does, the
+them, with stand-in logprobs of the real shapes and cached_tokens from a prefix memory
+(one per LoRA adapter); under the faults of a FaultPlan. A request's LoRA adapter must be
+loaded, and changes nothing of its output. It answers control calls as the scheduler does, the
 control plane's included (`FakeControlPlane`, sgl/testing/fake_control.py: pausing, aborting every request, weight
-updates and the weight version, releasing memory), by the real one's rules.
+updates and the weight version, releasing memory, loading and unloading adapters), by the real one's rules.
 
 It never decodes output text (the real detokenizer downstream does) and never sees
 the caller: messages come in through its inbox and leave through its sender."""
@@ -156,28 +157,38 @@ class ModelFacts:
 
 class PrefixMemory:
     """The radix cache as far as cached_tokens tells it: the token sequences cached
-    since the last flush, as a trie of ids."""
+    since the last flush, as a trie of ids per LoRA adapter (None: the base model), since
+    KV that one adapter made is never another's prefix."""
 
     def __init__(self) -> None:
-        self.root: dict[int, Any] = {}
-        self.size = 0  # tokens held
+        self.roots: dict[str | None, dict[int, Any]] = {}
+        self.sizes: dict[str | None, int] = {}  # tokens held, per adapter
 
-    def match(self, ids: list[int]) -> int:
-        node, n = self.root, 0
+    @property
+    def size(self) -> int:
+        return sum(self.sizes.values())
+
+    def match(self, ids: list[int], adapter: str | None = None) -> int:
+        node, n = self.roots.get(adapter, {}), 0
         while n < len(ids) and ids[n] in node:
             node, n = node[ids[n]], n + 1
         return n
 
-    def insert(self, ids: list[int]) -> None:
-        node = self.root
+    def insert(self, ids: list[int], adapter: str | None = None) -> None:
+        node = self.roots.setdefault(adapter, {})
         for t in ids:
             if t not in node:
                 node[t] = {}
-                self.size += 1
+                self.sizes[adapter] = self.sizes.get(adapter, 0) + 1
             node = node[t]
 
+    def drop(self, adapter: str) -> None:
+        """An unloaded adapter's prefixes: no request can match them again."""
+        self.roots.pop(adapter, None)
+        self.sizes.pop(adapter, None)
+
     def flush(self) -> None:
-        self.root, self.size = {}, 0
+        self.roots, self.sizes = {}, {}
 
 
 def token_logprob(tok: int, position: int) -> float:
@@ -300,6 +311,8 @@ class ScriptedScheduler:
         try:
             if (refused := self.control.refusal()) is not None:
                 raise Refused(refused)
+            if (unknown := self.control.adapters.refusal(msg.lora_path)) is not None:
+                raise Refused({"type": "abort", "status_code": 400, "message": unknown})
             if msg.rid in self.live:
                 raise Refused({"type": "abort", "message": f"rid: duplicate request id {msg.rid!r}: a request "
                                                            "with this rid is still running"})
@@ -373,9 +386,10 @@ class ScriptedScheduler:
             r.admitted = True
             ids, s = r.msg.input_ids, r.logprob_start
             # Prompt logprobs need the logits of the positions they score: no cache hit there.
-            hit = self.memory.match(ids[: min(len(ids) - 1, max(s - 1, 0)) if s >= 0 else len(ids) - 1])
+            hit = self.memory.match(ids[: min(len(ids) - 1, max(s - 1, 0)) if s >= 0 else len(ids) - 1],
+                                    r.msg.lora_path)
             r.cached = max(r.cached, hit)
-            self.memory.insert(ids)
+            self.memory.insert(ids, r.msg.lora_path)
             slow = [e.seconds for e in r.effects if isinstance(e, SlowFirstToken)] if not r.output_ids else []
             r.due = self.loop.time() + (max(slow) if slow else self.latency.first_token_s)
             if not r.planned:  # a prefill for prompt logprobs only
@@ -422,7 +436,7 @@ class ScriptedScheduler:
         if r in self.waiting:
             self.waiting.remove(r)
         if reason["type"] != "abort" and r.admitted:  # its KV goes into the tree: all but the last token's
-            self.memory.insert(r.msg.input_ids + r.output_ids[:-1])
+            self.memory.insert(r.msg.input_ids + r.output_ids[:-1], r.msg.lora_path)
             held = sum(len(x.msg.input_ids) + len(x.output_ids) for x in self.running)
             if self.memory.size + held > self.model.max_total_tokens:
                 self.memory.flush()  # evicted
