@@ -1,3 +1,3 @@
 """Compute kernels: attention backends and the small layers (norm, rotary,
-activation). One dispatch point per op picks CPU (pure torch) or GPU code.
+activation), the multi-LoRA GEMMs. One dispatch point per op picks CPU (pure torch) or GPU code.
 Imports nothing of the rest of sgl."""

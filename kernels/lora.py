@@ -1,62 +1,307 @@
-"""LoRA deltas for a packed batch whose rows use different adapters (placeholder: torch path)."""
+"""Multi-LoRA GEMMs: a packed batch whose rows use different adapters (or none) gets each
+row's LoRA delta added to a projection's output in one pass over the batch, as S-LoRA and
+Punica serve many adapters at once. `LoraBatch` says which adapter slot each row uses;
+`lora_apply(x, y, a, b, sub_sizes, batch)` adds, for every row t with slot s >= 0,
+(x[t] @ A_s.T) @ B_s.T to y[t], per part of a fused projection (q/k/v, gate/up).
+
+Two paths, picked by `LoraBatch.triton`:
+
+- torch (CPU, and any device without Triton): per slot used, a gather of its rows, two
+  small matmuls and an index_add_. Exact in float32; the reference the tests compare with.
+- Triton (CUDA): two launches a call, whatever the adapters. *shrink* writes
+  inter[T, n_sub*R] = x[rows] @ A[slot].T into a float32 scratch, one program per
+  (block, column block); *expand* adds inter[rows, sub j] @ B[slot, n].T to y, one
+  program per (block, column block of the full N), all parts of a fused projection in the
+  same launch. Both skip padding blocks (len 0) and base-model blocks (slot -1) at the
+  top, so a CUDA graph captured with max_blocks entries replays any batch of that size.
+
+Why hand-written: no library sgl keeps (torch, FlashInfer) has a segmented GEMM that takes
+a per-row-block weight index over this layout (A stacked per slot, B with the fused parts'
+rows, ranks padded); SGLang's and vLLM's Triton LoRA ops do, but belong to those engines.
+
+What it must not do: decide which adapter sits in which slot, load weights, or fold the
+scaling (alpha / r is already in B: the adapter manager's business); synchronise with the
+device or allocate by value on the Triton path (it runs under CUDA graph capture).
+
+Invariant both paths rely on: the blocks of one LoraBatch never share a row, so every
+element of y is written by at most one program (no atomics) and index_add_ adds once."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
-BLOCK_M = 16
+BLOCK_M = 16  # rows per block: a block's rows all use one adapter slot (and tl.dot needs 16 rows)
+MAX_SUBS = 3  # parts of a fused projection: q, k, v
+
+# Triton block sizes, for an H200 (reasoned, not yet swept: benchmarks/lora_kernels.py times them).
+# shrink: the whole n_sub*R in one column block up to 64 (R=16 qkv: 48 -> 64), so x's rows are read
+# once per block; K in steps of 128 (16 x 128 of x and 64 x 128 of A, 20 KB bf16 a step, 3 stages).
+SHRINK_MAX_N = 64
+SHRINK_BLOCK_K = 128
+# expand: columns of y per program, the largest power of two up to 128 that divides every part
+# (a block in one part loads one inter tile); the b tile (columns x padded rank, widened to float32)
+# stays within 16K elements, so rank 256 gets 64 columns. Decode at 256 rows is 256 blocks x
+# N / 128 column blocks (8192 programs for qkv): plenty for 132 SMs; y, read and written once, is
+# what the kernel costs (memory-bound at R=16).
+EXPAND_MAX_N = 128
+EXPAND_MAX_TILE = 16384
+NUM_WARPS = 4
+NUM_STAGES = 3
 
 
 @dataclass(slots=True)
 class LoraBatch:
-    block_start: torch.Tensor
-    block_len: torch.Tensor
-    block_slot: torch.Tensor
-    groups: list[tuple[int, torch.Tensor]]
-    triton: bool
+    """Which adapter slot each packed row of one forward uses, in blocks."""
+
+    block_start: torch.Tensor  # [NB] int32 on the device: first packed row of each block
+    block_len: torch.Tensor  # [NB] int32: rows in the block, <= BLOCK_M (0: a padding block, skipped)
+    block_slot: torch.Tensor  # [NB] int32: the adapter slot of its rows; -1: no adapter (skipped)
+    groups: list[tuple[int, torch.Tensor]]  # torch path only: (slot, packed rows int64) per slot used; [] for Triton
+    triton: bool  # which path lora_apply takes
 
     @classmethod
     def from_runs(cls, slots: list[int], lens: list[int], device: torch.device, triton: bool) -> LoraBatch:
-        rows: dict[int, list[int]] = {}
-        at = 0
-        for s, n in zip(slots, lens):
-            if s >= 0:
-                rows.setdefault(s, []).extend(range(at, at + n))
-            at += n
-        groups = [(s, torch.tensor(r, dtype=torch.int64, device=device)) for s, r in rows.items()]
-        e = torch.empty(0, dtype=torch.int32, device=device)
-        return cls(e, e, e, groups, False)
+        """From the requests of a packed batch in order: request i has lens[i] rows and slot
+        slots[i] (-1: none). Consecutive requests with one slot (requests of no rows aside) merge
+        into a run, and runs are cut into blocks of up to BLOCK_M rows; a run of slot -1 makes no
+        block (its rows are covered by none). Built on the host and copied to the device without
+        waiting; the torch path's groups list each slot's rows in ascending order."""
+        assert len(slots) == len(lens)
+        # numpy on the host: a decode batch of 512 requests builds in tens of microseconds.
+        sl, ln = np.asarray(slots, dtype=np.int64), np.asarray(lens, dtype=np.int64)
+        sl, ln = sl[ln > 0], ln[ln > 0]  # a request of no rows parts no run
+        first = np.cumsum(ln) - ln  # each request's first packed row
+        heads = np.flatnonzero(np.r_[True, sl[1:] != sl[:-1]]) if len(sl) else np.zeros(0, np.int64)
+        run_slot, run_first = sl[heads], first[heads]
+        run_len = np.add.reduceat(ln, heads) if len(heads) else np.zeros(0, np.int64)
+        live = run_slot >= 0  # runs of base-model rows make no block
+        run_slot, run_first, run_len = run_slot[live], run_first[live], run_len[live]
+        # Run i is cut into ceil(len / BLOCK_M) blocks; block j of it starts j * BLOCK_M rows in.
+        per_run = -(-run_len // BLOCK_M)
+        run_of = np.repeat(np.arange(len(per_run)), per_run)
+        at = (np.arange(len(run_of)) - np.repeat(np.cumsum(per_run) - per_run, per_run)) * BLOCK_M
+        host = np.stack([run_first[run_of] + at, np.minimum(BLOCK_M, run_len[run_of] - at), run_slot[run_of]])
+        # One [3, NB] tensor, one copy: the three fields are its rows.
+        blocks = _to_device(torch.from_numpy(host.astype(np.int32)), device)
+        groups: list[tuple[int, torch.Tensor]] = []
+        if not triton and len(run_slot):
+            order = np.lexsort((run_first, run_slot))  # by slot, then by row
+            o_first, o_len = run_first[order], run_len[order]
+            rows = np.repeat(o_first - (np.cumsum(o_len) - o_len), o_len) + np.arange(int(o_len.sum()))
+            packed = _to_device(torch.from_numpy(rows), device)
+            used, counts = np.unique(run_slot[order], return_counts=True)
+            ends = np.cumsum([0, *(np.add.reduceat(o_len, np.cumsum(counts) - counts))])
+            groups = [(int(s), packed[ends[i] : ends[i + 1]]) for i, s in enumerate(used)]
+        return cls(blocks[0], blocks[1], blocks[2], groups, triton)
+
+    @classmethod
+    def buffers(cls, num_blocks: int, device: torch.device) -> LoraBatch:
+        """Fixed buffers of num_blocks padding blocks, for a CUDA graph's Triton batch
+        (copy_into fills them before each replay)."""
+        blocks = torch.zeros(3, num_blocks, dtype=torch.int32, device=device)
+        blocks[2].fill_(-1)
+        return cls(blocks[0], blocks[1], blocks[2], [], True)
+
+    def view(self, num_blocks: int) -> LoraBatch:
+        """The first num_blocks entries of fixed buffers (a smaller graph's share of them)."""
+        return LoraBatch(self.block_start[:num_blocks], self.block_len[:num_blocks], self.block_slot[:num_blocks],
+                         [], self.triton)
 
     @staticmethod
     def max_blocks(num_rows: int, num_requests: int) -> int:
-        return num_requests + -(-num_rows // BLOCK_M)
-
-    @classmethod
-    def empty(cls, n: int, device: torch.device) -> LoraBatch:
-        z = torch.zeros(n, dtype=torch.int32, device=device)
-        return cls(z, z.clone(), z.clone(), [], True)
-
-    def view(self, n: int) -> LoraBatch:
-        return LoraBatch(self.block_start[:n], self.block_len[:n], self.block_slot[:n], [], self.triton)
+        """The most blocks from_runs can make from num_rows rows in num_requests requests.
+        With r non-empty runs (r <= min(requests, rows)) of L_i rows, the blocks are
+        sum ceil(L_i / BLOCK_M) = r + sum floor((L_i - 1) / BLOCK_M) <= r + (rows - r) // BLOCK_M,
+        which grows with r."""
+        r = min(num_rows, num_requests)
+        return r + (num_rows - r) // BLOCK_M
 
     def copy_into(self, dst: LoraBatch) -> None:
-        raise NotImplementedError
+        """CUDA graphs: this batch's blocks into dst's fixed buffers (dst holds max_blocks
+        entries); dst's entries past this batch's become padding (block_len 0)."""
+        nb, cap = self.block_len.shape[0], dst.block_len.shape[0]
+        assert nb <= cap, f"{nb} blocks for a buffer of {cap}"
+        dst.block_start[:nb].copy_(self.block_start)
+        dst.block_len[:nb].copy_(self.block_len)
+        dst.block_slot[:nb].copy_(self.block_slot)
+        dst.block_len[nb:].zero_()
 
 
-def available(device: torch.device) -> bool:
-    return False
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; on CUDA pinned and queued, so the host never waits
+    (sgl.cache.host_copy.to_device's rule; that folder is beside this one, not below)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
-def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-               sub_sizes: tuple[int, ...], batch: LoraBatch) -> None:
-    r = a.shape[1] // len(sub_sizes)
+@functools.cache
+def available() -> bool:
+    """Whether Triton is installed (the Triton path also needs CUDA tensors, or its interpreter)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(device: torch.device) -> bool:
+    """The path a LoraBatch for `device` should take: Triton on CUDA when it is installed."""
+    return device.type == "cuda" and available()
+
+
+def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sub_sizes: tuple[int, ...],
+               batch: LoraBatch) -> None:
+    """y += the LoRA delta, in place, for the rows with an adapter.
+
+    x: [T, K] the layer's input, contiguous; y: [T, N] the base layer's output (same dtype),
+    rows with a unit last stride, N = sum(sub_sizes). a: [S, n_sub * R, K] contiguous, rows
+    j*R:(j+1)*R sub j's A (rank padded with zero rows to R); b: [S, N, R] contiguous, sub j's
+    rows at sum(sub_sizes[:j]) (zero columns past the rank), the scaling folded in. For every
+    row t of a block with slot s >= 0 and every sub j:
+        y[t, off_j:off_j+N_j] += (x[t] @ a[s, j*R:(j+1)*R].T) @ b[s, off_j:off_j+N_j].T
+    Other rows are untouched."""
+    t, k = x.shape
+    n_sub, r = len(sub_sizes), b.shape[2]
+    n = sum(sub_sizes)
+    assert 1 <= n_sub <= MAX_SUBS and y.shape == (t, n) and a.shape[1:] == (n_sub * r, k) and b.shape[1] == n
+    assert x.is_contiguous() and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
+    if batch.triton:
+        _triton_apply(x, y, a, b, sub_sizes, batch)
+        return
     for slot, rows in batch.groups:
-        inter = x[rows] @ a[slot].T
-        parts = []
-        off = 0
-        for j, n in enumerate(sub_sizes):
-            parts.append(inter[:, j * r:(j + 1) * r] @ b[slot, off:off + n].T)
-            off += n
-        y.index_add_(0, rows, torch.cat(parts, dim=1))
+        inter = x.index_select(0, rows) @ a[slot].T  # [rows, n_sub * R]
+        if n_sub == 1:
+            delta = inter @ b[slot].T
+        else:
+            parts = b[slot].split(sub_sizes)
+            delta = torch.cat([inter[:, j * r : (j + 1) * r] @ parts[j].T for j in range(n_sub)], dim=1)
+        y.index_add_(0, rows, delta)
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
+
+
+def expand_block_n(sub_sizes: tuple[int, ...], r: int) -> int:
+    """Columns per expand program: the largest power of two from 16 to EXPAND_MAX_N (and
+    within the tile bound for rank r) that divides every part, so no program straddles two
+    parts; when none does (a part not a multiple of 16) the cap, and straddling programs add
+    each part they touch separately."""
+    cap = min(EXPAND_MAX_N, max(16, EXPAND_MAX_TILE // max(16, _pow2(r))))
+    bn = cap
+    while bn >= 16:
+        if all(s % bn == 0 for s in sub_sizes):
+            return bn
+        bn //= 2
+    return cap
+
+
+def launch_settings(k: int, sub_sizes: tuple[int, ...], r: int, dtype: torch.dtype
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The compile-time arguments (and warps, stages) of shrink and expand for a layer: K,
+    the parts, the padded rank R and the activations' dtype."""
+    n_sub, n = len(sub_sizes), sum(sub_sizes)
+    nr = n_sub * r
+    # float32 inputs: exact products (the interpreter's tests; a float32 model on a GPU); 16-bit
+    # ones multiply natively. inter stays float32, and expand widens b to it: tf32 keeps 10 bits
+    # of inter where rounding it to bf16 would keep 7.
+    prec = "ieee" if dtype == torch.float32 else "tf32"
+    shrink = {"K": k, "NR": nr, "BLOCK_M": BLOCK_M, "BLOCK_N": min(SHRINK_MAX_N, max(16, _pow2(nr))),
+              "BLOCK_K": min(SHRINK_BLOCK_K, max(16, _pow2(k))), "PREC": prec, "num_warps": NUM_WARPS,
+              "num_stages": NUM_STAGES}
+    ends = [sum(sub_sizes[: j + 1]) for j in range(n_sub)] + [n] * (MAX_SUBS - n_sub)
+    expand = {"N": n, "R": r, "R_PAD": max(16, _pow2(r)), "NSUB": n_sub, "E0": ends[0], "E1": ends[1],
+              "BLOCK_M": BLOCK_M, "BLOCK_N": expand_block_n(sub_sizes, r), "PREC": prec, "num_warps": NUM_WARPS,
+              "num_stages": 1}
+    return shrink, expand
+
+
+def _triton_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sub_sizes: tuple[int, ...],
+                  batch: LoraBatch) -> None:
+    t, k = x.shape
+    nb = batch.block_len.shape[0]
+    if nb == 0 or t == 0:
+        return
+    cs, ce = launch_settings(k, sub_sizes, b.shape[2], x.dtype)
+    inter = torch.empty(t, cs["NR"], dtype=torch.float32, device=x.device)  # rows outside every block: never read
+    shrink, expand = kernels()
+    shrink[(nb, -(-cs["NR"] // cs["BLOCK_N"]))](
+        x, a, inter, batch.block_start, batch.block_len, batch.block_slot, x.stride(0), **cs)
+    expand[(nb, -(-ce["N"] // ce["BLOCK_N"]))](
+        inter, b, y, batch.block_start, batch.block_len, batch.block_slot, y.stride(0), **ce)
+
+
+@functools.cache
+def kernels() -> tuple[Any, Any]:
+    """(shrink, expand), compiled on first launch."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def shrink(x_ptr, a_ptr, inter_ptr, start_ptr, len_ptr, slot_ptr, stride_x, K: tl.constexpr, NR: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+        blk = tl.program_id(0)
+        rows_in = tl.load(len_ptr + blk)
+        slot = tl.load(slot_ptr + blk)
+        if (rows_in == 0) | (slot < 0):  # padding, or base-model rows
+            return
+        start = tl.load(start_ptr + blk).to(tl.int64)
+        m = tl.arange(0, BLOCK_M)
+        rm = m < rows_in
+        rows = start + m
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cm = cols < NR
+        a_rows = a_ptr + slot.to(tl.int64) * (NR * K) + cols[:, None] * K  # a[slot, cols, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            if K % BLOCK_K == 0:  # whole steps: no mask along k (it would cost the loads their vector width)
+                xt = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=rm[:, None], other=0.0)
+                at = tl.load(a_rows + kk[None, :], mask=cm[:, None], other=0.0)
+            else:
+                km = (kk < K)[None, :]
+                xt = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=rm[:, None] & km, other=0.0)
+                at = tl.load(a_rows + kk[None, :], mask=cm[:, None] & km, other=0.0)
+            acc += tl.dot(xt, tl.trans(at), input_precision=PREC)
+        tl.store(inter_ptr + rows[:, None] * NR + cols[None, :], acc, mask=rm[:, None] & cm[None, :])
+
+    @triton.jit
+    def expand(inter_ptr, b_ptr, y_ptr, start_ptr, len_ptr, slot_ptr, stride_y, N: tl.constexpr, R: tl.constexpr,
+               R_PAD: tl.constexpr, NSUB: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+        blk = tl.program_id(0)
+        rows_in = tl.load(len_ptr + blk)
+        slot = tl.load(slot_ptr + blk)
+        if (rows_in == 0) | (slot < 0):
+            return
+        start = tl.load(start_ptr + blk).to(tl.int64)
+        m = tl.arange(0, BLOCK_M)
+        rm = m < rows_in
+        rows = start + m
+        n0 = tl.program_id(1) * BLOCK_N
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cm = cols < N
+        r = tl.arange(0, R_PAD)  # ranks below 16 padded for tl.dot: masked to zero
+        bt = tl.load(b_ptr + slot.to(tl.int64) * (N * R) + cols[:, None] * R + r[None, :],
+                     mask=cm[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for j in tl.static_range(NSUB):  # sub j: columns [lo, hi); with BLOCK_N dividing every part, one is live
+            lo = E0 * (j >= 1) + (E1 - E0) * (j >= 2)
+            hi = E0 + (E1 - E0) * (j >= 1) + (N - E1) * (j >= 2)
+            if (n0 < hi) & (n0 + BLOCK_N > lo):
+                it = tl.load(inter_ptr + rows[:, None] * (NSUB * R) + j * R + r[None, :],
+                             mask=rm[:, None] & (r < R)[None, :], other=0.0)
+                bj = tl.where(((cols >= lo) & (cols < hi))[:, None], bt, 0.0)
+                acc += tl.dot(it, tl.trans(bj), input_precision=PREC)
+        ym = rm[:, None] & cm[None, :]
+        yp = y_ptr + rows[:, None] * stride_y + cols[None, :]
+        yt = tl.load(yp, mask=ym, other=0.0)
+        tl.store(yp, (yt.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=ym)
+
+    return shrink, expand

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sgl.core import lora_rules as rules
 from sgl.core.log import get_logger
 from sgl.core.protocol import (
     ABORTED_ALL,
@@ -160,7 +161,7 @@ class ControlPlane:
 
     def _lora_call(self, msg: LoadLoraAdapterReq | UnloadLoraAdapterReq) -> ControlReqOutput:
         if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters: start it with --enable-lora (or --lora-paths)")
+            raise ValueError(rules.disabled("lora_name"))
         if isinstance(msg, LoadLoraAdapterReq):
             self.lora.load(msg.lora_name, msg.lora_path)
             message = f"loaded LoRA adapter {msg.lora_name!r}"

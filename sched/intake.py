@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
+from sgl.core import lora_rules as rules
 from sgl.core.request_checks import RequestLimits, request_error
 from sgl.sched.grammar import Grammars
 from sgl.sched.lora.manager import LoraManager
@@ -43,6 +44,10 @@ class RequestIntake:
         error = self._error(req, live)
         if error is not None:
             return {"type": "abort", "message": error}
+        if req.lora_name is not None:  # an adapter unloaded since the caller's side checked the name: a 400
+            error = rules.disabled("lora_path") if self.lora is None else self.lora.resolve(req)
+            if error is not None:
+                return {"type": "abort", "status_code": 400, "message": error}
         bound = self.max_queued_requests
         if busy or (bound is not None and queued >= bound):
             # Refused at once, not queued: the HTTP layer maps status_code to 503.
@@ -61,12 +66,7 @@ class RequestIntake:
             return "stream: a beam search request cannot stream (its beams are known only at the end)"
         if req.embed and (error := self._embedding_error(req)) is not None:
             return error
-        if req.lora_name is not None:
-            if self.lora is None:
-                return ("lora_path: this engine serves no LoRA adapters: start it with --lora-paths NAME=PATH or "
-                        "--enable-lora")
-            if (error := self.lora.resolve(req)) is not None:
-                return error
+
         return request_error(req.origin_input_ids, req.sampling_params, req.logprob_start_len, req.top_logprobs_num,
                              req.token_ids_logprob, req.processor, self.limits, return_logprob=req.return_logprob,
                              priority=req.priority, timeout=req.timeout)

@@ -82,7 +82,7 @@ class LoraMachine(RuleBasedStateMachine):
     @rule(name=st.sampled_from(NAMES))
     def unload(self, name: str) -> None:
         if name not in self.loaded:
-            with pytest.raises(ValueError, match="no adapter named"):
+            with pytest.raises(ValueError, match="no LoRA adapter named"):
                 self.engine.unload_lora_adapter(name)
             return
         self.engine.unload_lora_adapter(name)
@@ -111,7 +111,7 @@ class LoraMachine(RuleBasedStateMachine):
             self.engine.unload_lora_adapter(name)
             unloaded = True
         except ValueError as e:
-            assert "in use" in str(e)
+            assert "live requests use" in str(e)
             unloaded = False
         try:
             assert job.result()["output_ids"] == self.refs[(f, k)]

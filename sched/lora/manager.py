@@ -23,8 +23,9 @@ import itertools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from sgl.core import lora_rules as rules
 from sgl.core.log import get_logger
-from sgl.core.server_args import LORA_NAME, ServerArgs
+from sgl.core.server_args import ServerArgs
 from sgl.sched.lora.adapter import TARGETS, LoraAdapter
 
 if TYPE_CHECKING:
@@ -72,14 +73,12 @@ class LoraManager:
 
     def load(self, name: str, path: str) -> None:
         """Read, check and keep an adapter; ValueError saying why not (nothing changes)."""
-        if not LORA_NAME.fullmatch(name):
-            raise ValueError(f"lora_name {name!r} is invalid: letters, digits and ._-/: only, 1 to 128 characters")
+        if not rules.is_name(name):
+            raise ValueError(rules.bad_name("lora_name", name))
         if name in self.adapters:
-            raise ValueError(f"lora_name: an adapter named {name!r} is loaded already ({self.adapters[name].path}); "
-                             "unload it first")
+            raise ValueError(rules.name_in_use(name, self.adapters[name].path))
         if len(self.adapters) >= self.max_loaded:
-            raise ValueError(f"{len(self.adapters)} adapters are loaded, max_loaded_loras={self.max_loaded}: unload "
-                             "one first")
+            raise ValueError(rules.too_many(self.max_loaded))
         r = self.runner
         adapter = LoraAdapter.load(name, path, r.config, r.dtype, self.max_rank, self.targets,
                                    pin=r.device.type == "cuda")
@@ -92,12 +91,11 @@ class LoraManager:
         """Forget an adapter; returns its id (the caller drops what the cache holds under
         it). ValueError if it is not loaded or a live request uses it."""
         if name not in self.adapters:
-            raise ValueError(f"lora_name: no adapter named {name!r} is loaded ({self._loaded()})")
+            raise ValueError(rules.not_loaded("lora_name", name, self.adapters))
         uid = self.ids[name]
         users = sum(1 for q in live if q.lora_id == uid)
         if users:
-            raise ValueError(f"LoRA adapter {name!r} is in use by {users} live requests: unload it once they finish "
-                             "(or abort them)")
+            raise ValueError(rules.in_use_by_requests(name, users))
         del self.adapters[name], self.ids[name]
         for s, held in enumerate(self.slot_id):
             if held == uid:
@@ -113,7 +111,7 @@ class LoraManager:
             return None
         uid = self.ids.get(req.lora_name)
         if uid is None:
-            return f"lora_path: no LoRA adapter named {req.lora_name!r} is loaded ({self._loaded()})"
+            return rules.not_loaded("lora_path", req.lora_name, self.adapters)
         req.lora_id = uid
         return None
 
@@ -144,9 +142,6 @@ class LoraManager:
         req.lora_slot = slot
         busy.add(slot)
         return True
-
-    def _loaded(self) -> str:
-        return "loaded: " + (", ".join(sorted(self.adapters)) or "none")
 
     def info(self) -> dict[str, Any]:
         return {"lora_adapters": {n: a.path for n, a in self.adapters.items()},
