@@ -31,7 +31,7 @@ FILES = 4
 PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 40, 41, 42, 43, 44, 7, 9], [9, 8, 7], [300, 2, 2, 2, 2, 5, 6]]
 NEW = 6
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True}
-EXAMPLES = {"ci": 12}
+EXAMPLES = {"ci": 12, "long": 150}
 
 
 @pytest.fixture(scope="module")
