@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import torch
 
@@ -216,3 +217,38 @@ def test_beams_and_grammars_equal_the_merged_model(merged_engines: tuple[sgl.Eng
         base = lora.generate(prompt, sampling_params=params)  # the adapter matters here too
         assert ids(base) != ids(a)
     json.loads(a["text"])
+
+
+def test_http_routes_name_the_adapter(models: dict[str, str], adapters: dict[str, dict[str, str]]) -> None:
+    """A real `sgl serve`: the OpenAI `model` field and SGLang's `lora_path` run the same
+    adapter; /v1/models lists adapters under the base; vLLM's load route and SGLang's
+    unload route change what the server serves."""
+    from tests.serve_util import ServerProc, openai_client
+
+    d = models["smollm2"]
+    s = ServerProc("--model-path", d, "--served-model-name", "smol", "--dtype", "float32",
+                   "--lora-paths", f"qv4={adapters['smollm2']['qv4']}", "--max-lora-rank", "16")
+    oai = openai_client(s.url + "/v1", "none", max_retries=0, timeout=120)
+    try:
+        listed = {m.id: m for m in oai.models.list().data}
+        assert set(listed) == {"smol", "qv4"} and getattr(listed["qv4"], "parent", None) == "smol"
+        greedy = {"max_tokens": NEW, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        via_model = oai.completions.create(model="qv4", prompt=PROMPTS[0], **greedy)  # type: ignore[arg-type]
+        assert via_model.model == "qv4"
+        native = s.post("/generate", json={"input_ids": PROMPTS[0], "lora_path": "qv4", "sampling_params": {
+            "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}}).json()
+        assert via_model.choices[0].text == native["text"]
+        base = oai.completions.create(model="smol", prompt=PROMPTS[0], **greedy)  # type: ignore[arg-type]
+        assert base.choices[0].text != via_model.choices[0].text
+        r = s.post("/v1/load_lora_adapter", json={"lora_name": "all8", "lora_path": adapters["smollm2"]["all8"]})
+        assert r.status_code == 200, r.text
+        chat = oai.chat.completions.create(model="all8", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert chat.model == "all8"
+        r = s.post("/unload_lora_adapter", json={"lora_name": "all8"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        with pytest.raises(openai.NotFoundError):
+            oai.chat.completions.create(model="all8", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        s.assert_balanced()
+    finally:
+        oai.close()
+        s.stop()
