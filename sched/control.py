@@ -20,7 +20,7 @@ Rules:
   retracted, so no KV made by the old weights is read again.
 - A LoRA adapter loads at once (read and checked before anything changes); unloading
   is refused while a live request uses it, and frees what the radix cache holds
-  under it (sgl.sched.lora.manager).
+  under it (sgl.sched.lora).
 - Releasing the KV pool needs no request to hold KV (pause with "abort" or "retract"
   first); the weights may be released under paused requests. A weight update while
   the weights are released is refused.
@@ -61,7 +61,7 @@ from sgl.core.protocol import (
 )
 from sgl.sched.decode import DecodeManager
 from sgl.sched.kv_cache import KVCache
-from sgl.sched.lora.manager import LoraManager
+from sgl.sched.lora import LoraManager
 from sgl.sched.prefill import PrefillManager
 from sgl.sched.req import Req
 from sgl.sched.runner.model_runner import ModelRunner

@@ -15,7 +15,7 @@ from typing import Any
 from sgl.core import lora_rules as rules
 from sgl.core.request_checks import RequestLimits, request_error
 from sgl.sched.grammar import Grammars
-from sgl.sched.lora.manager import LoraManager
+from sgl.sched.lora import LoraManager
 from sgl.sched.models.pooling import PooledPrompt
 from sgl.sched.req import Req
 from sgl.sched.runner.model_runner import ModelRunner

@@ -16,7 +16,7 @@ takes a req_to_token row, writes its cached prefix there and keeps the lock) or
 unlocks the match again.
 
 With LoRA adapters each admitted request takes its adapter's device slot
-(sgl.sched.lora.manager); one whose adapter finds every slot busy is deferred, and
+(sgl.sched.lora); one whose adapter finds every slot busy is deferred, and
 the round goes on with the others.
 
 A blocked chunk ends the round with nothing admitted: the scheduler's liveness
@@ -43,7 +43,7 @@ from typing import Any, Protocol
 from sgl.cache.radix_cache import MatchResult
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.kv_cache import KVCache
-from sgl.sched.lora.manager import LoraManager
+from sgl.sched.lora import LoraManager
 from sgl.sched.policy import order_waiting, queue_key
 from sgl.sched.req import Req
 

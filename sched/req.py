@@ -113,7 +113,7 @@ class Req:
         self.timeout = m.timeout  # seconds from receipt; None: the server's default
         self.deadline: float | None = None  # on the scheduler's clock, set on acceptance (sgl.sched.deadlines)
         self.lora_name = m.lora_path  # its LoRA adapter's name; None: the base model
-        self.lora_id = 0  # that adapter's load (sgl.sched.lora.manager), set on acceptance; 0: the base model
+        self.lora_id = 0  # that adapter's load (sgl.sched.lora), set on acceptance; 0: the base model
         self.lora_slot = -1  # the device slot of its adapter, set at each admission; -1: none
 
     @property

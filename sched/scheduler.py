@@ -53,7 +53,7 @@ from sgl.sched.faults import FaultInjector
 from sgl.sched.grammar import Grammars
 from sgl.sched.intake import RequestIntake
 from sgl.sched.kv_cache import KVCache
-from sgl.sched.lora.manager import LoraManager
+from sgl.sched.lora import LoraManager
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.prefill import PrefillManager
 from sgl.sched.req import Req

@@ -4,7 +4,7 @@ linear layer, and the delta they add to its output.
 A projection fusing several of Hugging Face's (q/k/v, gate/up) keeps one A per part,
 stacked, and one B per part at that part's output rows (`sgl.kernels.lora`'s layout).
 Ranks below the slots' rank are zero-padded; the adapter's scaling is in B already
-(sgl.sched.lora.adapter). Slots are filled between forwards by the LoRA manager
+(sgl.sched.models.lora_adapter). Slots are filled between forwards by the LoRA manager
 through the model's `load_lora`, in the order the device runs work; an empty slot is
 all zeros.
 
@@ -18,7 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sgl.core.server_args import ServerArgs
 from sgl.kernels.lora import LoraBatch, lora_apply
+from sgl.sched.models.lora_adapter import TARGETS, LoraAdapter
+
+DEFAULT_MAX_RANK = 16  # vLLM's default max_lora_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,19 @@ class LoraSpec:
     slots: int
     rank: int
     targets: frozenset[str]
+
+    @classmethod
+    def from_args(cls, args: ServerArgs) -> LoraSpec:
+        """The pool an engine's args ask for: max_loras_per_batch slots; max_lora_rank, else the
+        largest rank of the adapters loaded at start, else DEFAULT_MAX_RANK; the projections of
+        lora_target_modules (all when empty or "all")."""
+        rank = args.max_lora_rank
+        if rank is None:
+            ranks = [LoraAdapter.declared_rank(p) for p in args.lora_adapters.values()]
+            rank = max([r for r in ranks if r > 0], default=DEFAULT_MAX_RANK)
+        given = set(args.lora_target_modules)
+        targets = frozenset(TARGETS) if not given or "all" in given else frozenset(given)
+        return cls(args.max_loras_per_batch, rank, targets)
 
     @classmethod
     def none(cls) -> LoraSpec:

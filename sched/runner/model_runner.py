@@ -43,7 +43,7 @@ from sgl.sched.runner.step import Step, StepResult
 from sgl.sched.runner.weights import WeightManager
 
 if TYPE_CHECKING:
-    from sgl.sched.lora.adapter import LoraAdapter
+    from sgl.sched.models.lora_adapter import LoraAdapter
     from sgl.sched.models.model_config import AnyConfig
     from sgl.sched.runner.cuda_graph import CudaGraphRunner
 
@@ -318,9 +318,7 @@ class ModelRunner:
             return None
         if args.load_format == "null":
             raise ValueError("LoRA adapters need a real model: the null model (load_format='null') has no projections")
-        from sgl.sched.lora.manager import lora_max_rank, lora_targets
-
-        return LoraSpec(args.max_loras_per_batch, lora_max_rank(args), lora_targets(args))
+        return LoraSpec.from_args(args)
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter into a device slot, after the forwards queued so far (which may

@@ -26,28 +26,13 @@ from typing import TYPE_CHECKING, Any
 from sgl.core import lora_rules as rules
 from sgl.core.log import get_logger
 from sgl.core.server_args import ServerArgs
-from sgl.sched.lora.adapter import TARGETS, LoraAdapter
+from sgl.sched.models.lora_adapter import LoraAdapter
 
 if TYPE_CHECKING:
     from sgl.sched.req import Req
     from sgl.sched.runner.model_runner import ModelRunner
 
 BASE = 0  # the base model's id (no adapter)
-DEFAULT_MAX_RANK = 16  # vLLM's default max_lora_rank
-
-
-def lora_targets(args: ServerArgs) -> frozenset[str]:
-    """The projections an engine's adapters may change (lora_target_modules; all by default)."""
-    given = set(args.lora_target_modules)
-    return frozenset(TARGETS) if not given or "all" in given else frozenset(given)
-
-
-def lora_max_rank(args: ServerArgs) -> int:
-    """max_lora_rank, or the largest rank of the adapters loaded at start, or DEFAULT_MAX_RANK."""
-    if args.max_lora_rank is not None:
-        return args.max_lora_rank
-    ranks = [LoraAdapter.declared_rank(p) for p in args.lora_adapters.values()]
-    return max([r for r in ranks if r > 0], default=DEFAULT_MAX_RANK)
 
 
 class LoraManager:

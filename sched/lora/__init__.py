@@ -1,1 +1,0 @@
-"""LoRA adapters: reading PEFT folders (adapter) and the scheduler's adapters and device slots (manager)."""
