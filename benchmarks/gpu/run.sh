@@ -21,6 +21,7 @@
 #   py-spy      w3spy w3oldspy startupspy grammarspy (py-spy's wheel in .whl/)
 #   real model  model fp8acc (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
 #   vLLM        vllm vllm8b vllmfp8 (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
+#   LoRA        lorakernels lora vllmlora (the kernels; multi-LoRA throughput: sgl, then the vLLM peer)
 #
 # Notes on the host:
 # - It lacks msgspec, structlog, pyzmq, gguf and prometheus_client: without their wheels in
@@ -203,6 +204,31 @@ for step in "$@"; do
     vllm8b) cp benchmarks/configs/qwen3-8b.json /tmp/qwen3-8b.json
             run 540 bash .peer/vllm/kit/unpack.sh .peer/vllm -- --config /tmp/qwen3-8b.json --workloads W1,W2 \
               --timeout 520 --json "$results/vllm8b.json" ;;
+    # Multi-LoRA (benchmarks/lora_gpu.py): W1's shape, requests round-robin over 0 (LoRA off), 1, 8
+    # and 32 random rank-16 adapters on every projection, an engine per variant in turn. The
+    # adapters are written first into /tmp (benchmarks/lora_adapters.py; kept while the host
+    # stays warm). LORA_CONFIG (qwen3-0.6b) names the architecture, LORA_ARGS passes options.
+    # The LoRA kernels alone (benchmarks/lora_kernels.py): each projection's delta against its
+    # base GEMM at decode and prefill sizes, eager and under a CUDA graph, and their errors.
+    lorakernels) run 200 python3 -m benchmarks.lora_kernels ;;
+    lora) cfg=${LORA_CONFIG:-qwen3-0.6b}
+          run 120 python3 -m benchmarks.lora_adapters "/tmp/lora-adapters-$cfg-r16" --config "$cfg" --count 32
+          run 400 python3 -m benchmarks.lora_gpu --config "$cfg" --adapter-dir "/tmp/lora-adapters-$cfg-r16" \
+            --json "$results/lora.json" ${LORA_ARGS:-} ;;
+    # The vLLM peer on the same inputs and adapter files (benchmarks/vllm_lora.py), each variant an
+    # engine in its own process (each LoRA configuration compiles at its first start: four starts
+    # take most of the time), with the vLLM peer's parts unpacked in /tmp first, as for `vllm`.
+    # LORA_CONFIG as for `lora`; VLLMLORA_ARGS passes options.
+    vllmlora) cfg=${LORA_CONFIG:-qwen3-0.6b}
+              run 120 python3 -m benchmarks.lora_adapters "/tmp/lora-adapters-$cfg-r16" --config "$cfg" --count 32
+              exports=$(bash .peer/vllm/kit/unpack.sh .peer/vllm); rc=$?
+              if [ "$rc" = 0 ] || [ "$rc" = 5 ]; then  # 5: an import check failed; the script shows the real error
+                left=$((budget - SECONDS - 20)); [ "$left" -lt 520 ] || left=520
+                (eval "$exports" && run 540 python3 -m benchmarks.vllm_lora --config "$cfg" --timeout "$left" \
+                   --adapter-dir "/tmp/lora-adapters-$cfg-r16" --json "$results/vllmlora.json" ${VLLMLORA_ARGS:-})
+              else
+                echo "the vLLM peer is not ready (unpack.sh exit $rc): bring its parts first (../shared/peers/vllm/README.md)"
+              fi ;;
     # One decode step at W1's batch (benchmarks/profile_decode.py); cascadeprof at W3's,
     # profile2 sampled at T=0.6.
     profile) run 300 python3 -m benchmarks.profile_decode ;;
