@@ -5,16 +5,18 @@ the outputs, and the Triton path agrees with the torch path within bf16's roundi
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import sgl
 from tests.conftest import assert_kv_balanced, tiny_model_dir
-from tests.test_lora import ALL, make_adapter
 
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -26,10 +28,34 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]
     base = tmp_path_factory.mktemp("gpu-lora")
     model = tiny_model_dir(base, "qwen3", vocab=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=2, head_dim=64, intermediate_size=512)
-    specs = {"qv8": (8, ["q_proj", "v_proj"]), "all16": (16, ALL), "mlp4": (4, ["gate_proj", "up_proj", "down_proj"])}
-    adapters = {n: make_adapter(model, Path(base) / n, r, t, 2 * r, False, seed=i)
-                for i, (n, (r, t)) in enumerate(specs.items())}
+    specs = {"qv8": (8, ["q_proj", "v_proj"]), "all16": (16, ALL_TARGETS),
+             "mlp4": (4, ["gate_proj", "up_proj", "down_proj"])}
+    adapters = {n: random_adapter(model, Path(base) / n, r, t, seed=i) for i, (n, (r, t)) in enumerate(specs.items())}
     return model, adapters
+
+
+def random_adapter(model: str, out: Path, rank: int, targets: list[str], seed: int) -> str:
+    """A PEFT-format adapter with random A and B (written directly: the GPU host has no peft)."""
+    from safetensors.torch import save_file
+
+    from sgl.sched.models.lora_adapter import module_shapes
+
+    cfg = SimpleNamespace(**json.loads((Path(model) / "config.json").read_text()))
+    shapes = module_shapes(cfg)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for t in targets:
+            n_in, n_out = shapes[t]
+            where = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{where}.{t}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.1
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                         "target_modules": targets, "bias": "none"}))
+    return str(out)
 
 
 def _run(model: str, adapters: dict[str, str], **kw: object) -> list[list[int]]:
