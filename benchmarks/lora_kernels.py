@@ -82,7 +82,7 @@ def run_case(name: str, slots: list[int], lens: list[int], rank: int, n_slots: i
     t = sum(lens)
     tri = LoraBatch.from_runs(slots, lens, dev, triton=True)
     tor = LoraBatch.from_runs(slots, lens, dev, triton=False)
-    dst = LoraBatch.buffers(LoraBatch.max_blocks(t, len(lens)), dev)
+    dst = LoraBatch.buffers(LoraBatch.max_blocks(t, len(lens)), t, dev)
     tri.copy_into(dst)
     rows = []
     for layer, (k, subs) in LAYERS.items():

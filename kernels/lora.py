@@ -8,7 +8,8 @@ Two paths, picked by `LoraBatch.triton`:
 
 - torch (CPU, and any device without Triton): per slot used, a gather of its rows, two
   small matmuls and an index_add_. Exact in float32; the reference the tests compare with.
-- Triton (CUDA): two launches a call, whatever the adapters. *shrink* writes
+- Triton (CUDA): two launches a call, whatever the adapters. A block's rows are gathered
+  through `LoraBatch.rows` (the batch's adapter rows grouped by slot). *shrink* writes
   inter[T, n_sub*R] = x[rows] @ A[slot].T into a float32 scratch, one program per
   (block, column block); *expand* adds inter[rows, sub j] @ B[slot, n].T to y, one
   program per (block, column block of the full N), all parts of a fused projection in the
@@ -56,79 +57,83 @@ NUM_STAGES = 3
 
 @dataclass(slots=True)
 class LoraBatch:
-    """Which adapter slot each packed row of one forward uses, in blocks."""
+    """Which adapter slot each packed row of one forward uses: the adapter rows grouped by
+    slot (`rows`), cut into blocks of one slot each. Grouping lets a decode batch whose
+    requests take turns between adapters run one block per 16 rows of an adapter, not one
+    per request."""
 
-    block_start: torch.Tensor  # [NB] int32 on the device: first packed row of each block
+    block_start: torch.Tensor  # [NB] int32 on the device: the block's first entry in `rows`
     block_len: torch.Tensor  # [NB] int32: rows in the block, <= BLOCK_M (0: a padding block, skipped)
     block_slot: torch.Tensor  # [NB] int32: the adapter slot of its rows; -1: no adapter (skipped)
-    groups: list[tuple[int, torch.Tensor]]  # torch path only: (slot, packed rows int64) per slot used; [] for Triton
+    rows: torch.Tensor  # [R] int32: the packed rows of every adapter row, by slot, in row order within one
+    groups: list[tuple[int, torch.Tensor]]  # torch path only: (slot, its packed rows int64) per slot used
     triton: bool  # which path lora_apply takes
 
     @classmethod
     def from_runs(cls, slots: list[int], lens: list[int], device: torch.device, triton: bool) -> LoraBatch:
         """From the requests of a packed batch in order: request i has lens[i] rows and slot
-        slots[i] (-1: none). Consecutive requests with one slot (requests of no rows aside) merge
-        into a run, and runs are cut into blocks of up to BLOCK_M rows; a run of slot -1 makes no
-        block (its rows are covered by none). Built on the host and copied to the device without
-        waiting; the torch path's groups list each slot's rows in ascending order."""
+        slots[i] (-1: none). The rows of each slot are gathered (a stable sort: row order kept
+        within a slot) and cut into blocks of up to BLOCK_M rows; base-model rows are in no
+        block. Built on the host and copied to the device in one copy, without waiting."""
         assert len(slots) == len(lens)
         # numpy on the host: a decode batch of 512 requests builds in tens of microseconds.
-        sl, ln = np.asarray(slots, dtype=np.int64), np.asarray(lens, dtype=np.int64)
-        sl, ln = sl[ln > 0], ln[ln > 0]  # a request of no rows parts no run
-        first = np.cumsum(ln) - ln  # each request's first packed row
-        heads = np.flatnonzero(np.r_[True, sl[1:] != sl[:-1]]) if len(sl) else np.zeros(0, np.int64)
-        run_slot, run_first = sl[heads], first[heads]
-        run_len = np.add.reduceat(ln, heads) if len(heads) else np.zeros(0, np.int64)
-        live = run_slot >= 0  # runs of base-model rows make no block
-        run_slot, run_first, run_len = run_slot[live], run_first[live], run_len[live]
-        # Run i is cut into ceil(len / BLOCK_M) blocks; block j of it starts j * BLOCK_M rows in.
+        per_row = np.repeat(np.asarray(slots, dtype=np.int64), np.asarray(lens, dtype=np.int64))
+        live = np.flatnonzero(per_row >= 0)
+        order = live[np.argsort(per_row[live], kind="stable")]
+        by_slot = per_row[order]
+        n = len(order)
+        heads = np.flatnonzero(np.r_[True, by_slot[1:] != by_slot[:-1]]) if n else np.zeros(0, np.int64)
+        run_first, run_slot = heads, by_slot[heads]
+        run_len = np.diff(np.r_[heads, n]) if n else np.zeros(0, np.int64)
+        # Slot i's rows are cut into ceil(len / BLOCK_M) blocks; block j of it starts j * BLOCK_M rows in.
         per_run = -(-run_len // BLOCK_M)
         run_of = np.repeat(np.arange(len(per_run)), per_run)
         at = (np.arange(len(run_of)) - np.repeat(np.cumsum(per_run) - per_run, per_run)) * BLOCK_M
-        host = np.stack([run_first[run_of] + at, np.minimum(BLOCK_M, run_len[run_of] - at), run_slot[run_of]])
-        # One [3, NB] tensor, one copy: the three fields are its rows.
-        blocks = _to_device(torch.from_numpy(host.astype(np.int32)), device)
+        blocks = np.stack([run_first[run_of] + at, np.minimum(BLOCK_M, run_len[run_of] - at), run_slot[run_of]])
+        nb = blocks.shape[1]
+        # One int32 tensor, one copy: the three block fields, then the rows.
+        host = np.concatenate([blocks.reshape(-1), order]).astype(np.int32)
+        dev = _to_device(torch.from_numpy(host), device)
+        rows = dev[3 * nb :]
         groups: list[tuple[int, torch.Tensor]] = []
-        if not triton and len(run_slot):
-            order = np.lexsort((run_first, run_slot))  # by slot, then by row
-            o_first, o_len = run_first[order], run_len[order]
-            rows = np.repeat(o_first - (np.cumsum(o_len) - o_len), o_len) + np.arange(int(o_len.sum()))
-            packed = _to_device(torch.from_numpy(rows), device)
-            used, counts = np.unique(run_slot[order], return_counts=True)
-            ends = np.cumsum([0, *(np.add.reduceat(o_len, np.cumsum(counts) - counts))])
-            groups = [(int(s), packed[ends[i] : ends[i + 1]]) for i, s in enumerate(used)]
-        return cls(blocks[0], blocks[1], blocks[2], groups, triton)
+        if not triton and n:
+            rows64 = rows.long()
+            groups = [(int(s), rows64[f : f + k]) for s, f, k in zip(run_slot, run_first, run_len)]
+        return cls(dev[:nb], dev[nb : 2 * nb], dev[2 * nb : 3 * nb], rows, groups, triton)
 
     @classmethod
-    def buffers(cls, num_blocks: int, device: torch.device) -> LoraBatch:
-        """Fixed buffers of num_blocks padding blocks, for a CUDA graph's Triton batch
-        (copy_into fills them before each replay)."""
+    def buffers(cls, num_blocks: int, num_rows: int, device: torch.device) -> LoraBatch:
+        """Fixed buffers of num_blocks padding blocks over num_rows rows, for a CUDA graph's
+        Triton batch (copy_into fills them before each replay)."""
         blocks = torch.zeros(3, num_blocks, dtype=torch.int32, device=device)
         blocks[2].fill_(-1)
-        return cls(blocks[0], blocks[1], blocks[2], [], True)
+        return cls(blocks[0], blocks[1], blocks[2], torch.zeros(num_rows, dtype=torch.int32, device=device), [], True)
 
-    def view(self, num_blocks: int) -> LoraBatch:
-        """The first num_blocks entries of fixed buffers (a smaller graph's share of them)."""
+    def view(self, num_blocks: int, num_rows: int) -> LoraBatch:
+        """The first entries of fixed buffers (a smaller graph's share of them)."""
         return LoraBatch(self.block_start[:num_blocks], self.block_len[:num_blocks], self.block_slot[:num_blocks],
-                         [], self.triton)
+                         self.rows[:num_rows], [], self.triton)
 
     @staticmethod
     def max_blocks(num_rows: int, num_requests: int) -> int:
         """The most blocks from_runs can make from num_rows rows in num_requests requests.
-        With r non-empty runs (r <= min(requests, rows)) of L_i rows, the blocks are
-        sum ceil(L_i / BLOCK_M) = r + sum floor((L_i - 1) / BLOCK_M) <= r + (rows - r) // BLOCK_M,
-        which grows with r."""
+        With d slots used (d <= min(requests, rows)) by L_i rows each, the blocks are
+        sum ceil(L_i / BLOCK_M) = d + sum floor((L_i - 1) / BLOCK_M) <= d + (rows - d) // BLOCK_M,
+        which grows with d."""
         r = min(num_rows, num_requests)
         return r + (num_rows - r) // BLOCK_M
 
     def copy_into(self, dst: LoraBatch) -> None:
-        """CUDA graphs: this batch's blocks into dst's fixed buffers (dst holds max_blocks
-        entries); dst's entries past this batch's become padding (block_len 0)."""
+        """CUDA graphs: this batch's blocks and rows into dst's fixed buffers (dst holds
+        max_blocks entries and the batch's rows); dst's blocks past this batch's become
+        padding (block_len 0)."""
         nb, cap = self.block_len.shape[0], dst.block_len.shape[0]
-        assert nb <= cap, f"{nb} blocks for a buffer of {cap}"
+        nr = self.rows.shape[0]
+        assert nb <= cap and nr <= dst.rows.shape[0], f"{nb} blocks, {nr} rows for {cap}, {dst.rows.shape[0]}"
         dst.block_start[:nb].copy_(self.block_start)
         dst.block_len[:nb].copy_(self.block_len)
         dst.block_slot[:nb].copy_(self.block_slot)
+        dst.rows[:nr].copy_(self.rows)
         dst.block_len[nb:].zero_()
 
 
@@ -232,9 +237,9 @@ def _triton_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Te
     inter = torch.empty(t, cs["NR"], dtype=torch.float32, device=x.device)  # rows outside every block: never read
     shrink, expand = kernels()
     shrink[(nb, -(-cs["NR"] // cs["BLOCK_N"]))](
-        x, a, inter, batch.block_start, batch.block_len, batch.block_slot, x.stride(0), **cs)
+        x, a, inter, batch.block_start, batch.block_len, batch.block_slot, batch.rows, x.stride(0), **cs)
     expand[(nb, -(-ce["N"] // ce["BLOCK_N"]))](
-        inter, b, y, batch.block_start, batch.block_len, batch.block_slot, y.stride(0), **ce)
+        inter, b, y, batch.block_start, batch.block_len, batch.block_slot, batch.rows, y.stride(0), **ce)
 
 
 @functools.cache
@@ -244,17 +249,18 @@ def kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     @triton.jit
-    def shrink(x_ptr, a_ptr, inter_ptr, start_ptr, len_ptr, slot_ptr, stride_x, K: tl.constexpr, NR: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    def shrink(x_ptr, a_ptr, inter_ptr, start_ptr, len_ptr, slot_ptr, rows_ptr, stride_x, K: tl.constexpr,
+               NR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               PREC: tl.constexpr):
         blk = tl.program_id(0)
         rows_in = tl.load(len_ptr + blk)
         slot = tl.load(slot_ptr + blk)
         if (rows_in == 0) | (slot < 0):  # padding, or base-model rows
             return
-        start = tl.load(start_ptr + blk).to(tl.int64)
+        start = tl.load(start_ptr + blk)
         m = tl.arange(0, BLOCK_M)
         rm = m < rows_in
-        rows = start + m
+        rows = tl.load(rows_ptr + start + m, mask=rm, other=0).to(tl.int64)  # the block's packed rows
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cm = cols < NR
         a_rows = a_ptr + slot.to(tl.int64) * (NR * K) + cols[:, None] * K  # a[slot, cols, :]
@@ -272,18 +278,18 @@ def kernels() -> tuple[Any, Any]:
         tl.store(inter_ptr + rows[:, None] * NR + cols[None, :], acc, mask=rm[:, None] & cm[None, :])
 
     @triton.jit
-    def expand(inter_ptr, b_ptr, y_ptr, start_ptr, len_ptr, slot_ptr, stride_y, N: tl.constexpr, R: tl.constexpr,
-               R_PAD: tl.constexpr, NSUB: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    def expand(inter_ptr, b_ptr, y_ptr, start_ptr, len_ptr, slot_ptr, rows_ptr, stride_y, N: tl.constexpr,
+               R: tl.constexpr, R_PAD: tl.constexpr, NSUB: tl.constexpr, E0: tl.constexpr, E1: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
         blk = tl.program_id(0)
         rows_in = tl.load(len_ptr + blk)
         slot = tl.load(slot_ptr + blk)
         if (rows_in == 0) | (slot < 0):
             return
-        start = tl.load(start_ptr + blk).to(tl.int64)
+        start = tl.load(start_ptr + blk)
         m = tl.arange(0, BLOCK_M)
         rm = m < rows_in
-        rows = start + m
+        rows = tl.load(rows_ptr + start + m, mask=rm, other=0).to(tl.int64)  # the block's packed rows
         n0 = tl.program_id(1) * BLOCK_N
         cols = n0 + tl.arange(0, BLOCK_N)
         cm = cols < N

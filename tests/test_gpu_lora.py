@@ -50,10 +50,10 @@ def random_adapter(model: str, out: Path, rank: int, targets: list[str], seed: i
             where = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{where}.{t}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in**0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.1
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.02
     out.mkdir(parents=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
                                                          "target_modules": targets, "bias": "none"}))
     return str(out)
 
@@ -61,7 +61,8 @@ def random_adapter(model: str, out: Path, rank: int, targets: list[str], seed: i
 def _run(model: str, adapters: dict[str, str], **kw: object) -> list[list[int]]:
     rng = random.Random(0)
     prompts = [[rng.randrange(2000) for _ in range(rng.randint(3, 80))] for _ in range(12)]
-    names = [[None, *adapters][i % 4] for i in range(12)]
+    pool = [None, *adapters]
+    names = [pool[i % len(pool)] for i in range(12)]
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     with sgl.Engine(model, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16", max_total_tokens=20000,
                     lora_paths=[f"{n}={p}" for n, p in adapters.items()], max_lora_rank=16, **kw) as e:

@@ -39,52 +39,56 @@ def test_blocks_cover_exactly_the_adapter_rows_one_slot_each(reqs: list[tuple[in
     slots, lens = [s for s, _ in reqs], [k for _, k in reqs]
     per_row = row_slots(slots, lens)
     batch = LoraBatch.from_runs(slots, lens, CPU, triton=False)
-    blocks = blocks_of(batch)
+    rows = batch.rows.tolist()
     covered: list[int] = []
-    for start, n, slot in blocks:
+    for start, n, slot in blocks_of(batch):
         assert 1 <= n <= BLOCK_M and slot >= 0
-        assert per_row[start : start + n] == [slot] * n
-        covered += range(start, start + n)
-    assert sorted(covered) == [t for t, s in enumerate(per_row) if s >= 0]  # every adapter row once, no other
-    # Merged: the blocks are exactly the maximal runs of equal-slot rows, each cut into ceil(L / BLOCK_M).
-    want, t = 0, 0
-    while t < len(per_row):
-        u = t
-        while u < len(per_row) and per_row[u] == per_row[t]:
-            u += 1
-        want += -(-(u - t) // BLOCK_M) if per_row[t] >= 0 else 0
-        t = u
-    assert len(blocks) == want <= LoraBatch.max_blocks(len(per_row), len(reqs))
-    assert batch.block_start.dtype == batch.block_len.dtype == batch.block_slot.dtype == torch.int32
-    groups = {slot: rows.tolist() for slot, rows in batch.groups}
+        assert [per_row[t] for t in rows[start : start + n]] == [slot] * n
+        covered += rows[start : start + n]
+    assert covered == rows  # the blocks, in order, are the rows: every adapter row once, no other
+    assert sorted(rows) == [t for t, s in enumerate(per_row) if s >= 0]
+    # Grouped by slot, row order kept within one: each slot's rows are ceil(L / BLOCK_M) blocks.
+    by_slot = {s: [t for t, x in enumerate(per_row) if x == s] for s in set(per_row) if s >= 0}
+    assert rows == [t for s in sorted(by_slot) for t in by_slot[s]]
+    want = sum(-(-len(r) // BLOCK_M) for r in by_slot.values())
+    assert batch.block_len.shape[0] == want <= LoraBatch.max_blocks(len(per_row), len(reqs))
+    assert batch.block_start.dtype == batch.block_len.dtype == batch.block_slot.dtype == batch.rows.dtype == torch.int32
+    groups = {slot: r.tolist() for slot, r in batch.groups}
     assert len(groups) == len(batch.groups)
-    assert groups == {s: [t for t, x in enumerate(per_row) if x == s] for s in set(per_row) if s >= 0}
-    assert all(rows.dtype == torch.int64 for _, rows in batch.groups)
+    assert groups == by_slot
+    assert all(r.dtype == torch.int64 for _, r in batch.groups)
     assert LoraBatch.from_runs(slots, lens, CPU, triton=True).groups == []
 
 
 @pytest.mark.parametrize(("rows", "reqs"), [(0, 0), (1, 1), (16, 1), (17, 1), (40, 3), (512, 512), (8192, 7)])
 def test_max_blocks_is_reached(rows: int, reqs: int) -> None:
-    """reqs - 1 one-row requests of alternating slots, then one of the remaining rows."""
+    """reqs - 1 one-row requests of distinct slots, then one of the remaining rows."""
     if reqs == 0:
         assert LoraBatch.max_blocks(rows, reqs) == 0
         return
     lens = [1] * (reqs - 1) + [rows - reqs + 1]
-    batch = LoraBatch.from_runs([i % 2 for i in range(reqs)], lens, CPU, triton=True)
+    batch = LoraBatch.from_runs(list(range(reqs)), lens, CPU, triton=True)
     assert batch.block_len.shape[0] == LoraBatch.max_blocks(rows, reqs)
+
+
+def test_a_decode_batch_taking_turns_between_adapters_makes_few_blocks() -> None:
+    batch = LoraBatch.from_runs([i % 8 for i in range(256)], [1] * 256, CPU, triton=True)
+    assert batch.block_len.tolist() == [16, 16] * 8 and batch.rows.tolist()[:3] == [0, 8, 16]
 
 
 def test_copy_into_fills_the_fixed_buffers_and_pads_with_empty_blocks() -> None:
     cap = LoraBatch.max_blocks(60, 6)
-    dst = LoraBatch.buffers(cap, CPU)
+    dst = LoraBatch.buffers(cap, 60, CPU)
     assert dst.triton and blocks_of(dst) == [(0, 0, -1)] * cap
     big = LoraBatch.from_runs([0, 1, 0, 1, 0, 1], [10] * 6, CPU, triton=True)
     small = LoraBatch.from_runs([2, -1], [20, 40], CPU, triton=True)
     big.copy_into(dst)
     assert blocks_of(dst)[: len(blocks_of(big))] == blocks_of(big)
+    assert dst.rows.tolist() == big.rows.tolist()
     small.copy_into(dst)
     nb = len(blocks_of(small))
     assert blocks_of(dst)[:nb] == blocks_of(small) == [(0, 16, 2), (16, 4, 2)]
+    assert dst.rows[:20].tolist() == list(range(20))
     assert dst.block_len[nb:].tolist() == [0] * (cap - nb)
 
 
@@ -179,15 +183,16 @@ def test_triton_path_skips_padding_and_base_blocks_interpreted() -> None:
     pytest.importorskip("triton")
     reqs = [(1, 20), (-1, 9), (0, 3), (2, 1), (-1, 16)]
     slots, lens = [s for s, _ in reqs], [n for _, n in reqs]
-    dst = LoraBatch.buffers(LoraBatch.max_blocks(sum(lens), len(reqs)), CPU)
+    dst = LoraBatch.buffers(LoraBatch.max_blocks(sum(lens), len(reqs)), sum(lens), CPU)
     dst.block_start.fill_(5)  # padding blocks that would overwrite real rows if they ran
     dst.block_slot.fill_(0)
     LoraBatch.from_runs(slots, lens, CPU, triton=True).copy_into(dst)
     check(dst, reqs, (40, 24, 24), 64, 16, [16, 8, 4], seed=1)
     blocks = LoraBatch.from_runs(slots, lens, CPU, triton=True)
-    with_base = LoraBatch(torch.cat([blocks.block_start, torch.tensor([20, 33], dtype=torch.int32)]),
+    with_base = LoraBatch(torch.cat([blocks.block_start, torch.tensor([0, 5], dtype=torch.int32)]),
                           torch.cat([blocks.block_len, torch.tensor([9, 16], dtype=torch.int32)]),
-                          torch.cat([blocks.block_slot, torch.tensor([-1, -1], dtype=torch.int32)]), [], True)
+                          torch.cat([blocks.block_slot, torch.tensor([-1, -1], dtype=torch.int32)]), blocks.rows, [],
+                          True)
     check(with_base, reqs, (48,), 64, 16, [16, 8, 4], seed=2)
 
 
@@ -210,7 +215,7 @@ k, subs, r = int(sys.argv[1]), tuple(int(v) for v in sys.argv[2].split(",")), in
 dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[sys.argv[4]]
 shrink, expand = kernels()
 cs, ce = launch_settings(k, subs, r, dt)
-ptrs = {"start_ptr": "*i32", "len_ptr": "*i32", "slot_ptr": "*i32"}
+ptrs = {"start_ptr": "*i32", "len_ptr": "*i32", "slot_ptr": "*i32", "rows_ptr": "*i32"}
 for fn, ins, stride, c in ((shrink, {"x_ptr": sys.argv[4], "a_ptr": sys.argv[4], "inter_ptr": "fp32"}, "stride_x", cs),
                            (expand, {"inter_ptr": "fp32", "b_ptr": sys.argv[4], "y_ptr": sys.argv[4]}, "stride_y", ce)):
     opts = {"num_warps": c.pop("num_warps"), "num_stages": c.pop("num_stages")}
@@ -259,7 +264,7 @@ def test_triton_path_bf16_on_gpu_and_in_a_cuda_graph(subs: tuple[int, ...]) -> N
     y = y0.to(dev)
     lora_apply(xd, y, a, b, subs, batch)
     assert torch.allclose(y.double().cpu(), want, atol=2e-2, rtol=2e-2)
-    dst = LoraBatch.buffers(LoraBatch.max_blocks(len(per_row), len(reqs)), dev)
+    dst = LoraBatch.buffers(LoraBatch.max_blocks(len(per_row), len(reqs)), len(per_row), dev)
     yg = y0.to(dev)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

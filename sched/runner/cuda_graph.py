@@ -43,8 +43,8 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=dev)
         # Each size's LoRA blocks (views of one set of buffers): a replay copies its batch's in.
-        lora = LoraBatch.buffers(LoraBatch.max_blocks(max_bs, max_bs), dev) if runner.lora_spec is not None else None
-        self.lora = {bs: lora.view(LoraBatch.max_blocks(bs, bs)) for bs in self.sizes} if lora is not None else {}
+        lora = LoraBatch.buffers(LoraBatch.max_blocks(max_bs, max_bs), max_bs, dev) if runner.lora_spec else None
+        self.lora = {bs: lora.view(LoraBatch.max_blocks(bs, bs), bs) for bs in self.sizes} if lora is not None else {}
         # (kind, bs) -> the graph and its output buffer; kind: "cascade", or plain decode's
         # kernel ("tc" tensor cores, "decode")
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
