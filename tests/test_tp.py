@@ -6,7 +6,7 @@ logprobs within 1e-4 (float32), on a tiny Qwen2 whose single KV head every rank 
 split over 3 ranks (9 query and 3 KV heads split no other way; 3 layers, tied
 embeddings, an odd vocabulary), where 2 ranks are refused. Killing one rank fails the requests in flight
 and any later one within 5 s, and the KV accounting balances after the TP runs. Weight
-updates (from disk, from shared tensors) reach every rank's shard.
+updates (from disk, from shared tensors) reach every rank's shard, and so do LoRA adapters.
 The model's shards alone are checked tensor by tensor in tests/test_tp_model.py."""
 
 from __future__ import annotations
@@ -151,3 +151,24 @@ def test_tp2_weight_updates_reach_every_rank_shard(tmp_path: Path) -> None:
         assert e.get_weights_by_name(name, truncate_size=4096) == \
             pytest.approx(noisy[name].flatten()[:4096].tolist(), abs=1e-6)
         assert_kv_balanced(e.get_server_info())
+
+
+def test_tp2_lora_adapters_equal_peft_merged(tmp_path: Path) -> None:
+    """Each rank keeps its shard of every adapter (B by output rows under q/k/v and gate/up,
+    A by input columns under o and down): a batch mixing two adapters and the base model
+    gives the PEFT-merged models' tokens and logprobs."""
+    from tests.test_lora import ALL, check_against, make_adapter, merged
+
+    d = tiny_model_dir(tmp_path, "llama", vocab=512, seed=4)
+    adapters = {"all": make_adapter(d, tmp_path / "all", 4, ALL, 8, False, seed=1),
+                "qv": make_adapter(d, tmp_path / "qv", 8, ["q_proj", "v_proj"], 16, True, seed=2)}
+    names: list[str | None] = [None, "all", "qv"]
+    jobs = [(n, p) for n in names for p in PROMPTS]
+    with sgl.Engine(d, tp_size=2, transport="ipc", skip_tokenizer_init=True, device="cpu", dtype="float32",
+                    lora_paths=[f"{n}={p}" for n, p in adapters.items()]) as e:
+        outs = e.generate(input_ids=[p for _, p in jobs], lora_path=[n for n, _ in jobs], return_logprob=True,
+                          sampling_params={"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True})
+        assert_kv_balanced(e.get_server_info())
+    refs = {n: merged(d, None if n is None else adapters[n]) for n in names}
+    for (n, p), r in zip(jobs, outs):
+        check_against(refs[n], p, r)
