@@ -26,6 +26,14 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0, low: int = 10
     return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def w2_requests(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """W2's prompts and output lengths: both lengths uniform in [100, 1024], ids in [0, 10000)."""
+    rng = random.Random(seed)
+    ins = [rng.randint(100, 1024) for _ in range(n)]
+    outs = [rng.randint(100, 1024) for _ in range(n)]
+    return [[rng.randrange(10000) for _ in range(k)] for k in ins], outs
+
+
 def dummy_model_dir(config_name: str = "qwen3-0.6b") -> str:
     """A model directory holding only config.json, for load_format="dummy"."""
     import os
@@ -36,6 +44,28 @@ def dummy_model_dir(config_name: str = "qwen3-0.6b") -> str:
     d = os.path.join(tempfile.gettempdir(), f"sgl-bench-{config_name}")
     os.makedirs(d, exist_ok=True)
     shutil.copy(src, os.path.join(d, "config.json"))
+    return d
+
+
+def with_architecture(model: str, config_name: str) -> str:
+    """A model directory of the benchmark architecture `config_name` holding `model`'s
+    tokenizer files, its bos/eos/pad ids in the config (for load_format="dummy")."""
+    import json
+    import os
+    import shutil
+
+    d = dummy_model_dir(config_name) + "-tokenizer"
+    os.makedirs(d, exist_ok=True)
+    for f in os.listdir(model):
+        if f != "config.json" and not f.endswith((".safetensors", ".gguf", ".bin")):
+            shutil.copy(os.path.join(model, f), os.path.join(d, f))
+    with open(os.path.join(dummy_model_dir(config_name), "config.json")) as fh:
+        cfg = json.load(fh)
+    with open(os.path.join(model, "config.json")) as fh:
+        own = json.load(fh)
+    cfg.update({k: own[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in own})
+    with open(os.path.join(d, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
     return d
 
 

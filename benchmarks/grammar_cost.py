@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import time
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 import sgl
-from benchmarks.common import allowed_ids, loop_split
+from benchmarks.common import allowed_ids, loop_split, with_architecture
 from sgl.sched.grammar import tokenizer_width
 from sgl.sched.models.default_model import default_model_dir
 from sgl.sched.runner.grammar_masks import fill_threads
@@ -187,28 +186,6 @@ def matcher_costs(model: str, n: int, steps: int = 40) -> None:
     print(f"--- {n} matchers of the schema, ms per step over {steps} steps")
     for k, v in t.items():
         print(f"{k:<28} {v / steps * 1e3:7.2f}")
-
-
-def with_architecture(model: str, config_name: str) -> str:
-    """A model directory of the benchmark architecture `config_name` holding `model`'s
-    tokenizer files, its bos/eos/pad ids in the config (for load_format="dummy")."""
-    import shutil
-
-    from benchmarks.common import dummy_model_dir
-
-    d = dummy_model_dir(config_name) + "-tokenizer"
-    os.makedirs(d, exist_ok=True)
-    for f in os.listdir(model):
-        if f != "config.json" and not f.endswith((".safetensors", ".gguf", ".bin")):
-            shutil.copy(os.path.join(model, f), os.path.join(d, f))
-    with open(os.path.join(dummy_model_dir(config_name), "config.json")) as fh:
-        cfg = json.load(fh)
-    with open(os.path.join(model, "config.json")) as fh:
-        own = json.load(fh)
-    cfg.update({k: own[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in own})
-    with open(os.path.join(d, "config.json"), "w") as fh:
-        json.dump(cfg, fh)
-    return d
 
 
 def main() -> None:

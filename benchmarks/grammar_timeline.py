@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine
-from benchmarks.grammar_cost import SCHEMA, with_architecture
+from benchmarks.common import machine, with_architecture
+from benchmarks.grammar_cost import SCHEMA
 from sgl.core.protocol import GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 
 import torch
 
 import sgl
-from benchmarks.common import dummy_model_dir, loop_split, machine, random_prompts, table
+from benchmarks.common import dummy_model_dir, loop_split, machine, random_prompts, table, w2_requests
 
 FLOOR_W1_TOK_S = 44_000  # BENCHMARKS.md: the memory-bound floor of W1 on an H200
 
@@ -30,10 +29,8 @@ FLOOR_W1_TOK_S = 44_000  # BENCHMARKS.md: the memory-bound floor of W1 on an H20
 def workload(name: str, n: int) -> tuple[list[list[int]], list[int], float]:
     if name == "W1":
         return random_prompts(n, 512, 151000), [512] * n, 0.0
-    rng = random.Random(0)
-    ins = [rng.randint(100, 1024) for _ in range(n)]
-    outs = [rng.randint(100, 1024) for _ in range(n)]
-    return [[rng.randrange(10000) for _ in range(k)] for k in ins], outs, 0.6
+    prompts, outs = w2_requests(n)
+    return prompts, outs, 0.6
 
 
 def run_sgl(model_dir: str, prompts: list[list[int]], outs: list[int], temp: float, **kw: object) -> float:

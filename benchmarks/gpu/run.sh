@@ -14,7 +14,7 @@
 # Steps (each is one case below; the comment beside it says what it measures):
 #   set-up      jit tests beamtests cpuinfo parts
 #   control     control control8b (memory release and resume, weight updates)
-#   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 tp startup looplag priority
+#   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 w8 tp startup looplag priority
 #   A/B         old w3old w7old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
@@ -166,6 +166,21 @@ for step in "$@"; do
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
           && run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf)
       fi ;;
+    # W8, online serving (benchmarks/w8_online.py): `sgl serve` on the Qwen3-0.6B architecture
+    # (dummy bf16), Poisson rates and a concurrency sweep over HTTP with streaming, then stopped.
+    # With .lt brought along the server has the default model's tokenizer and both workloads
+    # run (w2, chat); without it, --skip-tokenizer-init and w2 alone. W8_ARGS replaces the sweep;
+    # the JSON and PNG plots go to the output folder.
+    w8) dir=$(python3 -c "from benchmarks.common import dummy_model_dir as d; print(d())")
+        tok=--skip-tokenizer-init; wl=w2
+        if [ -d .lt ]; then
+          dir=$(python3 -c "from benchmarks.common import with_architecture as w; print(w('.lt', 'qwen3-0.6b'))")
+          tok=; wl=w2,chat
+        fi
+        run 540 python3 -m benchmarks.w8_online --label sgl --url http://127.0.0.1:30000 --procs 4 \
+          --launch "python3 -m sgl.launch_server $dir --load-format dummy $tok --host 127.0.0.1 --port 30000 --random-seed 0" \
+          --workloads "$wl" --json "$results/w8_sgl.json" --plots "$results" \
+          ${W8_ARGS:---requests 64 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64} ;;
     # Start-up to ready (benchmarks/startup.py), STARTUP_REPEAT (3) starts.
     startup) run 200 python3 -m benchmarks.startup --repeat ${STARTUP_REPEAT:-3}
              echo "bytecode cache: $(find /tmp/pycache -name '*.pyc' 2>/dev/null | wc -l) files" ;;

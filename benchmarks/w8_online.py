@@ -1,0 +1,494 @@
+"""W8 (BENCHMARKS.md): online serving as a user feels it, against any OpenAI-compatible
+server (`sgl serve`, `vllm serve`), streaming over HTTP.
+
+Workloads: `w2`, W2's lengths (input and output uniform in [100, 1024], seed 0) sent as
+token-id prompts to /v1/completions at temperature 0.6; `chat`, a shared ~1,000-token
+system prompt plus a short unique user message to /v1/chat/completions, 128-256 output
+tokens. Every request sets `ignore_eos`, so it makes exactly the tokens asked. Each point
+(a Poisson request rate, `inf` = all at once, or a fixed concurrency: N workers, each
+sending its next request when its last one ends) sends `--requests` requests, seeded, with
+prompts of their own so that no point hits the prefix cache with another's (the chat
+system prompt is shared by all, as a deployment's would be).
+
+Per request: TTFT (send to the first chunk carrying a token), the gaps between chunks
+carrying tokens, end-to-end latency, output tokens. Tokens per chunk come from
+`stream_options: {"include_usage": true, "continuous_usage_stats": true}` (cumulative
+`usage.completion_tokens` on every chunk; sgl and vLLM both send it); a server that sends
+none is counted one token per chunk with choices, and the point says `tokens_from: chunks`.
+Per point, p50/p90/p99 of: TTFT; `itl`, every gap between token-carrying chunks of every
+request (a chunk carrying k tokens is one gap: what a reader sees); `tpot`, each request's
+mean inter-token time, (e2e - ttft) / (tokens - 1), over requests; e2e. Also the achieved
+request rate and output tokens/s (first send to last end), failures (a failed request is
+recorded, never fatal) and the client's own CPU time per chunk.
+
+The client is httpx streaming the server-sent events by hand: the openai client goes
+through the same httpx transport and then builds a pydantic object per chunk, which at
+thousands of chunks per second is client time measured as latency. `--procs P` splits
+each point's requests over P client processes (each with its own event loop, timestamps
+on the shared monotonic clock) for when one process's CPU would be the bottleneck: each
+point reports `client_cpu_load`, its CPU seconds per wall second.
+
+    python -m benchmarks.w8_online --url http://127.0.0.1:30000 [--workloads w2,chat]
+        [--rates 2,4,8,16,32,inf] [--concurrency 1,4,16,64] [--requests 256] [--json F]
+        [--launch 'sgl serve DIR --port 30000 ...']   # start the server, wait for it, stop it after
+        [--plots DIR] [--label sgl]
+    python -m benchmarks.w8_online --plot sgl.json vllm.json --labels sgl,vllm --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing
+import os
+import platform
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from benchmarks.common import table, w2_requests
+
+STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
+WORDS = ("the system shall answer every question with care and cite the relevant section of the policy "
+         "manual when a customer asks about refunds shipping warranty returns invoices accounts passwords "
+         "orders delivery dates product sizes colours materials prices discounts coupons gift cards stores "
+         "opening hours holidays privacy data security payment methods currency taxes exchange repair").split()
+
+
+@dataclass
+class Request:
+    """One request of a point: the route, its JSON body less the model, and the tokens it asks for."""
+
+    route: str
+    body: dict[str, Any]
+    max_tokens: int
+
+
+@dataclass
+class Record:
+    """What one request measured; times in seconds on the monotonic clock."""
+
+    index: int
+    sent: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    tokens: int = 0
+    asked: int = 0
+    chunks: int = 0
+    gaps: list[float] = field(default_factory=list)
+    from_usage: bool = True
+    error: str | None = None
+
+
+# ---------------------------------------------------------------- workloads
+
+def system_prompt(words: int = 750, seed: int = 0) -> str:
+    """About 1,000 tokens of English-like text (750 words of a small vocabulary)."""
+    rng = random.Random(seed)
+    return "You are a support assistant. " + " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def make_requests(workload: str, n: int, point: int, seed: int, temperature: float,
+                  output_cap: int | None = None) -> list[Request]:
+    """`n` requests of `workload` for point number `point`: W2's lengths always, fresh ids per
+    point; output lengths capped at `output_cap` if given."""
+    cap = output_cap or 1 << 30
+    if workload == "w2":
+        prompts, outs = w2_requests(n, seed)
+        outs = [min(o, cap) for o in outs]
+        rng = random.Random(seed * 1_000_003 + point)
+        reqs = []
+        for p, o in zip(prompts, outs):
+            ids = [rng.randrange(10000) for _ in p] if point else p
+            reqs.append(Request("/v1/completions", {"prompt": ids, "max_tokens": o, "temperature": temperature,
+                                                    "ignore_eos": True}, o))
+        return reqs
+    if workload == "chat":
+        rng = random.Random(seed * 1_000_003 + point)
+        sys_msg = system_prompt(seed=seed)
+        reqs = []
+        for i in range(n):
+            user = f"Ticket {point}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 24))) + "?"
+            o = min(rng.randint(128, 256), cap)
+            reqs.append(Request("/v1/chat/completions", {
+                "messages": [{"role": "system", "content": sys_msg}, {"role": "user", "content": user}],
+                "max_tokens": o, "temperature": temperature, "ignore_eos": True}, o))
+        return reqs
+    raise ValueError(f"unknown workload {workload!r} (w2, chat)")
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (s from the point's start) of a Poisson process at `rate` req/s; inf: all at 0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ---------------------------------------------------------------- the client
+
+async def stream_one(client: httpx.AsyncClient, model: str, req: Request, rec: Record) -> None:
+    """Send one streaming request and fill `rec`; any failure goes to `rec.error`."""
+    body = {**req.body, "model": model, "stream": True, "stream_options": STREAM_OPTIONS}
+    rec.asked = req.max_tokens
+    last = 0.0
+    usage_total: int | None = None
+    rec.sent = time.perf_counter()
+    try:
+        async with client.stream("POST", req.route, json=body) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return
+            buf = b""
+            async for data in r.aiter_raw():
+                now = time.perf_counter()
+                buf += data
+                # Events end with a blank line; a read may hold several or part of one.
+                while (end := buf.find(b"\n\n")) >= 0:
+                    event, buf = buf[:end], buf[end + 2:]
+                    if not event.startswith(b"data: "):
+                        continue
+                    payload = event[6:]
+                    if payload == b"[DONE]":
+                        break
+                    chunk = json.loads(payload)
+                    if "error" in chunk:
+                        rec.error = f"stream error: {str(chunk['error'])[:200]}"
+                        return
+                    usage = chunk.get("usage")
+                    choices = chunk.get("choices")
+                    if usage is not None:
+                        new = usage["completion_tokens"] - (usage_total or 0)
+                        usage_total = usage["completion_tokens"]
+                    elif choices:
+                        rec.from_usage = False
+                        delta = choices[0].get("delta")
+                        new = 0 if delta is not None and not delta.get("content") and delta.get("role") else 1
+                    else:
+                        new = 0
+                    if new <= 0:
+                        continue
+                    rec.chunks += 1
+                    rec.tokens += new
+                    if rec.ttft is None:
+                        rec.ttft = now - rec.sent
+                    else:
+                        rec.gaps.append(now - last)
+                    last = now
+        rec.e2e = last - rec.sent if rec.ttft is not None else time.perf_counter() - rec.sent
+        if usage_total is not None:
+            rec.tokens = usage_total
+        if rec.tokens != rec.asked:
+            rec.error = f"{rec.tokens} tokens of {rec.asked} asked"
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not the end of the run
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+
+
+def http_client(url: str, api_key: str | None, timeout: float) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(timeout, connect=30),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+
+async def run_share(url: str, api_key: str | None, model: str, reqs: list[tuple[int, Request]], t0: float,
+                    sends: list[float] | None, workers: int, timeout: float) -> list[Record]:
+    """Run this process's share of a point: at their send times (`sends`, s after `t0`), or
+    through `workers` workers each sending its next request when its last ends."""
+    recs = [Record(i) for i, _ in reqs]
+    async with http_client(url, api_key, timeout) as client:
+        if sends is not None:
+            async def at(k: int) -> None:
+                await asyncio.sleep(max(0.0, t0 + sends[k] - time.perf_counter()))
+                await stream_one(client, model, reqs[k][1], recs[k])
+
+            await asyncio.gather(*(at(k) for k in range(len(reqs))))
+        else:
+            todo = iter(range(len(reqs)))
+
+            async def worker() -> None:
+                for k in todo:
+                    await stream_one(client, model, reqs[k][1], recs[k])
+
+            await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
+            await asyncio.gather(*(worker() for _ in range(workers)))
+    return recs
+
+
+def _share_in_process(args: tuple[Any, ...]) -> tuple[list[Record], float]:
+    cpu = time.process_time()
+    recs = asyncio.run(run_share(*args))
+    return recs, time.process_time() - cpu
+
+
+def run_point(url: str, api_key: str | None, model: str, reqs: list[Request], sends: list[float] | None,
+              workers: int, procs: int, timeout: float) -> tuple[list[Record], float, float]:
+    """All of one point's requests, over `procs` client processes; returns the records (in
+    request order), the wall time from first send to last end, and the clients' CPU seconds."""
+    procs = max(1, min(procs, len(reqs)))
+    shares = [[(i, r) for i, r in enumerate(reqs) if i % procs == p] for p in range(procs)]
+    share_sends = [None if sends is None else [sends[i] for i, _ in s] for s in shares]
+    share_workers = [max(1, workers // procs + (p < workers % procs)) for p in range(procs)]
+    if procs == 1:
+        t0 = time.perf_counter()
+        results = [_share_in_process((url, api_key, model, shares[0], t0, share_sends[0], workers, timeout))]
+    else:
+        # Fork: the children start at once; t0 leaves them time to open their loops.
+        with multiprocessing.get_context("fork").Pool(procs) as pool:
+            t0 = time.perf_counter() + 0.2
+            results = pool.map(_share_in_process, [(url, api_key, model, s, t0, ss, w, timeout)
+                                                   for s, ss, w in zip(shares, share_sends, share_workers)])
+    recs = sorted((r for rs, _ in results for r in rs), key=lambda r: r.index)
+    ended = [r.sent + r.e2e for r in recs if r.e2e is not None]
+    wall = (max(ended) if ended else time.perf_counter()) - min(r.sent for r in recs)
+    return recs, wall, sum(c for _, c in results)
+
+
+# ---------------------------------------------------------------- statistics
+
+def percentiles(xs: list[float], scale: float = 1e3) -> dict[str, float | None]:
+    """p50/p90/p99 and mean of `xs` times `scale` (ms by default), linear between ranks."""
+    if not xs:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    s = sorted(xs)
+
+    def q(p: float) -> float:
+        k = (len(s) - 1) * p
+        lo = int(k)
+        hi = min(lo + 1, len(s) - 1)
+        return (s[lo] + (s[hi] - s[lo]) * (k - lo)) * scale
+
+    return {"p50": round(q(0.5), 3), "p90": round(q(0.9), 3), "p99": round(q(0.99), 3),
+            "mean": round(sum(s) / len(s) * scale, 3)}
+
+
+def summarize(workload: str, mode: str, value: float, recs: list[Record], wall: float, cpu: float) -> dict[str, Any]:
+    ok = [r for r in recs if r.error is None]
+    errors = sorted({r.error for r in recs if r.error is not None})
+    chunks = sum(r.chunks for r in recs)
+    tokens = sum(r.tokens for r in ok)
+    return {
+        "workload": workload, "mode": mode, "value": "inf" if math.isinf(value) else value,
+        "requests": len(recs), "ok": len(ok), "failed": len(recs) - len(ok), "errors": errors[:5],
+        "duration_s": round(wall, 3),
+        "req_s": round(len(ok) / wall, 3) if wall > 0 else None,
+        "out_tok_s": round(tokens / wall, 1) if wall > 0 else None, "out_tokens": tokens,
+        "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "itl_ms": percentiles([g for r in ok for g in r.gaps]),
+        "tpot_ms": percentiles([(r.e2e - r.ttft) / (r.tokens - 1) for r in ok
+                                if r.e2e is not None and r.ttft is not None and r.tokens > 1]),
+        "e2e_ms": percentiles([r.e2e for r in ok if r.e2e is not None]),
+        "tokens_per_chunk": round(tokens / max(1, sum(r.chunks for r in ok)), 3),
+        "tokens_from": "usage" if all(r.from_usage for r in recs) else "chunks",
+        "client_cpu_us_per_chunk": round(cpu / max(1, chunks) * 1e6, 1),
+        "client_cpu_load": round(cpu / wall, 3) if wall > 0 else None,
+    }
+
+
+def row(p: dict[str, Any]) -> dict[str, object]:
+    def ms(k: str, q: str) -> str:
+        v = p[k][q]
+        return "-" if v is None else f"{v:,.1f}"
+
+    point = f"{'rate' if p['mode'] == 'rate' else 'conc'} {float(p['value']):g}"
+    return {"point": point, "ok": f"{p['ok']}/{p['requests']}", "req/s": p["req_s"] or 0.0,
+            "out tok/s": p["out_tok_s"] or 0.0,
+            "TTFT p50/p90/p99 ms": "/".join(ms("ttft_ms", q) for q in ("p50", "p90", "p99")),
+            "ITL p50/p90/p99 ms": "/".join(ms("itl_ms", q) for q in ("p50", "p90", "p99")),
+            "TPOT p50/p99 ms": "/".join(ms("tpot_ms", q) for q in ("p50", "p99")),
+            "E2E p50/p99 s": "/".join("-" if p["e2e_ms"][q] is None else f"{p['e2e_ms'][q] / 1e3:.2f}"
+                                     for q in ("p50", "p99")),
+            "tok/chunk": p["tokens_per_chunk"],
+            "client cpu": f"{p['client_cpu_load'] or 0:.0%} ({p['client_cpu_us_per_chunk']:.0f} us/chunk)"}
+
+
+def result_line(label: str, points: list[dict[str, Any]]) -> str:
+    """`RESULT w8 ...`: failures, and per workload its best throughput, p50/p99 TTFT and ITL at concurrency 1."""
+    parts = [f"label={label}", f"failed={sum(p['failed'] for p in points)}"]
+    for w in dict.fromkeys(p["workload"] for p in points):
+        mine = [p for p in points if p["workload"] == w and p["ok"]]
+        if mine:
+            parts.append(f"{w}_max_tok_s={max(p['out_tok_s'] or 0 for p in mine):.0f}")
+        one = [p for p in mine if p["mode"] == "concurrency" and float(p["value"]) == 1]
+        for p in one[:1]:
+            for k in ("ttft_ms", "itl_ms"):
+                parts += [f"{w}_c1_{k[:-3]}_p50_ms={p[k]['p50']}", f"{w}_c1_{k[:-3]}_p99_ms={p[k]['p99']}"]
+    return "RESULT w8 " + " ".join(parts)
+
+
+# ---------------------------------------------------------------- plots
+
+def plot(results: list[tuple[str, dict[str, Any]]], out: str) -> list[str]:
+    """PNGs of p50/p99 TTFT and ITL against request rate, and against concurrency, one line per
+    result file; [] (and a message) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (run --plot on these JSON files where it is)")
+        return []
+    os.makedirs(out, exist_ok=True)
+    written = []
+    workloads = dict.fromkeys(p["workload"] for _, d in results for p in d["points"])
+    for w in workloads:
+        for mode, xlabel in (("rate", "request rate (req/s, Poisson)"), ("concurrency", "concurrent streams")):
+            fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+            drew = False
+            for label, d in results:
+                pts = sorted((p for p in d["points"] if p["workload"] == w and p["mode"] == mode and p["ok"]
+                              and not math.isinf(float(p["value"]))), key=lambda p: float(p["value"]))
+                if not pts:
+                    continue
+                drew = True
+                xs = [float(p["value"]) for p in pts]
+                for ax, key, name in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "itl_ms", "inter-token latency")):
+                    line, = ax.plot(xs, [p[key]["p50"] for p in pts], marker="o", label=f"{label} p50")
+                    ax.plot(xs, [p[key]["p99"] for p in pts], marker="x", linestyle="--", color=line.get_color(),
+                            label=f"{label} p99")
+                    ax.set_title(f"{w}: {name}")
+                    ax.set_ylabel("ms")
+                axes[2].plot(xs, [p["out_tok_s"] for p in pts], marker="o", label=label)
+                axes[2].set_title(f"{w}: output throughput")
+                axes[2].set_ylabel("tokens/s")
+            if not drew:
+                plt.close(fig)
+                continue
+            for ax in axes:
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel(xlabel)
+                ax.grid(True, which="both", alpha=0.3)
+                ax.legend(fontsize=8)
+            fig.tight_layout()
+            path = os.path.join(out, f"w8_{w}_{mode}.png")
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+# ---------------------------------------------------------------- the run
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, api_key: str | None, timeout: float) -> str:
+    """The served model's name, once GET /v1/models answers (within `timeout` s)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before it was ready")
+        try:
+            r = httpx.get(url + "/v1/models", headers=headers, timeout=5)
+            if r.status_code == 200:
+                return str(r.json()["data"][0]["id"])
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def sweep(a: argparse.Namespace, model: str) -> list[dict[str, Any]]:
+    points: list[dict[str, Any]] = []
+    plan = [("rate", float(v)) for v in a.rates.split(",") if v] + \
+           [("concurrency", float(v)) for v in a.concurrency.split(",") if v]
+    for w in a.workloads.split(","):
+        warm = make_requests(w, a.warmup, 10_000, a.seed, a.temperature, min(a.output_cap or 16, 16))
+        recs = run_point(a.url, a.api_key, model, warm, None, len(warm), 1, a.request_timeout)[0] if warm else []
+        bad = [r.error for r in recs if r.error]
+        print(f"{w}: warm-up {len(recs) - len(bad)}/{len(recs)} ok{' ' + bad[0] if bad else ''}", flush=True)
+        if warm and len(bad) == len(recs):
+            print(f"{w}: skipped, every warm-up request failed", flush=True)
+            continue
+        rows = []
+        for k, (mode, v) in enumerate(plan):
+            reqs = make_requests(w, a.requests, k + 1, a.seed, a.temperature, a.output_cap)
+            sends = arrivals(len(reqs), v, a.seed * 7919 + k) if mode == "rate" else None
+            recs, wall, cpu = run_point(a.url, a.api_key, model, reqs, sends, int(v) if sends is None else 0,
+                                        a.procs, a.request_timeout)
+            p = summarize(w, mode, v, recs, wall, cpu)
+            points.append(p)
+            rows.append(row(p))
+            print(f"{w} {rows[-1]['point']}: {p['ok']}/{p['requests']} ok, {p['out_tok_s']} tok/s, TTFT p50 "
+                  f"{p['ttft_ms']['p50']} ms, ITL p50 {p['itl_ms']['p50']} ms"
+                  + (f", errors {p['errors']}" if p["errors"] else ""), flush=True)
+        print(f"--- {w} ({a.label}, {a.url}, model {model}; ms unless said)")
+        print(table(rows), flush=True)
+    return points
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:30000")
+    ap.add_argument("--model", help="the served model's name (default: the first of /v1/models)")
+    ap.add_argument("--api-key")
+    ap.add_argument("--label", default="sgl", help="the engine's name in the table, JSON and plots")
+    ap.add_argument("--workloads", default="w2,chat")
+    ap.add_argument("--rates", default="2,4,8,16,32,inf", help="Poisson request rates, req/s (inf: all at once)")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--requests", type=int, default=256, help="requests per point")
+    ap.add_argument("--warmup", type=int, default=4, help="requests sent before each workload, not measured")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output-cap", type=int, help="cap every output length (quick runs)")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--procs", type=int, default=1, help="client processes sharing each point's requests")
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--json", help="write the points here")
+    ap.add_argument("--plots", help="also write PNG plots of this run into this folder")
+    ap.add_argument("--launch", help="a server command to start first (stopped with SIGTERM at the end)")
+    ap.add_argument("--launch-timeout", type=float, default=900.0)
+    ap.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these result files")
+    ap.add_argument("--labels", help="names for the --plot files, comma-separated (default: their labels)")
+    ap.add_argument("--out", default=".", help="the --plot mode's output folder")
+    a = ap.parse_args(argv)
+    if a.plot:
+        datas = [json.load(open(f)) for f in a.plot]
+        labels = a.labels.split(",") if a.labels else [d.get("label", f) for d, f in zip(datas, a.plot)]
+        for path in plot(list(zip(labels, datas)), a.out):
+            print(path)
+        return 0
+    proc = None
+    if a.launch:
+        proc = subprocess.Popen(shlex.split(a.launch), start_new_session=True)
+    try:
+        model = a.model or wait_ready(a.url, proc, a.api_key, a.launch_timeout)
+        if a.model and proc is not None:
+            wait_ready(a.url, proc, a.api_key, a.launch_timeout)
+        t0 = time.perf_counter()
+        points = sweep(a, model)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)  # the server stops its own children
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    data = {"label": a.label, "url": a.url, "model": model, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "host": f"{platform.node()} {platform.machine()} x{os.cpu_count()}", "python": sys.version.split()[0],
+            "httpx": httpx.__version__, "args": {k: v for k, v in vars(a).items() if k != "api_key"},
+            "seconds": round(time.perf_counter() - t0, 1), "points": points}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(data, f, indent=1)
+    if a.plots:
+        for path in plot([(a.label, data)], a.plots):
+            print(path)
+    print(result_line(a.label, points))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
