@@ -2,7 +2,7 @@
 for token (greedy) with logprobs within 1e-4, for three random adapters of different
 ranks and targets in one batch with base requests, on SmolLM2-135M and a tiny Qwen3;
 after an unload and a reload; with beams and grammars (against an engine whose base
-is the merged model); the radix cache never shares a prefix across adapters; what is
+is the merged model; a tiny Llama with SmolLM2's tokenizer there and over HTTP); the radix cache never shares a prefix across adapters; what is
 refused is refused with the caller's field named and nothing changed."""
 
 from __future__ import annotations
@@ -77,8 +77,13 @@ def check_against(hf: torch.nn.Module, prompt: list[int], result: dict[str, Any]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, str]:
     base = tmp_path_factory.mktemp("lora-models")
-    return {"smollm2": converted_default_model(str(request.config.cache.mkdir("sgl-default-model"))),
-            "qwen3": tiny_model_dir(base, "qwen3", vocab=384, seed=7, head_dim=16)}
+    smollm2 = converted_default_model(str(request.config.cache.mkdir("sgl-default-model")))
+    # A tiny Llama that speaks SmolLM2's tokenizer: text, chat and grammars at a fraction of the cost.
+    chat = tiny_model_dir(base, "llama", vocab=49152, seed=5)
+    for f in Path(smollm2).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, Path(chat) / f.name)
+    return {"smollm2": smollm2, "qwen3": tiny_model_dir(base, "qwen3", vocab=384, seed=7, head_dim=16), "chat": chat}
 
 
 @pytest.fixture(scope="module")
@@ -187,14 +192,14 @@ def test_refusals_change_nothing(lora_engine: tuple[str, sgl.Engine], models: di
 @pytest.fixture(scope="module")
 def merged_engines(models: dict[str, str], adapters: dict[str, dict[str, str]],
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[sgl.Engine, sgl.Engine]]:
-    """SmolLM2 with adapter all8, and SmolLM2 with all8 merged into its weights."""
-    d = tmp_path_factory.mktemp("merged") / "smollm2-all8"
-    merged(models["smollm2"], adapters["smollm2"]["all8"]).save_pretrained(d, safe_serialization=True)
-    for f in Path(models["smollm2"]).iterdir():
+    """A model with adapter all8, and the same with all8 merged into its weights."""
+    d = tmp_path_factory.mktemp("merged") / "chat-all8"
+    merged(models["chat"], adapters["chat"]["all8"]).save_pretrained(d, safe_serialization=True)
+    for f in Path(models["chat"]).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
             shutil.copy(f, d / f.name)
     kw: dict[str, Any] = {"dtype": "float32", "transport": "inproc", "random_seed": 0}
-    with sgl.Engine(models["smollm2"], lora_paths=[f"all8={adapters['smollm2']['all8']}"], **kw) as a, \
+    with sgl.Engine(models["chat"], lora_paths=[f"all8={adapters['chat']['all8']}"], **kw) as a, \
             sgl.Engine(str(d), **kw) as b:
         yield a, b
 
@@ -225,9 +230,9 @@ def test_http_routes_name_the_adapter(models: dict[str, str], adapters: dict[str
     unload route change what the server serves."""
     from tests.serve_util import ServerProc, openai_client
 
-    d = models["smollm2"]
+    d = models["chat"]
     s = ServerProc("--model-path", d, "--served-model-name", "smol", "--dtype", "float32",
-                   "--lora-paths", f"qv4={adapters['smollm2']['qv4']}", "--max-lora-rank", "16")
+                   "--lora-paths", f"qv4={adapters['chat']['qv4']}", "--max-lora-rank", "16")
     oai = openai_client(s.url + "/v1", "none", max_retries=0, timeout=120)
     try:
         listed = {m.id: m for m in oai.models.list().data}
@@ -240,7 +245,7 @@ def test_http_routes_name_the_adapter(models: dict[str, str], adapters: dict[str
         assert via_model.choices[0].text == native["text"]
         base = oai.completions.create(model="smol", prompt=PROMPTS[0], **greedy)  # type: ignore[arg-type]
         assert base.choices[0].text != via_model.choices[0].text
-        r = s.post("/v1/load_lora_adapter", json={"lora_name": "all8", "lora_path": adapters["smollm2"]["all8"]})
+        r = s.post("/v1/load_lora_adapter", json={"lora_name": "all8", "lora_path": adapters["chat"]["all8"]})
         assert r.status_code == 200, r.text
         chat = oai.chat.completions.create(model="all8", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         assert chat.model == "all8"
