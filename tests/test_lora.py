@@ -1,9 +1,10 @@
 """LoRA adapters end to end on CPU in float32: outputs equal PEFT's merged model token
 for token (greedy) with logprobs within 1e-4, for three random adapters of different
 ranks and targets in one batch with base requests, on SmolLM2-135M and a tiny Qwen3;
-after an unload and a reload; with beams and grammars (against an engine whose base
-is the merged model; a tiny Llama with SmolLM2's tokenizer there and over HTTP); the radix cache never shares a prefix across adapters; what is
-refused is refused with the caller's field named and nothing changed."""
+after an unload and a reload; with beams and grammars (against an engine whose base is
+the merged model; a tiny Llama with SmolLM2's tokenizer there and over HTTP); the radix
+cache never shares a prefix across adapters; what is refused is refused with the
+caller's field named and nothing changed."""
 
 from __future__ import annotations
 
