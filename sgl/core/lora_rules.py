@@ -2,16 +2,16 @@
 checks them: the engine front end (a fast path before anything is sent), the scheduler,
 and the fake engine of sgl.testing. Each function returns a message that names the
 caller's field and says what to do; none decides when to refuse. Bottom layer: imports
-nothing of sgl but `LORA_NAME`."""
+nothing of sgl but `LORA_NAME` and its wording."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-from sgl.core.server_args import LORA_NAME
+from sgl.core.server_args import LORA_NAME, LORA_NAME_RULE
 
-NAME_RULE = "must be an adapter's name: 1 to 128 letters, digits and ._-/:"
+NAME_RULE = f"must be an adapter's name: {LORA_NAME_RULE}"
 DISABLED = ("this engine serves no LoRA adapters: start it with --lora-paths NAME=PATH (adapters loaded at start) "
             "or --enable-lora (adapters loaded at run time)")
 

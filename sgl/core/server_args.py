@@ -13,6 +13,7 @@ MAX_TIMEOUT_S = 86_400.0  # a request's deadline (its timeout, or request_timeou
 MAX_LORA_RANK = 256  # the largest LoRA rank an engine's adapter pool may hold
 # An adapter's name, as requests give it (lora_path, or the OpenAI `model`).
 LORA_NAME = re.compile(r"[A-Za-z0-9._\-/:]{1,128}")
+LORA_NAME_RULE = "1 to 128 letters, digits and ._-/:"  # LORA_NAME, as errors say it
 
 
 class ModelFiles(msgspec.Struct, frozen=True):
@@ -230,8 +231,8 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 path = entry
                 name = entry.rstrip("/").rsplit("/", 1)[-1]
             if not name or not path or not LORA_NAME.fullmatch(name):
-                raise ValueError(f"lora_paths entry {entry!r} is invalid: give name=path (a name of letters, digits "
-                                 "and ._-/:, at most 128 characters) or a path")
+                raise ValueError(f"lora_paths entry {entry!r} is invalid: give name=path (a name of {LORA_NAME_RULE}) "
+                                 "or a path")
             if name in out:
                 raise ValueError(f"lora_paths names the adapter {name!r} twice")
             out[name] = path
