@@ -142,6 +142,21 @@ def write_adapters(outdir: str, config: str, count: int, rank: int = 16, seed: i
     return paths
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The flags both engines' multi-LoRA benchmarks take: the workload and the adapters."""
+    ap.add_argument("--adapters", default="0,1,8,32", help="comma list of adapter counts; 0 is the base model alone")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--config", default="qwen3-0.6b",
+                    help="an architecture of benchmarks/configs (vllm_lora.py: or a config.json)")
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs per engine; the median is reported")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--adapter-dir", default=None,
+                    help="where the adapters are (written there first when absent); default: "
+                         "/tmp/lora-adapters-CONFIG-rRANK")
+
+
 def workload(requests: int, input_len: int, output_len: int, adapters: int) -> tuple[
         list[list[int]], list[int], list[str | None]]:
     """W1's prompts (random_prompts(requests, input_len, 151000), seed 0), each request's

@@ -29,7 +29,15 @@ from typing import Any
 
 import sgl
 from benchmarks.common import dummy_model_dir, loop_split, machine, table
-from benchmarks.lora_adapters import adapter_names, check_prompt, default_dir, warmup_requests, workload, write_adapters
+from benchmarks.lora_adapters import (
+    adapter_names,
+    add_workload_args,
+    check_prompt,
+    default_dir,
+    warmup_requests,
+    workload,
+    write_adapters,
+)
 
 WARMUP_TOKENS = 64
 CHECK_TOKENS = 16
@@ -107,16 +115,7 @@ def run_variant(model_dir: str, adapters: int, paths: dict[str, str], a: argpars
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--adapters", default="0,1,8,32", help="comma list of adapter counts; 0 is the base model alone")
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=512)
-    ap.add_argument("--config", default="qwen3-0.6b", help="an architecture of benchmarks/configs")
-    ap.add_argument("--repeat", type=int, default=1, help="timed runs per engine; the median is reported")
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--adapter-dir", default=None,
-                    help="where the adapters are (written there first when absent); default: "
-                         "/tmp/lora-adapters-CONFIG-rRANK")
+    add_workload_args(ap)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--engine-kw", type=json.loads, default={}, help="engine options as JSON, for every engine")
     ap.add_argument("--json", default=None, help="also write the rows to this file")

@@ -46,6 +46,7 @@ from typing import Any
 from benchmarks.common import table
 from benchmarks.lora_adapters import (
     adapter_names,
+    add_workload_args,
     check_prompt,
     default_dir,
     load_config,
@@ -267,15 +268,7 @@ def run_child(n: int, a: argparse.Namespace, deadline: float) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--adapters", default="0,1,8,32", help="comma list of adapter counts; 0 is the base model alone")
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=512)
-    ap.add_argument("--config", default="qwen3-0.6b", help="an architecture of benchmarks/configs, or a config.json")
-    ap.add_argument("--repeat", type=int, default=1, help="timed runs per engine; the median is reported")
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--adapter-dir", default=None,
-                    help="where the adapters are (written there first when absent); default: as lora_gpu.py's")
+    add_workload_args(ap)
     ap.add_argument("--timeout", type=float, default=520, help="seconds for all variants together")
     ap.add_argument("--llm-kwargs", default=None, help="JSON dict of extra LLM(...) arguments, for every variant")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
