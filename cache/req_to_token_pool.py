@@ -64,10 +64,11 @@ class ReqToTokenPool:
         self._hi[row] = max(int(self._hi[row]), end)
 
     def write_at(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """row[rows[i], positions[i]] = slots[i], for distinct rows (one decode step)."""
+        """row[rows[i], positions[i]] = slots[i] (one decode step: a row appears once, or
+        at several positions in a speculative one)."""
         self.req_to_token[rows, positions] = slots.to(torch.int32)
-        self._lo[rows] = torch.minimum(self._lo[rows], positions)
-        self._hi[rows] = torch.maximum(self._hi[rows], positions + 1)
+        self._lo.scatter_reduce_(0, rows, positions, reduce="amin")
+        self._hi.scatter_reduce_(0, rows, positions + 1, reduce="amax")
 
     def sync(self) -> None:
         """Queue the copy of every range written since the last sync to the mirror."""

@@ -36,6 +36,9 @@ class ScheduleBatch:
     # Beam requests: (group, index in group) of their selection, set when the batch is
     # prepared (sgl.sched.runner.prepare_beams), read when its results are processed.
     beam_index: dict[Req, tuple[int, int]] = field(default_factory=dict)
+    # A speculative decode step: each entry's place among its request's rows (0: its last
+    # token; j: proposed token j, the entry's input). None for any other batch.
+    draft_index: list[int] | None = None
 
     @property
     def unique_reqs(self) -> list[Req]:
@@ -81,10 +84,20 @@ class ScheduleBatch:
         return cls(reqs, False, input_ids, rows, torch.cat(positions), out_cache_loc,
                    qo_lens, kv_lens, [r.epoch for r in reqs], partial, lp_in)
 
+    @property
+    def device_inputs(self) -> bool:
+        """A speculative step with beam entries: those read their input on the device (-1 here)."""
+        return self.input_ids is not None and self.is_decode and any(r.beam is not None for r in self.reqs)
+
     @classmethod
-    def decode(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool) -> ScheduleBatch:
+    def decode(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool,
+               proposals: list[list[int]] | None = None) -> ScheduleBatch:
         """One step: each req's newest token is written at its own new slot; a beam
-        request's rows, one entry each, are consecutive."""
+        request's rows, one entry each, are consecutive. With `proposals` (a speculative
+        step, sgl.sched.speculative) a request's last token and its proposed tokens are
+        consecutive entries of its one row at consecutive positions, inputs given here."""
+        if proposals is not None:
+            return cls._speculative(reqs, out_cache_loc, pool, proposals)
         entries = [r for r in reqs for _ in r.rows]
         rows = [row for r in reqs for row in r.rows]  # every running request holds its rows
         pos = torch.tensor([r.kv_len for r in entries], dtype=torch.int64)
@@ -94,3 +107,38 @@ class ScheduleBatch:
         n = len(entries)
         return cls(entries, True, None, rows, pos, out_cache_loc, [1] * n, (pos + 1).tolist(),
                    [r.epoch for r in entries], [False] * n, [(0, 0)] * n)
+
+    @classmethod
+    def _speculative(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool,
+                     proposals: list[list[int]]) -> ScheduleBatch:
+        """Every running request's last token is known on the host (a speculative engine's
+        requests run serially), but a beam's, whose rows move on the device: -1 there."""
+        entries: list[Req] = []
+        rows: list[int] = []
+        pos: list[int] = []
+        ids: list[int] = []
+        index: list[int] = []
+        for r, prop in zip(reqs, proposals):
+            if r.beam is not None:
+                for row in r.beam.rows:
+                    entries.append(r)
+                    rows.append(row)
+                    pos.append(r.kv_len)
+                    ids.append(-1)
+                    index.append(0)
+                r.kv_len += 1
+                continue
+            row = cast(int, r.req_pool_idx)
+            last = r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1]
+            for j, tok in enumerate([last, *prop]):
+                entries.append(r)
+                rows.append(row)
+                pos.append(r.kv_len + j)
+                ids.append(tok)
+                index.append(j)
+            r.kv_len += 1 + len(prop)
+        positions = torch.tensor(pos, dtype=torch.int64)
+        pool.write_at(torch.tensor(rows), positions, out_cache_loc)
+        n = len(entries)
+        return cls(entries, True, ids, rows, positions, out_cache_loc, [1] * n, [p + 1 for p in pos],
+                   [r.epoch for r in entries], [False] * n, [(0, 0)] * n, draft_index=index)

@@ -45,6 +45,7 @@ from sgl.sched.kv_cache import KVCache
 from sgl.sched.policy import seniority
 from sgl.sched.prefill import PrefillManager
 from sgl.sched.req import Req
+from sgl.sched.speculative import Speculator
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
@@ -58,8 +59,12 @@ class DecodeManager:
     (the scheduler's): a retraction victim with an abort pending ends instead."""
 
     def __init__(self, kv: KVCache, prefill: PrefillManager, context_length: int,
-                 finish: Callable[[Req, dict[str, Any]], None]) -> None:
+                 finish: Callable[[Req, dict[str, Any]], None], speculator: Speculator | None = None,
+                 max_rows: int | None = None) -> None:
         self.kv = kv
+        # Proposes tokens each step verifies (a speculative engine), within max_rows decode rows.
+        self.speculator = speculator
+        self.max_rows = max_rows
         self.prefill = prefill
         self.context_length = context_length
         self.finish = finish
@@ -94,13 +99,21 @@ class DecodeManager:
             if not reqs:
                 return None
             self.stepping = reqs
-            loc = self.kv.alloc(sum(len(r.rows) for r in reqs))  # a beam request steps every beam
+            rows = sum(len(r.rows) for r in reqs)  # a beam request steps every beam
+            props = None
+            if self.speculator is not None:
+                props = self.speculator.propose(reqs, self.context_length, self.max_rows)
+                loc = self.kv.alloc(rows + sum(map(len, props)))
+                if loc is not None:
+                    break
+                props = [[] for _ in reqs]  # short of KV: no proposals before any retraction
+            loc = self.kv.alloc(rows)
             if loc is not None:
                 break
             self._retract_youngest()  # one holder fewer each time: the loop ends
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.stats["decode_steps"] += 1
-        return ScheduleBatch.decode(reqs, loc, self.kv.pool)
+        return ScheduleBatch.decode(reqs, loc, self.kv.pool, props)
 
     def abort_ready(self) -> list[Req]:
         """The KV holders whose abort is pending and which no launched batch holds: they end now."""

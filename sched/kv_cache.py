@@ -92,6 +92,15 @@ class KVCache:
         """Hand the request's written tokens to the tree (they become shareable; it keeps its lock)."""
         self.tree.cache_unfinished_req(req)
 
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Free the request's own slots from position `kv_len` on (a speculative step's
+        rows past the tokens it took)."""
+        if kv_len < req.kv_len:
+            self._checked = False
+            row = req.req_pool_idx
+            self.allocator.free(self.pool.req_to_token[row, kv_len : req.kv_len].to(torch.int64))
+            req.kv_len = kv_len
+
     def release(self, req: Req, cache: bool) -> None:
         """Give back the request's rows and KV: into the radix tree, or freed outright
         (a beam request's beams first: its own row then holds the prompt alone)."""

@@ -36,7 +36,7 @@ MAX_ERROR_CHARS = 300  # of an exception's text in an abort message
 class Outcome(enum.Enum):
     """What one batch entry's share of a step's results does to its request."""
 
-    STALE = "stale"  # ended or retracted since the launch (or a beam request's later entry): dropped
+    STALE = "stale"  # ended or retracted since the launch (or a beam's or a speculative step's later entry): dropped
     ABORT = "abort"  # an abort is pending, or came with this step's errors: it ends once no batch holds it
     CHUNK = "chunk"  # a middle prefill chunk: prompt logprobs only, no token
     PROMPT = "prompt"  # a prefill-only request's prompt (max_new_tokens=0): logprobs, then it ends
@@ -60,7 +60,9 @@ class Outcomes:
                 req.to_abort = message
         kinds = []
         for i, (req, epoch, partial) in enumerate(zip(batch.reqs, batch.epochs, batch.partial)):
-            if req.finished or req.epoch != epoch or (req.beam is not None and i and batch.reqs[i - 1] is req):
+            later = (req.beam is not None and i and batch.reqs[i - 1] is req) or (
+                batch.draft_index is not None and batch.draft_index[i] > 0)  # applied with the request's first
+            if req.finished or req.epoch != epoch or later:
                 kinds.append(Outcome.STALE)
             elif req.to_abort is not None:
                 kinds.append(Outcome.ABORT)
@@ -187,15 +189,15 @@ class ResultProcessor:
             try:
                 if pooled is not None and i in pooled and req.pooled is not None and kind is not Outcome.ABORT:
                     req.pooled.add(pooled[i], batch.qo_lens[i])
-                self._apply(batch, res, i, req, kind, tok, first, a, k)
+                self._apply(batch, res, i, req, kind, tok, first, a, k, got.tokens)
             except Exception as e:  # contained to this request
                 self.failures += 1
                 self.log.exception("processing a request's results failed: it is aborted", rid=req.rid)
                 self.abort_now(req, error_message("result processing", e))
 
     def _apply(self, batch: ScheduleBatch, res: StepResult, i: int, req: Req, kind: Outcome, tok: int,
-               first: int, a: int, k: int) -> None:
-        """One request's share of a step's results."""
+               first: int, a: int, k: int, tokens: list[int]) -> None:
+        """One request's share of a step's results (`tokens`: every entry's sampled token)."""
         if kind is Outcome.ABORT:
             if req.inflight == 0:
                 self.finish(req, {"type": "abort", "message": req.to_abort})
@@ -219,10 +221,45 @@ class ResultProcessor:
             g, n = batch.beam_index[req]
             self.beams.apply(batch, i, req, res.beams[g], n)
             return
+        if batch.draft_index is not None:
+            self._apply_speculative(batch, res, i, req, tokens)
+            return
         req.output_ids.append(tok)
         reason = self._finish_reason(req, tok)
         if not batch.is_decode and reason is None:
             self.kv.cache_unfinished(req)  # its prompt is shareable while it decodes
+        if reason is not None:
+            self.finish(req, reason)
+        elif req.stream:
+            self.outbox.add(req)
+
+    def _apply_speculative(self, batch: ScheduleBatch, res: StepResult, i: int, req: Req, tokens: list[int]) -> None:
+        """A speculative step's rows i.. of one request (its last token, then its proposed
+        ones): it takes the sampled tokens up to the first that differs from the proposal
+        after it, up to its finish; the KV of the rows past what it took is freed (the
+        first row's logprobs are in already)."""
+        assert batch.input_ids is not None and batch.draft_index is not None
+        n = 1
+        while i + n < len(batch.reqs) and batch.draft_index[i + n] > 0:
+            n += 1
+        sampled = tokens[i : i + n]
+        spec = self.decode.speculator
+        assert spec is not None
+        accepted = spec.accepted(batch.input_ids[i + 1 : i + n], sampled)
+        reason = None
+        taken = 0
+        for e in range(accepted + 1):
+            if e and req.logprobs is not None and res.token is not None:
+                _add_logprobs(req, res, i + e, 0, 0, sampled=True)
+            req.output_ids.append(sampled[e])
+            taken += 1
+            reason = self._finish_reason(req, sampled[e])
+            if reason is not None:
+                break
+        # Rows 0..taken-1 hold the KV of the last token and the proposals taken before the newest
+        # token, whose own KV the next step writes (as in plain decode).
+        self.kv.truncate(req, int(batch.positions[i]) + taken)
+        spec.record(n - 1, taken)
         if reason is not None:
             self.finish(req, reason)
         elif req.stream:

@@ -60,6 +60,7 @@ from sgl.sched.req import Req
 from sgl.sched.results import Outbox, ResultProcessor, error_message
 from sgl.sched.runner.model_runner import ModelRunner
 from sgl.sched.runner.step import Step
+from sgl.sched.speculative import Speculator
 from sgl.sched.stop import StopStrings
 from sgl.transports.channel import Receiver, Sender
 
@@ -85,12 +86,15 @@ class Scheduler:
         self.lora = LoraManager(r, args) if r.lora_spec is not None else None
         self.grammars = Grammars(tok_path, r.vocab_size, set(r.eos_ids), args.trust_remote_code,
                                  enabled=args.grammar_backend != "none", tp=tp)
+        self.speculator = Speculator(args) if args.speculative_algorithm is not None else None
         self.intake = RequestIntake(r, self.grammars, tok_path is not None, tuple(args.custom_logit_processors),
-                                    args.max_top_logprobs_num, args.max_queued_requests, self.lora)
+                                    args.max_top_logprobs_num, args.max_queued_requests, self.lora,
+                                    speculative=self.speculator is not None)
         self.prefill = PrefillManager(self.kv, policy=args.schedule_policy, max_prefill_tokens=args.max_prefill_tokens,
                                       chunk_size=r.chunked_prefill_size or r.context_length, vocab_size=r.vocab_size,
                                       max_running_requests=r.max_running_requests, lora=self.lora)
-        self.decode = DecodeManager(self.kv, self.prefill, r.context_length, self.finish)
+        self.decode = DecodeManager(self.kv, self.prefill, r.context_length, self.finish, self.speculator,
+                                    r.graph_bs)
         self.faults = FaultInjector(self.prefill, self.decode, self.grammars, self._queue, self._abort, tp.size)
         self.deadlines = Deadlines(args.request_timeout, clock, tp)
         self.outbox = Outbox()
@@ -116,7 +120,8 @@ class Scheduler:
                "max_top_logprobs_num": self.args.max_top_logprobs_num, **self.runner.info(), **self.kv.info(),
                **self.prefill.info(), **self.decode.info(), "grammars_compiling": len(self.grammars.pending),
                "failures": self.results.failures, **self.stats, **self.control.info(), **self.deadlines.stats,
-               "deadlines": len(self.deadlines.reqs), **(self.lora.info() if self.lora is not None else {})}
+               "deadlines": len(self.deadlines.reqs), **(self.lora.info() if self.lora is not None else {}),
+               **(self.speculator.info() if self.speculator is not None else {})}
         out["waiting"] += len(self.faults.delayed)  # held back by a planted fault: waiting all the same
         out["running"] += len(self.faults.hung)
         return out

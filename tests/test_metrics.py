@@ -17,7 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import sgl
 from sgl.runtime.metrics import PEER_NAMES, SGLANG_NAMES, VLLM_NAMES, Metrics
 
-INFO = {"max_total_tokens": 100, "kv_free": 50, "kv_evictable": 10, "running": 2, "waiting": 1}
+INFO = {"max_total_tokens": 100, "kv_free": 50, "kv_evictable": 10, "running": 2, "waiting": 1,
+        # a speculative engine's (sgl.sched.speculative): 4 request steps took 5 of 9 proposals
+        "spec_steps": 4, "spec_proposed_tokens": 9, "spec_accepted_tokens": 5, "spec_accept_length": 2.25}
 SGL_ONLY = {"sgl_scheduler_up", "sgl_transport_refused"}
 
 
@@ -80,6 +82,9 @@ def test_both_name_families_carry_the_same_values() -> None:
     assert got[("vllm:request_success_total", (("finished_reason", "stop"), *vllm))] == 1
     assert got[("vllm:prefix_cache_queries_total", vllm)] == 13 and got[("vllm:prefix_cache_hits_total", vllm)] == 4
     assert got[("vllm:num_requests_running", vllm)] == 2 and got[("sglang:num_used_tokens", vllm)] == 40
+    assert got[("sglang:spec_accept_length", vllm)] == 2.25 == got[("sgl_spec_accept_length", ())]
+    assert got[("vllm:spec_decode_num_draft_tokens_total", vllm)] == 9
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", vllm)] == 5
 
 
 def test_gen_throughput_counts_the_recent_window() -> None:

@@ -118,7 +118,7 @@ class BatchPreparer:
         reqs = batch.reqs
         same = self._sampling[1] if key and self._sampling[0] == key else None
         sampling = SamplingBatch.from_reqs(reqs, r.vocab_size, dev, r.eos_ids, r.processors, batch.is_decode,
-                                           same_as=same)
+                                           same_as=same, ahead=batch.draft_index)
         self._sampling = (key, sampling if key else None)
         logits_rows = qo_indptr[1:] - 1
         sample_rows = None

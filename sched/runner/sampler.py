@@ -59,10 +59,12 @@ class SamplingBatch:
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device, eos_ids: frozenset[int] = frozenset(),
                   processors: dict[str, CustomLogitProcessor] | None = None, is_decode: bool = False,
-                  same_as: SamplingBatch | None = None) -> SamplingBatch:
+                  same_as: SamplingBatch | None = None, ahead: list[int] | None = None) -> SamplingBatch:
         """same_as: the batch built for the same requests in the same rows (the previous
         decode step): its per-request tensors are reused, since a request's sampling
-        parameters never change; what depends on the tokens generated so far is rebuilt."""
+        parameters never change; what depends on the tokens generated so far is rebuilt.
+        ahead: each entry's output position past its request's next (a speculative step's
+        rows: row j samples the request's output token len(output_ids) + j)."""
         ps = [r.sampling_params for r in reqs]
         if same_as is not None:
             sb = replace(same_as, generators=[None] * len(reqs), seeded=False, ban=None, processors=None)
@@ -72,6 +74,8 @@ class SamplingBatch:
         # will add a token; a prefill row's in-flight batches (earlier chunks, or batches
         # made stale by a retraction) never do.
         done = [len(r.output_ids) + (r.inflight if is_decode else 0) for r in reqs]
+        if ahead is not None:
+            done = [d + j for d, j in zip(done, ahead)]
         for i, (p, k) in enumerate(zip(ps, done)):
             if p.seed is not None and not p.is_greedy:
                 sb.generators[i] = torch.Generator(device).manual_seed((p.seed * _SEED_MIX + k) % (1 << 63))

@@ -13,6 +13,8 @@ MAX_TIMEOUT_S = 86_400.0  # a request's deadline (its timeout, or request_timeou
 MAX_LORA_RANK = 256  # the largest LoRA rank an engine's adapter pool may hold
 # An adapter's name, as requests give it (lora_path, or the OpenAI `model`).
 LORA_NAME = re.compile(r"[A-Za-z0-9._\-/:]{1,128}")
+MAX_DRAFT_TOKENS = 16  # tokens a speculative decode step verifies per request, at most
+MAX_NGRAM_WINDOW = 64  # the longest suffix an n-gram proposal matches
 LORA_NAME_RULE = "1 to 128 letters, digits and ._-/:"  # LORA_NAME, as errors say it
 
 
@@ -98,6 +100,14 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                                       "all"]] = []
     max_loras_per_batch: int = 8
     max_loaded_loras: int = 64
+    # Speculative decoding (SGLang's names). NGRAM: each decode step verifies, per request, its
+    # last token and up to speculative_num_draft_tokens - 1 tokens proposed from the request's
+    # own prompt and output (the longest of its last 1..12 tokens, by the two window sizes,
+    # found earlier in them: what followed is the proposal); outputs are those of plain decode.
+    speculative_algorithm: Literal["NGRAM"] | None = None
+    speculative_num_draft_tokens: int = 5
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
     # Serve embeddings (engine.encode, /v1/embeddings) with a model whose files do not say
     # how to pool (no sentence-transformers modules.json); `pooling` overrides the files' mode.
     is_embedding: bool = False
@@ -160,7 +170,14 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _positive(self, "max_total_tokens", "context_length", "max_running_requests", "cuda_graph_max_bs",
                   "tensor_core_decode_min_batch",
                   "max_top_logprobs_num", "max_queued_requests", "max_lora_rank", "max_loras_per_batch",
-                  "max_loaded_loras")
+                  "max_loaded_loras", "speculative_ngram_min_match_window_size")
+        if not 2 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"speculative_num_draft_tokens={self.speculative_num_draft_tokens} is invalid: must be "
+                             f"in [2, {MAX_DRAFT_TOKENS}] (the last token and at least one proposed one)")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not lo <= hi <= MAX_NGRAM_WINDOW:
+            raise ValueError(f"speculative_ngram_max_match_window_size={hi} is invalid: must be in "
+                             f"[speculative_ngram_min_match_window_size ({lo}), {MAX_NGRAM_WINDOW}]")
         if self.max_lora_rank is not None and self.max_lora_rank > MAX_LORA_RANK:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} is invalid: must be at most {MAX_LORA_RANK}")
         adapters = self.lora_adapters  # checks the entries

@@ -15,6 +15,13 @@ FIELD_HELP: dict[str, str] = {
     "max_loras_per_batch": "LoRA adapters on the device at once, so in one batch (others wait, or are loaded "
                            "in place of unused ones)",
     "max_loaded_loras": "LoRA adapters held in host memory at once (loads past it are refused)",
+    "speculative_algorithm": "speculative decoding: NGRAM proposes tokens from each request's own prompt and output, "
+                             "verified in one forward (same outputs, fewer steps on text that repeats); unset: off",
+    "speculative_num_draft_tokens": "tokens a speculative step verifies per request: its last token and up to N-1 "
+                                    "proposed ones",
+    "speculative_ngram_min_match_window_size": "NGRAM: the shortest suffix of a request's tokens matched earlier "
+                                               "in them",
+    "speculative_ngram_max_match_window_size": "NGRAM: the longest suffix matched (longer ones are tried first)",
     "model_path": "Hugging Face model directory or .gguf file (also the positional MODEL of `sgl serve`); "
                   "unset: the default model, SmolLM2-135M-Instruct",
     "tokenizer_path": "tokenizer directory, if not the model's",

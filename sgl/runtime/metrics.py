@@ -54,6 +54,7 @@ SGLANG_NAMES = {
     "sgl_time_to_first_token_seconds": "sglang:time_to_first_token_seconds",
     "sgl_inter_token_latency_seconds": "sglang:inter_token_latency_seconds",
     "sgl_e2e_request_latency_seconds": "sglang:e2e_request_latency_seconds",
+    "sgl_spec_accept_length": "sglang:spec_accept_length",
 }
 # ... and vLLM's (its V1 engine's names).
 VLLM_NAMES = {
@@ -68,6 +69,9 @@ VLLM_NAMES = {
     "sgl_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
     "sgl_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
     "sgl_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "sgl_spec_steps": "vllm:spec_decode_num_drafts",
+    "sgl_spec_proposed_tokens": "vllm:spec_decode_num_draft_tokens",
+    "sgl_spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
 }
 PEER_NAMES = (SGLANG_NAMES, VLLM_NAMES)
 FINISH_REASONS = ("stop", "length", "abort")
@@ -184,6 +188,14 @@ def _scheduler_families(info: dict[str, Any] | None) -> Iterator[Metric]:
     yield GaugeMetricFamily("sgl_token_usage", "Share of KV slots held by requests.", _token_usage(info))
     yield GaugeMetricFamily("sgl_kv_used_tokens", "KV slots held by requests.", _kv_used(info))
     yield GaugeMetricFamily("sgl_kv_total_tokens", "KV slots in the pool.", info["max_total_tokens"])
+    if info.get("spec_steps") is not None:  # a speculative engine
+        yield GaugeMetricFamily("sgl_spec_accept_length", "Tokens a request gains per speculative step, on average.",
+                                info["spec_accept_length"] or 0.0)
+        yield CounterMetricFamily("sgl_spec_steps", "Requests' speculative steps.", info["spec_steps"])
+        yield CounterMetricFamily("sgl_spec_proposed_tokens", "Tokens proposed to speculative steps.",
+                                  info["spec_proposed_tokens"])
+        yield CounterMetricFamily("sgl_spec_accepted_tokens", "Proposed tokens the speculative steps accepted.",
+                                  info["spec_accepted_tokens"])
     refused = CounterMetricFamily("sgl_transport_refused", "Frames or messages the scheduler's receiver refused.",
                                   labels=["kind"])
     for kind in KINDS:

@@ -1,0 +1,134 @@
+"""Speculative decoding by n-gram lookup (prompt lookup): proposals from a request's own
+prompt and output, and what a verify step's sampled tokens make of them.
+
+A speculative decode step runs, for each request, its last token and the d tokens
+proposed after it as d + 1 consecutive decode rows of its one request row (each row
+attends to the ones before it: their KV is written in the same forward before attention
+reads it), and samples every row as plain decode would sample it, with the request's
+parameters and a seed's draw for that output position. The request takes the sampled
+tokens up to and including the first that differs from the proposal after it. For a
+proposal that is a single token (a point mass), "sample the row and accept the proposal
+iff the sample equals it" is exactly speculative sampling's rule: the proposal is taken
+with probability p(proposal), and on a rejection the sample is drawn from p without it,
+renormalised, which is the residual distribution. So greedy and sampled outputs are
+those of plain decode, token for token under a seed.
+
+Proposals: the longest suffix of the request's tokens (max down to min window) that
+occurred earlier in them; the tokens that followed its latest earlier occurrence are
+the proposal. The search runs in C over the tokens packed as 4-byte words
+(bytes.rfind), kept per request and appended to as tokens come: a kept library for
+this exists only as part of other engines (vLLM's numba proposer, SGLang's C++ trie).
+
+Nothing here allocates KV, builds batches or runs the model."""
+
+from __future__ import annotations
+
+import array
+from typing import Any
+
+from sgl.core.server_args import ServerArgs
+from sgl.sched.req import Req
+
+_WORD = 4  # bytes per token id in a request's packed ids
+
+
+class NgramIndex:
+    """One request's tokens packed as int32 words for the suffix search."""
+
+    __slots__ = ("ids", "buf")
+
+    def __init__(self) -> None:
+        self.ids = array.array("i")
+        self.buf = b""
+
+    def sync(self, req: Req) -> None:
+        """Take in the request's tokens not seen yet (prompt, then outputs as they come)."""
+        n = len(self.ids)
+        prompt = req.origin_input_ids
+        if n < len(prompt):
+            self.ids.extend(prompt[n:])
+            n = len(prompt)
+        out = req.output_ids
+        if n < len(prompt) + len(out):
+            self.ids.extend(out[n - len(prompt):])
+        if len(self.buf) != len(self.ids) * _WORD:
+            self.buf = self.ids.tobytes()
+
+    def propose(self, k: int, lo: int, hi: int) -> list[int]:
+        """Up to k tokens: what followed the latest earlier occurrence of the longest
+        suffix of lo..hi tokens; [] when none occurred."""
+        ids, buf = self.ids, self.buf
+        total = len(ids)
+        for n in range(min(hi, total - 1), lo - 1, -1):
+            pattern = buf[(total - n) * _WORD:]
+            end = (total - 1) * _WORD  # a match must end before the last token: something follows it
+            at = buf.rfind(pattern, 0, end)
+            while at >= 0 and at % _WORD:  # a match across word boundaries is not one of tokens
+                at = buf.rfind(pattern, 0, at + len(pattern) - 1)
+            if at >= 0:
+                start = at // _WORD + n
+                return ids[start:start + k].tolist()
+        return []
+
+
+class Speculator:
+    """The NGRAM proposer of an engine and its acceptance counts. A request speculates
+    unless its next token depends on state the verify rows do not carry: beams, a trie or
+    a grammar (their masks follow the matcher token by token), penalties (counts per
+    request row), or a custom logit processor (it may read the output ids)."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.rows = args.speculative_num_draft_tokens  # rows a request verifies per step, at most
+        self.lo = args.speculative_ngram_min_match_window_size
+        self.hi = args.speculative_ngram_max_match_window_size
+        self.stats = {"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
+
+    @staticmethod
+    def eligible(req: Req) -> bool:
+        p = req.sampling_params
+        return (req.beam is None and req.trie is None and p.grammar is None and not p.has_penalties
+                and not req.processor)
+
+    def propose(self, reqs: list[Req], context_length: int, max_rows: int | None) -> list[list[int]]:
+        """Each request's proposal for the next step ([] for none): at most rows - 1
+        tokens, fewer when its output or context has less room (its last token and the
+        proposal fill rows of the request table, and every one could be accepted), and
+        all together within max_rows decode rows (the CUDA graphs' largest batch)."""
+        k = self.rows - 1
+        if max_rows is not None:
+            k = min(k, max(0, (max_rows - len(reqs)) // len(reqs)))
+        out: list[list[int]] = []
+        for r in reqs:
+            room = min(k, r.tokens_left(context_length) - 1)
+            if room <= 0 or not self.eligible(r):
+                out.append([])
+                continue
+            index = r.ngram
+            if index is None:
+                index = r.ngram = NgramIndex()
+            index.sync(r)
+            out.append(index.propose(room, self.lo, self.hi))
+        return out
+
+    @staticmethod
+    def accepted(proposal: list[int], sampled: list[int]) -> int:
+        """How many proposed tokens the verify rows' sampled tokens accept: row j's sample
+        must equal proposal j (row j's input is the token before it)."""
+        a = 0
+        while a < len(proposal) and sampled[a] == proposal[a]:
+            a += 1
+        return a
+
+    def record(self, proposed: int, taken: int) -> None:
+        """One request's verify: `proposed` tokens, `taken` tokens it kept (proposals and the last sampled one)."""
+        st = self.stats
+        st["spec_steps"] += 1
+        st["spec_proposed_tokens"] += proposed
+        st["spec_accepted_tokens"] += taken - 1
+
+    def info(self) -> dict[str, Any]:
+        st = self.stats
+        steps = st["spec_steps"]
+        # SGLang's accept length: tokens a request gains per verify step (its accepted proposals and one more).
+        return {**st, "spec_algorithm": "NGRAM", "spec_num_draft_tokens": self.rows,
+                "spec_accept_length": (steps + st["spec_accepted_tokens"]) / steps if steps else None}

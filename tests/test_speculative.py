@@ -1,0 +1,243 @@
+"""Speculative decoding (NGRAM): proposals, and outputs equal to plain decoding.
+
+On the default model in float32 an engine with speculative decoding (and 32-token
+prefill chunks) and one without serve the same requests: greedy tokens equal, logprobs
+within float noise, a seed's samples equal token for token, finishes (length, stop
+strings, stop ids, min_new_tokens) equal, grammar and penalty requests in the same batch
+equal; unseeded samples come from the same distribution (a permutation test on the
+first tokens of many samples, with the proposals accepted and rejected along the way);
+a stream left early frees its KV. The prompts ask the model to repeat a text, so the
+proposals are mostly right and every step kind (nothing proposed, all taken, a
+rejection part way) occurs."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import sgl
+from sgl.core.sampling_params import SamplingParams
+from sgl.sched.req import Req
+from sgl.sched.speculative import NgramIndex, Speculator
+from tests.conftest import assert_kv_balanced, settle_aborts, tiny_model_dir
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
+    "Rivers carry sand to the sea, and the sea gives it back to the shore as beaches.",
+    "A list of three colours: red, green and blue; and of three shapes: circle, square and triangle.",
+]
+
+
+def copy_prompt(text: str) -> str:
+    return f"Repeat this text exactly:\n{text}\nRepeated text:\n"
+
+
+PROMPTS = [copy_prompt(t) for t in TEXTS] + ["Name the planets of the solar system."]
+
+
+def reference_proposal(ids: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The rule, spelled out: the longest suffix (hi down to lo tokens) found earlier,
+    ending before the last token; what followed its latest such occurrence."""
+    for n in range(min(hi, len(ids) - 1), lo - 1, -1):
+        suffix = ids[len(ids) - n:]
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == suffix:
+                return ids[start + n:start + n + k]
+    return []
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=8),
+       st.integers(1, 6), st.integers(1, 4), st.integers(0, 6))
+def test_ngram_proposal_is_the_latest_continuation_of_the_longest_suffix(
+        prompt: list[int], output: list[int], k: int, lo: int, extra: int) -> None:
+    req = Req("r", prompt or [0], SamplingParams(max_new_tokens=64), False)
+    index = NgramIndex()
+    for j in range(len(output) + 1):  # synced as outputs come, one token at a time
+        req.output_ids = output[:j]
+        index.sync(req)
+        assert index.propose(k, lo, lo + extra) == reference_proposal(req.all_ids, k, lo, lo + extra)
+
+
+def test_large_ids_match_only_whole_tokens() -> None:
+    # 0x01000000 and 0x00000001 share bytes: a byte match across two tokens is no match.
+    req = Req("r", [1, 2**24, 7, 1], SamplingParams(), False)
+    index = NgramIndex()
+    index.sync(req)
+    assert index.propose(3, 1, 1) == [2**24, 7, 1]
+    req = Req("r", [2**24 * 5, 1, 9, 2**24], SamplingParams(), False)
+    index = NgramIndex()
+    index.sync(req)
+    assert index.propose(2, 1, 1) == []
+
+
+def test_proposals_fit_the_output_room_and_the_rows() -> None:
+    args = sgl.ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    spec = Speculator(args)
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    reqs = [Req(str(m), ids, SamplingParams(max_new_tokens=m), False) for m in (1, 2, 3, 50)]
+    assert [len(p) for p in spec.propose(reqs, 4096, None)] == [0, 1, 2, 4]
+    assert [len(p) for p in spec.propose(reqs, 4096, 8)] == [0, 1, 1, 1]  # 8 rows for 4 requests
+    assert [len(p) for p in spec.propose(reqs, len(ids) + 3, None)] == [0, 1, 2, 2]  # the context's room
+    penalised = Req("p", ids, SamplingParams(max_new_tokens=9, frequency_penalty=0.5), False)
+    assert spec.propose([penalised], 4096, None) == [[]]
+
+
+def test_accepted_counts_the_matching_prefix() -> None:
+    assert Speculator.accepted([5, 6, 7], [5, 6, 9, 1]) == 2
+    assert Speculator.accepted([5, 6, 7], [4, 6, 7, 1]) == 0
+    assert Speculator.accepted([5, 6, 7], [5, 6, 7, 1]) == 3
+    assert Speculator.accepted([], [3]) == 0
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[sgl.Engine]:
+    with sgl.Engine(transport="inproc", random_seed=1) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[sgl.Engine]:
+    with sgl.Engine(transport="inproc", random_seed=1, speculative_algorithm="NGRAM",
+                    speculative_num_draft_tokens=5, chunked_prefill_size=32) as e:
+        yield e
+
+
+def _both(plain: sgl.Engine, engine: sgl.Engine, *args: Any, **kw: Any) -> tuple[Any, Any]:
+    return plain.generate(*args, **kw), engine.generate(*args, **kw)
+
+
+def test_greedy_outputs_and_logprobs_equal_plain_decoding(plain: sgl.Engine, engine: sgl.Engine) -> None:
+    before = engine.get_server_info()
+    sp = {"max_new_tokens": 40, "temperature": 0}
+    a, b = _both(plain, engine, PROMPTS, sp, return_logprob=True, top_logprobs_num=2)
+    for x, y in zip(a, b):
+        assert y["output_ids"] == x["output_ids"]
+        assert y["meta_info"]["finish_reason"] == x["meta_info"]["finish_reason"]
+        lx, ly = x["meta_info"]["output_token_logprobs"], y["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in ly] == y["output_ids"]
+        assert max(abs(p - q) for (p, _, _), (q, _, _) in zip(lx, ly)) < 1e-3
+        assert [[t for _, t, _ in row] for row in y["meta_info"]["output_top_logprobs"]] == \
+               [[t for _, t, _ in row] for row in x["meta_info"]["output_top_logprobs"]]
+    info = engine.get_server_info()
+    steps = info["spec_steps"] - before["spec_steps"]
+    gained = sum(len(y["output_ids"]) for y in b) - len(b)  # each request's first token came with its prompt
+    assert steps < gained  # fewer request steps than tokens: proposals were taken
+    assert info["spec_accept_length"] > 1.4
+
+
+def test_seeded_samples_equal_plain_decoding(plain: sgl.Engine, engine: sgl.Engine) -> None:
+    sps = [{"max_new_tokens": 32, "temperature": t, "top_p": 0.95, "seed": s}
+           for s, t in zip(range(4), (0.3, 0.7, 1.0, 0.5))]
+    a, b = _both(plain, engine, PROMPTS, sps)
+    assert [y["output_ids"] for y in b] == [x["output_ids"] for x in a]
+
+
+FINISHES = [
+    {"max_new_tokens": 1}, {"max_new_tokens": 2}, {"max_new_tokens": 3}, {"max_new_tokens": 7},
+    {"max_new_tokens": 32, "stop": [" dog"]}, {"max_new_tokens": 32, "stop": ["sea"], "no_stop_trim": True},
+    {"max_new_tokens": 32, "min_new_tokens": 20, "stop": ["."]},
+]
+
+
+def test_finishes_equal_plain_decoding(plain: sgl.Engine, engine: sgl.Engine) -> None:
+    """Length at 1, 2, 3 and 7 tokens (the proposals are cut to the room left), stop strings
+    ending inside a taken proposal, min_new_tokens: one batch of every pair."""
+    prompts = [p for p in PROMPTS[:3] for _ in FINISHES]
+    sps = [{**sp, "temperature": 0} for _ in PROMPTS[:3] for sp in FINISHES]
+    a, b = _both(plain, engine, prompts, sps)
+    for x, y in zip(a, b):
+        assert (y["text"], y["output_ids"], y["meta_info"]["finish_reason"]) == \
+               (x["text"], x["output_ids"], x["meta_info"]["finish_reason"])
+
+
+def test_stop_token_ids_and_a_cached_prefix(plain: sgl.Engine, engine: sgl.Engine) -> None:
+    base = plain.generate(PROMPTS[0], {"max_new_tokens": 30, "temperature": 0})["output_ids"]
+    sp = {"max_new_tokens": 30, "temperature": 0, "stop_token_ids": [base[9]]}
+    a, b = _both(plain, engine, PROMPTS[0], sp)
+    assert b["output_ids"] == a["output_ids"] == base[:base.index(base[9]) + 1]
+    again = engine.generate(PROMPTS[0], sp)
+    assert again["output_ids"] == a["output_ids"] and again["meta_info"]["cached_tokens"] > 0
+
+
+def test_grammar_penalties_and_n_in_one_batch(plain: sgl.Engine, engine: sgl.Engine) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    sps = [{"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(schema)},
+           {"max_new_tokens": 40, "temperature": 0, "frequency_penalty": 0.8, "presence_penalty": 0.3},
+           {"max_new_tokens": 40, "temperature": 0, "n": 2},
+           {"max_new_tokens": 40, "temperature": 0}]
+    prompts = ["Give a person as JSON.", PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+    a, b = _both(plain, engine, prompts, sps)
+    assert len(b[2]) == 2  # n=2: its two samples
+
+    def ids(outs: list[Any]) -> list[list[int]]:
+        return [o["output_ids"] for out in outs for o in (out if isinstance(out, list) else [out])]
+
+    assert ids(b) == ids(a)
+    assert json.loads(b[0]["text"]).keys() == {"name", "age"}
+
+
+def test_leaving_a_stream_frees_its_kv(engine: sgl.Engine) -> None:
+    stream = engine.generate(PROMPTS[0], {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+                             stream=True)
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            break
+    stream.close()  # type: ignore[attr-defined]
+    settle_aborts(engine)  # the autouse check then finds the KV balanced
+
+
+def _chi2(a: Counter[int], b: Counter[int]) -> float:
+    """Pearson's homogeneity statistic of two samples over their categories."""
+    na, nb = sum(a.values()), sum(b.values())
+    total = 0.0
+    for key in set(a) | set(b):
+        k = a[key] + b[key]
+        ea, eb = k * na / (na + nb), k * nb / (na + nb)
+        total += (a[key] - ea) ** 2 / ea + (b[key] - eb) ** 2 / eb
+    return total
+
+
+def _statistic(a: list[list[int]], b: list[list[int]]) -> float:
+    """The chi-square statistics of the tokens at each output position past the first
+    (those speculative steps make), summed."""
+    return sum(_chi2(Counter(x[j] for x in a), Counter(x[j] for x in b)) for j in range(1, len(a[0])))
+
+
+def test_unseeded_samples_come_from_the_same_distribution(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """400 samples of 4 tokens each from a tiny random model over 8 tokens, whose prompt
+    gives a proposal at every step, taken about a quarter of the time: the position-wise
+    token counts of the two engines, in a permutation test of Pearson's statistic.
+    Seeded engines: the same verdict on every run. (Taking a rejected proposal 30% of the
+    time, the classic bias toward the draft, fails it.)"""
+    model = tiny_model_dir(tmp_path_factory.mktemp("spec-tiny"), "llama", vocab=8, seed=4, initializer_range=0.2)
+    prompt = random.Random(5).choices(range(7), k=24)
+    sp = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+    outs = []
+    for spec in ({}, {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}):
+        with sgl.Engine(model, transport="inproc", skip_tokenizer_init=True, dtype="float32", random_seed=1,
+                        **spec) as e:
+            outs.append([o["output_ids"] for o in e.generate(input_ids=[prompt] * 400, sampling_params=sp)])
+            if spec:
+                info = e.get_server_info()
+                assert 0.15 < info["spec_accepted_tokens"] / info["spec_proposed_tokens"] < 0.7
+                assert_kv_balanced(info)
+    a, b = outs
+    observed = _statistic(a, b)
+    pool = a + b
+    rng = random.Random(0)
+    trials = 500
+    worse = 0
+    for _ in range(trials):
+        rng.shuffle(pool)
+        worse += _statistic(pool[:400], pool[400:]) >= observed
+    assert (worse + 1) / (trials + 1) > 0.01
