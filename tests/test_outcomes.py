@@ -56,7 +56,7 @@ def test_the_matchers_get_exactly_the_tokens_applied(states: list[str], seed: in
     reqs = [r for r, _, _ in made]
     batch: Any = SimpleNamespace(reqs=reqs, epochs=[e for _, e, _ in made], partial=[p for _, _, p in made],
                                  lp_in=[(0, 0)] * len(reqs), is_decode=decode and "partial" not in states,
-                                 unique_reqs=reqs)
+                                 unique_reqs=reqs, draft_index=None)
     ids = torch.arange(len(states)) + seed
     for i, s in enumerate(states):
         if s == "eos":
