@@ -6,7 +6,8 @@ n > 1 expanded into siblings with a prefix leader as the tokenizer manager does,
 stop ids, lengths, ignore_eos, streaming; now and then one the limits refuse), aborts
 land at random moments, and the scheduler steps. Each run draws its pools (small
 enough to force eviction, retraction and chunked prefill) and the class fixes the
-overlap loop on or off.
+overlap loop on or off, and NGRAM speculative steps on or off (sgl.sched.speculative:
+a request's rows past what it took are freed at once; outputs equal the reference's).
 
 After every scheduler step the machine proves:
 - KV accounting: every KV slot has exactly one owner (the free list, a tree node, or
@@ -221,6 +222,7 @@ configs = st.fixed_dictionaries({
 
 class SchedulerMachine(RuleBasedStateMachine):
     OVERLAP = False
+    SPECULATIVE = False  # NGRAM steps (sgl.sched.speculative), their requests serial
     MODEL = ""
 
     def __init__(self) -> None:
@@ -240,7 +242,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(cfg=configs)
     def build(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
-        self.s, self.recv, self.send = make_scheduler(self.MODEL, disable_overlap_schedule=not self.OVERLAP, **cfg)
+        spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4} if self.SPECULATIVE else {}
+        self.s, self.recv, self.send = make_scheduler(self.MODEL, disable_overlap_schedule=not self.OVERLAP,
+                                                      **spec, **cfg)
 
     # ---- rules ----
 
@@ -413,13 +417,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             if where != 1:
                 raise fail("no request lost", f"{rid}: live {names[rid]}, queued {queued[rid]}, "
                                               f"finished {sub.finish}")
-        pending = Counter(id(r) for r in s.last.batch.reqs) if s.last is not None else Counter()
-        decoding = s.last is not None and s.last.batch.is_decode
+        launched = s.last.batch if s.last is not None else None
+        pending = Counter(id(r) for r in launched.unique_reqs) if launched is not None else Counter()
+        # The positions a launched decode step writes per request: one, or a speculative step's rows.
+        rows = (Counter(id(r) for r in launched.reqs) if launched is not None and launched.draft_index is not None
+                else pending)
+        decoding = launched is not None and launched.is_decode
         for r in live:
             if r.inflight != pending[id(r)]:
                 raise fail("token/KV alignment", f"{r}: inflight {r.inflight}, in the launched batch {pending[id(r)]}")
             if r in s.decode.running:
-                expect = r.seq_len - 1 + (1 if decoding and pending[id(r)] else 0)
+                expect = r.seq_len - 1 + (rows[id(r)] if decoding else 0)
                 if r.kv_len != expect:
                     raise fail("token/KV alignment", f"running {r}: kv_len {r.kv_len}, expected {expect}")
             elif r in s.prefill.waiting:
@@ -489,6 +497,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not self.broken:
                 self._finish()
         finally:
+            if (spec := self.s.speculator) is not None:
+                STATS["proposed tokens"] += spec.stats["spec_proposed_tokens"]
+                STATS["accepted tokens"] += spec.stats["spec_accepted_tokens"]
             close(self.s)
 
     def _finish(self) -> None:
@@ -534,10 +545,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             raise fail("idle KV", f"violations {info['invariant_violations']}, rows free {pool.available_size()}")
 
 
-def machine(model: str, overlap: bool) -> type[SchedulerMachine]:
+def machine(model: str, overlap: bool, speculative: bool = False) -> type[SchedulerMachine]:
     REFERENCES.setdefault(model, Reference(model))
-    name = f"SchedulerMachine{'Overlap' if overlap else 'Plain'}"
-    return type(name, (SchedulerMachine,), {"OVERLAP": overlap, "MODEL": model})
+    name = f"SchedulerMachine{'Overlap' if overlap else 'Plain'}{'Speculative' if speculative else ''}"
+    return type(name, (SchedulerMachine,), {"OVERLAP": overlap, "MODEL": model, "SPECULATIVE": speculative})
 
 
 @pytest.fixture(scope="module")
@@ -564,17 +575,19 @@ def _report(label: str, before: Counter[str], t0: float) -> None:
           f"{d['requests']} requests, {d['retractions']} retractions, {d['aborted']} aborted "
           f"({d['KV-holder aborts']} aborts at a KV holder), "
           f"{d['drain_steps']} drain steps, {d['examples retracting']} examples retracting, "
+          f"{d['accepted tokens']} of {d['proposed tokens']} proposed tokens accepted, "
           f"peak drain/bound {PEAK['drain/bound']:.2f}, {time.perf_counter() - t0:.1f} s")
 
 
 @_soak
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_scheduler_state_machine(model_dir: str, overlap: bool) -> None:
+@pytest.mark.parametrize("overlap, speculative", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "overlap", "speculative"])
+def test_scheduler_state_machine(model_dir: str, overlap: bool, speculative: bool) -> None:
     before, t0 = STATS.copy(), time.perf_counter()
     try:
-        run_state_machine_as_test(machine(model_dir, overlap), settings=machine_settings())
+        run_state_machine_as_test(machine(model_dir, overlap, speculative), settings=machine_settings())
     finally:
-        _report(f"overlap={overlap} profile={PROFILE_NAME}", before, t0)
+        _report(f"overlap={overlap} speculative={speculative} profile={PROFILE_NAME}", before, t0)
 
 
 # ---- planted bugs ----
