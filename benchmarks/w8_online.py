@@ -7,14 +7,14 @@ system prompt plus a short unique user message to /v1/chat/completions, 128-256 
 tokens. Both set `ignore_eos` on every request, so each makes exactly the tokens asked.
 `edit` is copy-heavy, the shape that speculative decoding by n-gram lookup speeds up: a
 chat request to correct the spelling of a passage of this repository's docs/*.md (80-300
-words of prose, two adjacent letters swapped in ~3% of its words) and reply with the
-corrected text only; max_tokens is 1.3 times the passage's tokens (estimated at 4
-characters each), at most 512, and the model stops where it is done (no `ignore_eos`, so
-output lengths are the model's). Each point (a Poisson request rate, `inf` = all at once,
-or a fixed concurrency: N workers, each sending its next request when its last one ends)
-sends `--requests` requests, seeded, with prompts of their own so that no point hits the
-prefix cache with another's (the chat system prompt is shared by all, as a deployment's
-would be).
+words of prose, so the prompts follow the checkout's docs; two adjacent letters swapped in
+~3% of its words) and reply with the corrected text only; max_tokens is 1.3 times the
+passage's tokens (estimated at 4 characters each), at most 512, and the model stops where
+it is done (no `ignore_eos`, so output lengths are the model's). Each point (a Poisson
+request rate, `inf` = all at once, or a fixed concurrency: N workers, each sending its next
+request when its last one ends) sends `--requests` requests, seeded, with prompts of their
+own so that no point hits the prefix cache with another's (the chat system prompt is shared
+by all, as a deployment's would be).
 
 Per request: TTFT (send to the first chunk carrying a token), the gaps between chunks
 carrying tokens, end-to-end latency, output tokens. Tokens per chunk come from
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing
@@ -593,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     proc = None
     if a.launch:
+        # A SIGTERM (a time limit's) ends the run through the `finally` below, which stops the
+        # server: it runs in a process group of its own, so it would otherwise outlive this one.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         proc = subprocess.Popen(shlex.split(a.launch), start_new_session=True)
     try:
         model = a.model or wait_ready(a.url, proc, a.api_key, a.launch_timeout)
@@ -608,6 +612,10 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            # Anything the server left running in its process group would keep the GPU memory
+            # and the port from the next server a script starts.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
     data = {"label": a.label, "url": a.url, "model": model, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "host": f"{platform.node()} {platform.machine()} x{os.cpu_count()}", "python": sys.version.split()[0],
             "httpx": httpx.__version__, "args": {k: v for k, v in vars(a).items() if k != "api_key"},
