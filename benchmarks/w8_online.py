@@ -4,11 +4,17 @@ server (`sgl serve`, `vllm serve`), streaming over HTTP.
 Workloads: `w2`, W2's lengths (input and output uniform in [100, 1024], seed 0) sent as
 token-id prompts to /v1/completions at temperature 0.6; `chat`, a shared ~1,000-token
 system prompt plus a short unique user message to /v1/chat/completions, 128-256 output
-tokens. Every request sets `ignore_eos`, so it makes exactly the tokens asked. Each point
-(a Poisson request rate, `inf` = all at once, or a fixed concurrency: N workers, each
-sending its next request when its last one ends) sends `--requests` requests, seeded, with
-prompts of their own so that no point hits the prefix cache with another's (the chat
-system prompt is shared by all, as a deployment's would be).
+tokens. Both set `ignore_eos` on every request, so each makes exactly the tokens asked.
+`edit` is copy-heavy, the shape that speculative decoding by n-gram lookup speeds up: a
+chat request to correct the spelling of a passage of this repository's docs/*.md (80-300
+words of prose, so the prompts follow the checkout's docs; two adjacent letters swapped in
+~3% of its words) and reply with the corrected text only; max_tokens is 1.3 times the
+passage's tokens (estimated at 4 characters each), at most 512, and the model stops where
+it is done (no `ignore_eos`, so output lengths are the model's). Each point (a Poisson
+request rate, `inf` = all at once, or a fixed concurrency: N workers, each sending its next
+request when its last one ends) sends `--requests` requests, seeded, with prompts of their
+own so that no point hits the prefix cache with another's (the chat system prompt is shared
+by all, as a deployment's would be).
 
 Per request: TTFT (send to the first chunk carrying a token), the gaps between chunks
 carrying tokens, end-to-end latency, output tokens. Tokens per chunk come from
@@ -28,8 +34,9 @@ each point's requests over P client processes (each with its own event loop, tim
 on the shared monotonic clock) for when one process's CPU would be the bottleneck: each
 point reports `client_cpu_load`, its CPU seconds per wall second.
 
-    python -m benchmarks.w8_online --url http://127.0.0.1:30000 [--workloads w2,chat]
+    python -m benchmarks.w8_online --url http://127.0.0.1:30000 [--workloads w2,chat,edit]
         [--rates 2,4,8,16,32,inf] [--concurrency 1,4,16,64] [--requests 256] [--json F]
+        # `--rates none` (or `--concurrency none`) leaves that sweep out
         [--launch 'sgl serve DIR --port 30000 ...']   # start the server, wait for it, stop it after
         [--plots DIR] [--label sgl]
     python -m benchmarks.w8_online --plot sgl.json vllm.json --labels sgl,vllm --out DIR
@@ -39,18 +46,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing
 import os
 import platform
 import random
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -62,15 +73,26 @@ WORDS = ("the system shall answer every question with care and cite the relevant
          "manual when a customer asks about refunds shipping warranty returns invoices accounts passwords "
          "orders delivery dates product sizes colours materials prices discounts coupons gift cards stores "
          "opening hours holidays privacy data security payment methods currency taxes exchange repair").split()
+DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
+EDIT_WORDS = (80, 300)  # a passage's length in words, at least and at most
+EDIT_TYPO_RATE = 0.03  # the share of a passage's words given a typo
+# max_tokens: the passage's tokens, estimated at 4 characters each (0.9-1.3x the real count
+# with SmolLM2's tokenizer, whose docs passages run 1.3-2.6 tokens a word), times 1.3.
+EDIT_CHARS_PER_TOKEN = 4
+EDIT_OUTPUT_ROOM = 1.3
+EDIT_MAX_TOKENS = 512
+EDIT_INSTRUCTION = "Rewrite the text below with its spelling mistakes corrected. Reply with the corrected text only."
 
 
 @dataclass
 class Request:
-    """One request of a point: the route, its JSON body less the model, and the tokens it asks for."""
+    """One request of a point: the route, its JSON body less the model, and the tokens it asks
+    for; `exact`: it ignores EOS, so anything but `max_tokens` tokens is a failure."""
 
     route: str
     body: dict[str, Any]
     max_tokens: int
+    exact: bool = True
 
 
 @dataclass
@@ -100,7 +122,7 @@ def system_prompt(words: int = 750, seed: int = 0) -> str:
 def make_requests(workload: str, n: int, point: int, seed: int, temperature: float,
                   output_cap: int | None = None) -> list[Request]:
     """`n` requests of `workload` for point number `point`: W2's lengths always, fresh ids per
-    point; output lengths capped at `output_cap` if given."""
+    point (w2), fresh messages per point (chat, edit); output lengths capped at `output_cap` if given."""
     cap = output_cap or 1 << 30
     if workload == "w2":
         prompts, outs = w2_requests(n, seed)
@@ -112,6 +134,8 @@ def make_requests(workload: str, n: int, point: int, seed: int, temperature: flo
             reqs.append(Request("/v1/completions", {"prompt": ids, "max_tokens": o, "temperature": temperature,
                                                     "ignore_eos": True}, o))
         return reqs
+    if workload == "edit":
+        return edit_requests(n, point, seed, temperature, cap)
     if workload == "chat":
         rng = random.Random(seed * 1_000_003 + point)
         sys_msg = system_prompt(seed=seed)
@@ -123,7 +147,109 @@ def make_requests(workload: str, n: int, point: int, seed: int, temperature: flo
                 "messages": [{"role": "system", "content": sys_msg}, {"role": "user", "content": user}],
                 "max_tokens": o, "temperature": temperature, "ignore_eos": True}, o))
         return reqs
-    raise ValueError(f"unknown workload {workload!r} (w2, chat)")
+    raise ValueError(f"unknown workload {workload!r} (w2, chat, edit)")
+
+
+_LIST_ITEM = re.compile(r"([-*+]|\d+[.)])\s")
+_TYPO_WORD = re.compile(r"([A-Za-z]{4,})([,.;:!?]?)")
+
+
+def prose_runs(markdown: str) -> list[list[str]]:
+    """The runs of consecutive prose paragraphs of a Markdown text, each paragraph on one line;
+    a code block, table, heading, list or quote ends a run."""
+    blocks: list[list[str] | None] = []  # paragraphs as their lines; None where a code block stood
+    lines: list[str] = []
+    fenced = False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            blocks += [lines, None]
+            lines = []
+            fenced = not fenced
+        elif not fenced and line.strip():
+            lines.append(line)
+        elif not fenced:
+            blocks.append(lines)
+            lines = []
+    blocks.append(lines)
+    runs: list[list[str]] = [[]]
+    for block in blocks:
+        if block == []:
+            continue
+        if block is not None and is_prose(block):
+            runs[-1].append(" ".join(line.strip() for line in block))
+        elif runs[-1]:
+            runs.append([])
+    return [run for run in runs if run]
+
+
+def is_prose(paragraph: list[str]) -> bool:
+    """Whether a Markdown paragraph (its lines) is text: not a heading, list, quote, HTML,
+    indented code or table."""
+    first = paragraph[0]
+    return not (first.startswith(("#", ">", "<", "    ", "\t")) or _LIST_ITEM.match(first)
+                or any(line.lstrip().startswith("|") for line in paragraph))
+
+
+@lru_cache(maxsize=4)
+def doc_passages(folder: str = str(DOCS_DIR)) -> tuple[str, ...]:
+    """Prose passages of EDIT_WORDS words from `folder`'s *.md files, in file order: a prose
+    paragraph joined with those right after it until the passage has enough words."""
+    lo, hi = EDIT_WORDS
+    passages: list[str] = []
+    for path in sorted(Path(folder).glob("*.md")):
+        for run in prose_runs(path.read_text(encoding="utf-8")):
+            taken: list[str] = []
+            for para in run:
+                if taken and len(" ".join(taken + [para]).split()) > hi:
+                    taken = []  # too short alone, too long with the next paragraph: left out
+                taken.append(para)
+                words = len(" ".join(taken).split())
+                if words > hi:
+                    taken = []
+                elif words >= lo:
+                    passages.append("\n\n".join(taken))
+                    taken = []
+    return tuple(passages)
+
+
+def with_typos(text: str, rng: random.Random, rate: float = EDIT_TYPO_RATE) -> str:
+    """`text` with two adjacent letters swapped, never the first or the last, in ~`rate` of its
+    words (at least one): words of 4+ letters and nothing else but a trailing punctuation mark."""
+    words = text.split(" ")
+    candidates = []
+    for i, word in enumerate(words):
+        m = _TYPO_WORD.fullmatch(word)
+        if m and any(a != b for a, b in zip(m[1][1:-2], m[1][2:-1])):
+            candidates.append(i)
+    if not candidates:
+        return text
+    for i in sorted(rng.sample(candidates, min(len(candidates), max(1, round(rate * len(words)))))):
+        m = _TYPO_WORD.fullmatch(words[i])
+        assert m is not None
+        letters = m[1]
+        k = rng.choice([k for k in range(1, len(letters) - 2) if letters[k] != letters[k + 1]])
+        words[i] = letters[:k] + letters[k + 1] + letters[k] + letters[k + 2:] + m[2]
+    return " ".join(words)
+
+
+def edit_requests(n: int, point: int, seed: int, temperature: float, cap: int) -> list[Request]:
+    """The edit workload: passages in a seeded order of their own per point, fresh typos
+    per request, and a system message naming the request so that requests share no prefix."""
+    passages = doc_passages()
+    if not passages:
+        raise ValueError(f"no prose passages of {EDIT_WORDS[0]}-{EDIT_WORDS[1]} words in {DOCS_DIR}/*.md")
+    rng = random.Random(seed * 1_000_003 + point)
+    order = list(range(len(passages)))
+    rng.shuffle(order)
+    reqs = []
+    for i in range(n):
+        text = passages[order[i % len(order)]]
+        o = min(math.ceil(len(text) / EDIT_CHARS_PER_TOKEN * EDIT_OUTPUT_ROOM), EDIT_MAX_TOKENS, cap)
+        messages = [{"role": "system", "content": f"You are a careful copy editor (job {point}-{i})."},
+                    {"role": "user", "content": f"{EDIT_INSTRUCTION}\n\n{with_typos(text, rng)}"}]
+        reqs.append(Request("/v1/chat/completions", {"messages": messages, "max_tokens": o,
+                                                     "temperature": temperature}, o, exact=False))
+    return reqs
 
 
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -191,7 +317,7 @@ async def stream_one(client: httpx.AsyncClient, model: str, req: Request, rec: R
         rec.e2e = last - rec.sent if rec.ttft is not None else time.perf_counter() - rec.sent
         if usage_total is not None:
             rec.tokens = usage_total
-        if rec.tokens != rec.asked:
+        if rec.tokens != rec.asked and (req.exact or not 0 < rec.tokens < rec.asked):
             rec.error = f"{rec.tokens} tokens of {rec.asked} asked"
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not the end of the run
         rec.error = f"{type(e).__name__}: {e}"[:300]
@@ -315,7 +441,8 @@ def row(p: dict[str, Any]) -> dict[str, object]:
 
 
 def result_line(label: str, points: list[dict[str, Any]]) -> str:
-    """`RESULT w8 ...`: failures, and per workload its best throughput, p50/p99 TTFT and ITL at concurrency 1."""
+    """`RESULT w8 ...`: failures, and per workload its best throughput, p50/p99 TTFT and ITL and
+    p50 TPOT at concurrency 1."""
     parts = [f"label={label}", f"failed={sum(p['failed'] for p in points)}"]
     for w in dict.fromkeys(p["workload"] for p in points):
         mine = [p for p in points if p["workload"] == w and p["ok"]]
@@ -325,6 +452,7 @@ def result_line(label: str, points: list[dict[str, Any]]) -> str:
         for p in one[:1]:
             for k in ("ttft_ms", "itl_ms"):
                 parts += [f"{w}_c1_{k[:-3]}_p50_ms={p[k]['p50']}", f"{w}_c1_{k[:-3]}_p99_ms={p[k]['p99']}"]
+            parts.append(f"{w}_c1_tpot_p50_ms={p['tpot_ms']['p50']}")
     return "RESULT w8 " + " ".join(parts)
 
 
@@ -400,10 +528,14 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, api_key: str | No
         time.sleep(0.5)
 
 
+def point_values(spec: str) -> list[float]:
+    """The numbers of a comma-separated `--rates`/`--concurrency` list; '' or `none`: no points."""
+    return [float(v) for v in spec.split(",") if v.strip() and v.strip().lower() != "none"]
+
+
 def sweep(a: argparse.Namespace, model: str) -> list[dict[str, Any]]:
     points: list[dict[str, Any]] = []
-    plan = [("rate", float(v)) for v in a.rates.split(",") if v] + \
-           [("concurrency", float(v)) for v in a.concurrency.split(",") if v]
+    plan = [("rate", v) for v in point_values(a.rates)] + [("concurrency", v) for v in point_values(a.concurrency)]
     for w in a.workloads.split(","):
         warm = make_requests(w, a.warmup, 10_000, a.seed, a.temperature, min(a.output_cap or 16, 16))
         recs = run_point(a.url, a.api_key, model, warm, None, len(warm), 1, a.request_timeout)[0] if warm else []
@@ -435,9 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="the served model's name (default: the first of /v1/models)")
     ap.add_argument("--api-key")
     ap.add_argument("--label", default="sgl", help="the engine's name in the table, JSON and plots")
-    ap.add_argument("--workloads", default="w2,chat")
-    ap.add_argument("--rates", default="2,4,8,16,32,inf", help="Poisson request rates, req/s (inf: all at once)")
-    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--workloads", default="w2,chat", help="comma-separated: w2, chat, edit")
+    ap.add_argument("--rates", default="2,4,8,16,32,inf",
+                    help="Poisson request rates, req/s (inf: all at once); none: no rate points")
+    ap.add_argument("--concurrency", default="1,4,16,64", help="concurrent streams; none: no concurrency points")
     ap.add_argument("--requests", type=int, default=256, help="requests per point")
     ap.add_argument("--warmup", type=int, default=4, help="requests sent before each workload, not measured")
     ap.add_argument("--seed", type=int, default=0)
@@ -461,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     proc = None
     if a.launch:
+        # A SIGTERM (a time limit's) ends the run through the `finally` below, which stops the
+        # server: it runs in a process group of its own, so it would otherwise outlive this one.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         proc = subprocess.Popen(shlex.split(a.launch), start_new_session=True)
     try:
         model = a.model or wait_ready(a.url, proc, a.api_key, a.launch_timeout)
@@ -476,6 +612,10 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            # Anything the server left running in its process group would keep the GPU memory
+            # and the port from the next server a script starts.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
     data = {"label": a.label, "url": a.url, "model": model, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "host": f"{platform.node()} {platform.machine()} x{os.cpu_count()}", "python": sys.version.split()[0],
             "httpx": httpx.__version__, "args": {k: v for k, v in vars(a).items() if k != "api_key"},

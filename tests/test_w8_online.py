@@ -1,6 +1,7 @@
 """W8's load generator (benchmarks/w8_online.py) against a real `sgl serve` with the null
-model and the default model's tokenizer: a Poisson point and a concurrency point of each
-workload, every request whole, percentiles ordered, the JSON file read back the same."""
+model and the default model's tokenizer: a Poisson point and a concurrency point of w2 and
+chat, every request whole, percentiles ordered, the JSON file read back the same; the edit
+workload's concurrency points alone, and its prompts (docs passages with typos) offline."""
 
 from __future__ import annotations
 
@@ -62,3 +63,90 @@ def test_arrivals_and_percentiles() -> None:
     q = w8_online.percentiles([i / 1e3 for i in range(101)])  # 0..100 ms
     assert (q["p50"], q["p90"], q["p99"], q["mean"]) == (50.0, 90.0, 99.0, 50.0)
     assert w8_online.percentiles([])["p50"] is None
+
+
+def test_edit_through_server(server: ServerProc, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The edit workload, concurrency points only (`--rates none`): every request ends well
+    within its max_tokens (no ignore_eos, so the model may stop early)."""
+    out = tmp_path / "edit.json"
+    assert w8_online.main(["--url", server.url, "--workloads", "edit", "--rates", "none", "--concurrency", "1,4",
+                           "--requests", "8", "--warmup", "1", "--output-cap", str(CAP), "--temperature", "0",
+                           "--json", str(out), "--label", "edit"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("RESULT w8 label=edit failed=0 edit_")
+    points = json.loads(out.read_text())["points"]
+    assert [(p["workload"], p["mode"], p["value"]) for p in points] == [("edit", "concurrency", 1.0),
+                                                                         ("edit", "concurrency", 4.0)]
+    for k, p in enumerate(points, start=1):
+        assert p["ok"] == p["requests"] == 8 and p["errors"] == [], p
+        asked = sum(r.max_tokens for r in w8_online.make_requests("edit", 8, k, 0, 0.0, CAP))
+        assert 0 < p["out_tokens"] <= asked
+
+
+def test_point_values() -> None:
+    assert w8_online.point_values("1,8") == [1.0, 8.0]
+    assert w8_online.point_values("4,inf") == [4.0, math.inf]
+    assert w8_online.point_values("") == w8_online.point_values("none") == w8_online.point_values("None") == []
+
+
+def test_prose_runs() -> None:
+    md = ("# Title\n\nFirst paragraph\nwraps here.\n\nSecond one.\n\n```bash\nsgl serve\n\nmore code\n```\n\n"
+          "After the code.\n\n| a | b |\n|---|---|\n\n- a list item\n\n**Bold** prose.\n\n    indented code\n")
+    assert w8_online.prose_runs(md) == [["First paragraph wraps here.", "Second one."], ["After the code."],
+                                        ["**Bold** prose."]]
+
+
+def test_doc_passages() -> None:
+    passages = w8_online.doc_passages()
+    assert len(passages) >= 16  # a point's worth of requests without repeats, at the default --requests of spec runs
+    lo, hi = w8_online.EDIT_WORDS
+    for text in passages:
+        assert lo <= len(text.split()) <= hi, text
+        assert "```" not in text and not any(line.startswith(("#", "|")) for line in text.splitlines()), text
+
+
+def swapped(a: str, b: str) -> bool:
+    """`b` is `a` with two adjacent letters swapped, neither the first nor the last letter."""
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    return (len(a) == len(b) and len(diff) == 2 and diff[1] == diff[0] + 1
+            and (a[diff[0]], a[diff[1]]) == (b[diff[1]], b[diff[0]])
+            and 0 < diff[0] and diff[1] < len(a.rstrip(",.;:!?")) - 1)
+
+
+def test_with_typos() -> None:
+    import random
+
+    text = w8_online.doc_passages()[0]
+    noisy = w8_online.with_typos(text, random.Random(5))
+    assert noisy == w8_online.with_typos(text, random.Random(5)) and noisy != text
+    words, noisy_words = text.split(" "), noisy.split(" ")
+    assert len(words) == len(noisy_words)
+    changed = [(a, b) for a, b in zip(words, noisy_words) if a != b]
+    assert 1 <= len(changed) <= max(1, round(w8_online.EDIT_TYPO_RATE * len(words)))
+    assert all(swapped(a, b) for a, b in changed), changed
+
+
+def test_edit_requests() -> None:
+    reqs = w8_online.make_requests("edit", 12, 1, 0, 0.0)
+    assert [r.body for r in reqs] == [r.body for r in w8_online.make_requests("edit", 12, 1, 0, 0.0)]
+    passages = w8_online.doc_passages()
+    prompts = set()
+    for r in reqs:
+        assert r.route == "/v1/chat/completions" and not r.exact and "ignore_eos" not in r.body
+        assert r.body["temperature"] == 0.0
+        system, user = r.body["messages"]
+        assert system["role"] == "system" and user["role"] == "user"
+        instruction, noisy = user["content"].split("\n\n", 1)
+        assert instruction == w8_online.EDIT_INSTRUCTION and noisy
+        # The passage, with its typos: the same words but a few, each two letters swapped.
+        (text,) = [p for p in passages if len(p.split(" ")) == len(noisy.split(" "))
+                   and sum(a != b for a, b in zip(p.split(" "), noisy.split(" "))) <= 10]
+        assert noisy != text
+        assert all(swapped(a, b) for a, b in zip(text.split(" "), noisy.split(" ")) if a != b)
+        assert 0 < r.max_tokens <= w8_online.EDIT_MAX_TOKENS and r.max_tokens == r.body["max_tokens"]
+        assert r.max_tokens >= len(text.split())  # room for the copy
+        prompts.add(user["content"])
+    assert len(prompts) == len(reqs)  # no passage twice within a point
+    other = w8_online.make_requests("edit", 12, 2, 0, 0.0)
+    assert not {m["content"] for r in other for m in r.body["messages"]} & {
+        m["content"] for r in reqs for m in r.body["messages"]}
+    assert all(r.max_tokens <= 7 for r in w8_online.make_requests("edit", 4, 1, 0, 0.0, output_cap=7))

@@ -19,8 +19,8 @@
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy (py-spy's wheel in .whl/)
-#   real model  model fp8acc (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
-#   vLLM        vllm vllm8b vllmfp8 (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
+#   real model  model fp8acc smolhf spec (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
+#   vLLM        vllm vllm8b vllmfp8 vllmw8 vllmspec (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
 #   LoRA        lorakernels lora vllmlora (the kernels; multi-LoRA throughput: sgl, then the vLLM peer)
 #
 # Notes on the host:
@@ -125,6 +125,65 @@ old_site() {
   return 1
 }
 stash_parts() { mkdir -p /tmp/sgl-parts && cp .m?/* /tmp/sgl-parts/ 2>/dev/null; }
+# smollm2_gguf: the default model's GGUF put together in /tmp from the stashed parts and checked
+# against their SHA256; sets $gguf. False (and says so) when parts are missing or damaged.
+smollm2_gguf() {
+  stash_parts
+  gguf=/tmp/$(cut -d' ' -f3 /tmp/sgl-parts/SHA256 2>/dev/null)
+  cat /tmp/sgl-parts/part.* > "$gguf" 2>/dev/null
+  if ! (cd /tmp && sha256sum -c --quiet /tmp/sgl-parts/SHA256); then
+    echo "model parts missing or damaged: $(ls /tmp/sgl-parts | tr '\n' ' ')(the host went cold between runs?)"
+    return 1
+  fi
+}
+# w8_model: the model folder of steps w8 and vllmw8 ($dir), the tokenizer flag ($tok) and the
+# workloads ($wl): the Qwen3-0.6B architecture (dummy weights) with the default model's
+# tokenizer when .lt is brought along, both workloads; else no tokenizer and w2 alone.
+w8_model() {
+  dir=$(python3 -c "from benchmarks.common import dummy_model_dir as d; print(d())")
+  tok=--skip-tokenizer-init; wl=w2
+  if [ -d .lt ]; then
+    dir=$(python3 -c "from benchmarks.common import with_architecture as w; print(w('.lt', 'qwen3-0.6b'))")
+    tok=; wl=w2,chat
+  fi
+}
+# vllm_env: the vLLM peer unpacked (its parts in /tmp, ../shared/peers/vllm/README.md): unpack.sh's
+# exports put its site first on PYTHONPATH, before /tmp/site (the wheels of .whl/), so vLLM's
+# own pydantic, starlette, fastapi and xgrammar win, and what its bundle leaves out for the
+# OpenAI server (uvicorn, watchfiles, model_hosting_container_standards, jmespath) comes from
+# /tmp/site; the line printed says where each comes from. The environment of the vLLM
+# benchmarks (benchmarks/vllm_beam.py ENGINE_ENV) is set where unset. Call it in a subshell:
+# it changes the environment. False (and says so) when the peer is not ready.
+vllm_env() {
+  local exports rc kv name
+  exports=$(bash .peer/vllm/kit/unpack.sh .peer/vllm); rc=$?
+  if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then  # 5: an import check failed; the server then shows the real error
+    echo "the vLLM peer is not ready (unpack.sh exit $rc): bring its parts first (../shared/peers/vllm/README.md)"
+    return 1
+  fi
+  eval "$exports"
+  for kv in $(python3 -c "from benchmarks.vllm_beam import ENGINE_ENV as e; print(*(f'{k}={v}' for k, v in e.items()))"); do
+    name=${kv%%=*}
+    [ -n "${!name:-}" ] || export "$kv"
+  done
+  python3 - <<'PY'
+import importlib.util
+
+names = ("vllm", "pydantic", "starlette", "fastapi", "uvicorn", "h11", "watchfiles",
+         "model_hosting_container_standards", "jmespath", "numba")
+found = [(n, importlib.util.find_spec(n)) for n in names]
+print("vLLM server imports:", ", ".join(
+    f"{n} {(s.origin or '').rsplit('/' + n, 1)[0] if s else 'MISSING'}" for n, s in found))
+PY
+}
+# spec_plots: the speculative-decoding runs there are (steps spec, vllmspec) drawn together in spec/.
+spec_plots() {
+  local files=() f
+  for f in sgl_off sgl_on vllm_off vllm_on; do
+    [ -f "$results/w8_spec_$f.json" ] && files+=("$results/w8_spec_$f.json")
+  done
+  [ ${#files[@]} = 0 ] || python3 -m benchmarks.w8_online --plot "${files[@]}" --out "$results/spec"
+}
 for step in "$@"; do
   echo "=== $step ($(date +%T), ${SECONDS}s into the run)"
   case $step in
@@ -171,16 +230,30 @@ for step in "$@"; do
     # With .lt brought along the server has the default model's tokenizer and both workloads
     # run (w2, chat); without it, --skip-tokenizer-init and w2 alone. W8_ARGS replaces the sweep;
     # the JSON and PNG plots go to the output folder.
-    w8) dir=$(python3 -c "from benchmarks.common import dummy_model_dir as d; print(d())")
-        tok=--skip-tokenizer-init; wl=w2
-        if [ -d .lt ]; then
-          dir=$(python3 -c "from benchmarks.common import with_architecture as w; print(w('.lt', 'qwen3-0.6b'))")
-          tok=; wl=w2,chat
-        fi
+    w8) w8_model
         run 540 python3 -m benchmarks.w8_online --label sgl --url http://127.0.0.1:30000 --procs 4 \
           --launch "python3 -m sgl.launch_server $dir --load-format dummy $tok --host 127.0.0.1 --port 30000 --random-seed 0" \
           --workloads "$wl" --json "$results/w8_sgl.json" --plots "$results" \
           ${W8_ARGS:---requests 64 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64} ;;
+    # vllmw8: the same sweep through the vLLM peer's OpenAI server (its parts unpacked in /tmp, as
+    # for `vllm`; the wheels of .whl/ for what its bundle lacks), same model folder, tokenizer and
+    # W8_ARGS, label vllm; w8_vllm.json, and w8_*.png of both engines when w8_sgl.json is there
+    # too (else vLLM's alone). Its first start compiles (1-2 minutes), inside the 540 s.
+    vllmw8)
+      w8_model
+      (vllm_env && run 540 python3 -m benchmarks.w8_online --label vllm --url http://127.0.0.1:30001 --procs 4 \
+         --launch "python3 -m vllm.entrypoints.openai.api_server --model $dir --load-format dummy --dtype bfloat16 \
+                   --seed 0 --host 127.0.0.1 --port 30001 --disable-uvicorn-access-log $tok" \
+         --launch-timeout 300 --workloads "$wl" --json "$results/w8_vllm.json" \
+         ${W8_ARGS:---requests 64 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64})
+      if [ -f "$results/w8_vllm.json" ]; then
+        if [ -f "$results/w8_sgl.json" ]; then
+          python3 -m benchmarks.w8_online --plot "$results/w8_sgl.json" "$results/w8_vllm.json" --labels sgl,vllm \
+            --out "$results"
+        else
+          python3 -m benchmarks.w8_online --plot "$results/w8_vllm.json" --out "$results"
+        fi
+      fi ;;
     # Start-up to ready (benchmarks/startup.py), STARTUP_REPEAT (3) starts.
     startup) run 200 python3 -m benchmarks.startup --repeat ${STARTUP_REPEAT:-3}
              echo "bytecode cache: $(find /tmp/pycache -name '*.pyc' 2>/dev/null | wc -l) files" ;;
@@ -297,7 +370,7 @@ for step in "$@"; do
     w6) run 400 python3 -m benchmarks.w6_beam ${W6_ARGS:-} ;;
     cascadeprof) run 300 python3 -m benchmarks.profile_decode --ctx 2164 --shared 2000 --steps 10 ;;
     profile2) run 300 python3 -m benchmarks.profile_decode --temperature 0.6 --steps 10 ;;
-    # Stash the model parts brought along (.m1-.m4) in /tmp, for `model` and `fp8acc`.
+    # Stash the model parts brought along (.m1-.m4) in /tmp, for `model`, `fp8acc`, `smolhf` and `spec`.
     parts) stash_parts; ls /tmp/sgl-parts ;;
     # W1, W2 and W3 on an older checkout brought along in .old/ (`git archive COMMIT | tar x
     # -C .old`), installed apart in /tmp/oldsite: the A/B's other side, on the same host.
@@ -309,17 +382,60 @@ for step in "$@"; do
       fi ;;
     # model: SmolLM2's greedy tokens through both attention backends (benchmarks/backend_equality.py);
     # fp8acc: the FP8 cache's greedy outputs against bf16's on real weights (kv_dtype_accuracy).
-    model|fp8acc)
-      stash_parts
-      gguf=/tmp/$(cut -d' ' -f3 /tmp/sgl-parts/SHA256 2>/dev/null)
-      cat /tmp/sgl-parts/part.* > "$gguf" 2>/dev/null
-      if ! (cd /tmp && sha256sum -c --quiet /tmp/sgl-parts/SHA256); then
-        echo "model parts missing or damaged: $(ls /tmp/sgl-parts | tr '\n' ' ')(the host went cold between runs?)"
-      elif [ "$step" = model ]; then
-        run 400 python3 -m benchmarks.backend_equality --model "$gguf"
-      else
+    model) smollm2_gguf && run 400 python3 -m benchmarks.backend_equality --model "$gguf" ;;
+    fp8acc)
+      if smollm2_gguf; then
         run 300 python3 -m benchmarks.kv_dtype_accuracy --model "$gguf" --dtype bfloat16 --reference-dtype bfloat16
         run 300 python3 -m benchmarks.kv_dtype_accuracy --model "$gguf" --kv auto --dtype bfloat16
+      fi ;;
+    # smolhf: the same GGUF (parts as for `model`) as a Hugging Face folder, /tmp/smollm2-hf (bf16
+    # safetensors, its tokenizer and chat template; benchmarks/gguf_to_hf.py), for vLLM, which does
+    # not serve that file; kept while the host stays warm, so a second run writes nothing.
+    smolhf)
+      if [ -d /tmp/smollm2-hf ]; then
+        echo "/tmp/smollm2-hf is there already"
+      elif smollm2_gguf; then
+        run 300 python3 -m benchmarks.gguf_to_hf "$gguf" /tmp/smollm2-hf
+      fi ;;
+    # spec: speculative decoding by n-gram lookup on real weights, `sgl serve` on SmolLM2's GGUF
+    # (parts as for `model`) plain, then with NGRAM drafts (SPEC_K, default 5, tokens verified per
+    # step: up to SPEC_K - 1 proposed; match windows of 1-12 tokens), each through W8's copy-heavy
+    # edit workload at temperature 0 (SPEC_ARGS replaces the sweep: concurrency 1 and 8, 32
+    # requests each); w8_spec_sgl_off.json, w8_spec_sgl_on.json, plots in spec/ (with vllmspec's).
+    spec)
+      if smollm2_gguf; then
+        for mode in off on; do
+          drafts=
+          [ "$mode" = on ] && drafts="--speculative-algorithm NGRAM --speculative-num-draft-tokens ${SPEC_K:-5} \
+            --speculative-ngram-min-match-window-size 1 --speculative-ngram-max-match-window-size 12"
+          run 265 python3 -m benchmarks.w8_online --label "sgl-spec-$mode" --url http://127.0.0.1:30000 \
+            --launch "python3 -m sgl.launch_server $gguf --host 127.0.0.1 --port 30000 --random-seed 0 $drafts" \
+            --launch-timeout 200 --workloads edit --temperature 0 --json "$results/w8_spec_sgl_$mode.json" \
+            ${SPEC_ARGS:---rates none --concurrency 1,8 --requests 32}
+        done
+        spec_plots
+      fi ;;
+    # vllmspec: the same on the vLLM peer (unpacked as for `vllm`), serving /tmp/smollm2-hf (step
+    # smolhf), plain and with its n-gram drafts (method ngram, num_speculative_tokens SPEC_K - 1,
+    # the same windows). vLLM drafts n-grams only on its V1 model runner, so the plain run is
+    # pinned to it too and the two differ by speculation alone. Each start compiles (about a
+    # minute); w8_spec_vllm_off.json and w8_spec_vllm_on.json, plots in spec/.
+    vllmspec)
+      if [ ! -f /tmp/smollm2-hf/config.json ]; then
+        echo "no /tmp/smollm2-hf: run step smolhf first (with the model parts, as for model)"
+      else
+        cfg="{\"method\": \"ngram\", \"num_speculative_tokens\": $((${SPEC_K:-5} - 1)),"
+        cfg="$cfg \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 12}"
+        (vllm_env && export VLLM_USE_V2_MODEL_RUNNER=0 && for mode in off on; do
+           drafts=
+           [ "$mode" = on ] && drafts="--speculative-config '$cfg'"
+           run 265 python3 -m benchmarks.w8_online --label "vllm-spec-$mode" --url http://127.0.0.1:30001 \
+             --launch "python3 -m vllm.entrypoints.openai.api_server --model /tmp/smollm2-hf --dtype bfloat16 \
+                       --seed 0 --host 127.0.0.1 --port 30001 --disable-uvicorn-access-log $drafts" \
+             --launch-timeout 200 --workloads edit --temperature 0 --json "$results/w8_spec_vllm_$mode.json" \
+             ${SPEC_ARGS:---rates none --concurrency 1,8 --requests 32}
+         done)
+        spec_plots
       fi ;;
     *) echo "unknown step $step" ;;
   esac
