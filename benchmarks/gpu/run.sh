@@ -402,6 +402,9 @@ for step in "$@"; do
     # step: up to SPEC_K - 1 proposed; match windows of 1-12 tokens), each through W8's copy-heavy
     # edit workload at temperature 0 (SPEC_ARGS replaces the sweep: concurrency 1 and 8, 32
     # requests each); w8_spec_sgl_off.json, w8_spec_sgl_on.json, plots in spec/ (with vllmspec's).
+    # speccost: where a decode step's time goes, plain and NGRAM (benchmarks/spec_step_cost.py), on
+    # the default model's config with dummy weights (.lt), at concurrency 1 and 8.
+    speccost) run 240 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} ;;
     spec)
       if smollm2_gguf; then
         for mode in off on; do

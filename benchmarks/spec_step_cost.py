@@ -1,0 +1,56 @@
+"""Where a decode step's time goes with and without speculative decoding: an engine in
+this process serves C concurrent requests whose prompts repeat a passage (so n-gram
+proposals are taken), and the scheduler's counters split the time per decode step into
+the host's building, waiting on the device and processing, with the GPU's busy and idle
+time (from CUDA events) beside them.
+
+    python -m benchmarks.spec_step_cost MODEL [--concurrency 1,8] [--load-format dummy]"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import sgl
+
+KEYS = ("build_s", "wait_s", "process_s", "gpu_decode_busy_s", "gpu_decode_idle_s", "gpu_busy_s", "gpu_idle_s")
+
+
+def prompt_ids(i: int) -> list[int]:
+    passage = [1000 + (7 * j + i) % 500 for j in range(120)]
+    return [50 + i] + passage * 3
+
+
+def run(model: str, concurrency: int, spec: dict[str, object], load_format: str, new_tokens: int) -> str:
+    with sgl.Engine(model, transport="inproc", load_format=load_format, skip_tokenizer_init=True, random_seed=0,
+                    **spec) as e:
+        sp = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+        e.generate(input_ids=[prompt_ids(99)], sampling_params=sp)  # warm-up
+        before = e.get_server_info()
+        t0 = time.perf_counter()
+        outs = e.generate(input_ids=[prompt_ids(i) for i in range(concurrency)], sampling_params=sp)
+        wall = time.perf_counter() - t0
+        info = e.get_server_info()
+    steps = info["decode_steps"] - before["decode_steps"]
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    per = {k: 1e3 * (info.get(k, 0.0) - before.get(k, 0.0)) / max(steps, 1) for k in KEYS}
+    return (f"c={concurrency} {'NGRAM' if spec else 'plain'}: {wall:.2f} s, {tokens} tokens, {steps} steps, "
+            f"{1e3 * wall / max(steps, 1):.2f} ms/step, accept {info.get('spec_accept_length')}; per step ms: "
+            + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in per.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--draft-tokens", type=int, default=5)
+    a = ap.parse_args()
+    for c in (int(x) for x in a.concurrency.split(",")):
+        for spec in ({}, {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": a.draft_tokens}):
+            print(run(a.model, c, spec, a.load_format, a.new_tokens), flush=True)
+
+
+if __name__ == "__main__":
+    main()
