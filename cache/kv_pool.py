@@ -31,8 +31,18 @@ class MHATokenToKVPool:
 
     def _allocate(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         shape = (self.size + 1, self.num_kv_heads, self.head_dim)
-        return ([torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)],
-                [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)])
+        return [self._buffer(shape) for _ in range(self.num_layers)], [self._buffer(shape) for _ in range(self.num_layers)]
+
+    def _buffer(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        """One layer's K or V. Slot 0 (padding: read under a zero attention weight) must be
+        finite, so it is zeroed; every other slot is written before any read. On the CPU the
+        rest is left as the allocator gives it: filling gigabytes with zeros page by page took
+        most of an engine's start there."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        out[0].zero_()
+        return out
 
     def release(self) -> None:
         """Free the K/V tensors (each layer keeps an empty one); their KV is lost."""
@@ -44,7 +54,7 @@ class MHATokenToKVPool:
         self.released = True
 
     def resume(self) -> None:
-        """Allocate the K/V tensors again (zeros, new storage); on failure (out of memory)
+        """Allocate the K/V tensors again (new storage: what they held is gone); on failure (out of memory)
         the pool stays released."""
         if not self.released:
             raise ValueError("the KV cache is not released")
