@@ -31,7 +31,8 @@ class MHATokenToKVPool:
 
     def _allocate(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         shape = (self.size + 1, self.num_kv_heads, self.head_dim)
-        return [self._buffer(shape) for _ in range(self.num_layers)], [self._buffer(shape) for _ in range(self.num_layers)]
+        layers = range(self.num_layers)
+        return [self._buffer(shape) for _ in layers], [self._buffer(shape) for _ in layers]
 
     def _buffer(self, shape: tuple[int, int, int]) -> torch.Tensor:
         """One layer's K or V. Slot 0 (padding: read under a zero attention weight) must be
