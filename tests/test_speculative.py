@@ -3,7 +3,7 @@
 On the default model in float32 an engine with speculative decoding (and 32-token
 prefill chunks) and one without serve the same requests: greedy tokens equal, logprobs
 within float noise, a seed's samples equal token for token, finishes (length, stop
-strings, stop ids, min_new_tokens) equal, grammar and penalty requests in the same batch
+strings, stop ids, min_new_tokens) equal, grammar, penalty, n > 1 and beam requests in the same batch
 equal; unseeded samples come from the same distribution (a permutation test on the
 first tokens of many samples, with the proposals accepted and rejected along the way);
 a stream left early frees its KV. The prompts ask the model to repeat a text, so the
@@ -166,16 +166,17 @@ def test_stop_token_ids_and_a_cached_prefix(plain: sgl.Engine, engine: sgl.Engin
     assert again["output_ids"] == a["output_ids"] and again["meta_info"]["cached_tokens"] > 0
 
 
-def test_grammar_penalties_and_n_in_one_batch(plain: sgl.Engine, engine: sgl.Engine) -> None:
+def test_grammar_penalties_n_and_beams_in_one_batch(plain: sgl.Engine, engine: sgl.Engine) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}
     sps = [{"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(schema)},
            {"max_new_tokens": 40, "temperature": 0, "frequency_penalty": 0.8, "presence_penalty": 0.3},
            {"max_new_tokens": 40, "temperature": 0, "n": 2},
-           {"max_new_tokens": 40, "temperature": 0}]
-    prompts = ["Give a person as JSON.", PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+           {"max_new_tokens": 40, "temperature": 0},
+           {"max_new_tokens": 16, "temperature": 0, "beam_width": 3}]
+    prompts = ["Give a person as JSON.", PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[1]]
     a, b = _both(plain, engine, prompts, sps)
-    assert len(b[2]) == 2  # n=2: its two samples
+    assert len(b[2]) == 2 and len(b[4]) == 3  # n=2: its two samples; its three beams
 
     def ids(outs: list[Any]) -> list[list[int]]:
         return [o["output_ids"] for out in outs for o in (out if isinstance(out, list) else [out])]
