@@ -43,6 +43,22 @@ def null_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(d)
 
 
+@pytest.fixture(scope="module")
+def default_config_dir() -> str:
+    """The default model's config and tokenizer, for dummy weights: `.lt/` at the repo root
+    (benchmarks/gpu/README.md says how to make it), else the default model itself; the test
+    is skipped where neither is."""
+    carried = Path(__file__).resolve().parent.parent / ".lt"
+    if (carried / "tokenizer.json").exists():
+        return str(carried)
+    from sgl.sched.models.default_model import DefaultModelError, default_model_dir
+
+    try:
+        return default_model_dir()
+    except DefaultModelError as e:
+        pytest.skip(f"no tokenizer-bearing model here: {e}")
+
+
 @pytest.fixture(autouse=True)
 def balanced(request: pytest.FixtureRequest) -> Iterator[None]:
     """After every test that uses an `engine` fixture, its KV accounting balances."""

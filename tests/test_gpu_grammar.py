@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,16 +32,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    carried = Path(__file__).resolve().parent.parent / ".lt"
-    if (carried / "tokenizer.json").exists():
-        return str(carried)
-    from sgl.sched.models.default_model import DefaultModelError, default_model_dir
-
-    try:
-        return default_model_dir()
-    except DefaultModelError as e:
-        pytest.skip(f"no tokenizer-bearing model here: {e}")
+def model_dir(default_config_dir: str) -> str:
+    return default_config_dir
 
 
 def _outputs(model_dir: str, **kw: Any) -> list[tuple[str, list[int]]]:

@@ -10,7 +10,6 @@ taken. KV balances."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,16 +27,8 @@ NEAR_TIE = 0.05  # nats between plain decoding's two best tokens where bf16 roun
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    carried = Path(__file__).resolve().parent.parent / ".lt"
-    if (carried / "tokenizer.json").exists():
-        return str(carried)
-    from sgl.sched.models.default_model import DefaultModelError, default_model_dir
-
-    try:
-        return default_model_dir()
-    except DefaultModelError as e:
-        pytest.skip(f"no tokenizer-bearing model here: {e}")
+def model_dir(default_config_dir: str) -> str:
+    return default_config_dir
 
 
 def _run(model_dir: str, **kw: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
