@@ -39,6 +39,8 @@ class ScheduleBatch:
     # A speculative decode step: each entry's place among its request's rows (0: its last
     # token; j: proposed token j, the entry's input). None for any other batch.
     draft_index: list[int] | None = None
+    # A decode batch with input_ids given: some entries (-1 there) read theirs on the device.
+    device_inputs: bool = False
 
     @property
     def unique_reqs(self) -> list[Req]:
@@ -84,61 +86,63 @@ class ScheduleBatch:
         return cls(reqs, False, input_ids, rows, torch.cat(positions), out_cache_loc,
                    qo_lens, kv_lens, [r.epoch for r in reqs], partial, lp_in)
 
-    @property
-    def device_inputs(self) -> bool:
-        """A speculative step with beam entries: those read their input on the device (-1 here)."""
-        return self.input_ids is not None and self.is_decode and any(r.beam is not None for r in self.reqs)
-
     @classmethod
     def decode(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool,
-               proposals: list[list[int]] | None = None) -> ScheduleBatch:
+               proposals: list[list[int]] | None = None, host_inputs: bool = False) -> ScheduleBatch:
         """One step: each req's newest token is written at its own new slot; a beam
-        request's rows, one entry each, are consecutive. With `proposals` (a speculative
-        step, sgl.sched.speculative) a request's last token and its proposed tokens are
-        consecutive entries of its one row at consecutive positions, inputs given here."""
+        request's rows, one entry each, are consecutive. Inputs are the last sampled
+        tokens on the device, or with `host_inputs` given here where the host knows them
+        (sgl.sched.speculative: a request whose device input is stale). With `proposals`
+        (a speculative step) a request's last token and its proposed tokens are consecutive
+        entries of its one row at consecutive positions."""
         if proposals is not None:
             return cls._speculative(reqs, out_cache_loc, pool, proposals)
         entries = [r for r in reqs for _ in r.rows]
         rows = [row for r in reqs for row in r.rows]  # every running request holds its rows
         pos = torch.tensor([r.kv_len for r in entries], dtype=torch.int64)
         pool.write_at(torch.tensor(rows), pos, out_cache_loc)
+        ids = [_host_input(r) for r in entries] if host_inputs else None
         for r in reqs:
             r.kv_len += 1
+            r.stale_input = False
         n = len(entries)
-        return cls(entries, True, None, rows, pos, out_cache_loc, [1] * n, (pos + 1).tolist(),
-                   [r.epoch for r in entries], [False] * n, [(0, 0)] * n)
+        return cls(entries, True, ids, rows, pos, out_cache_loc, [1] * n, (pos + 1).tolist(),
+                   [r.epoch for r in entries], [False] * n, [(0, 0)] * n,
+                   device_inputs=ids is not None and min(ids, default=0) < 0)
 
     @classmethod
     def _speculative(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool,
                      proposals: list[list[int]]) -> ScheduleBatch:
-        """Every running request's last token is known on the host (a speculative engine's
-        requests run serially), but a beam's, whose rows move on the device: -1 there."""
+        """Each request's last token (known on the host: a speculating request's previous
+        step is processed before this one is built) and its proposed tokens; a beam's
+        rows, which move on the device, read their inputs there."""
         entries: list[Req] = []
         rows: list[int] = []
         pos: list[int] = []
         ids: list[int] = []
         index: list[int] = []
         for r, prop in zip(reqs, proposals):
-            if r.beam is not None:
-                for row in r.beam.rows:
-                    entries.append(r)
-                    rows.append(row)
-                    pos.append(r.kv_len)
-                    ids.append(-1)
-                    index.append(0)
-                r.kv_len += 1
-                continue
-            row = cast(int, r.req_pool_idx)
-            last = r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1]
-            for j, tok in enumerate([last, *prop]):
+            own = [cast(int, r.req_pool_idx)] * (1 + len(prop)) if r.beam is None else r.beam.rows
+            inputs = [_host_input(r), *prop] if r.beam is None else [-1] * len(own)
+            for j, (row, tok) in enumerate(zip(own, inputs)):
                 entries.append(r)
                 rows.append(row)
-                pos.append(r.kv_len + j)
+                pos.append(r.kv_len + (j if r.beam is None else 0))
                 ids.append(tok)
-                index.append(j)
+                index.append(j if r.beam is None else 0)
             r.kv_len += 1 + len(prop)
+            r.stale_input = bool(prop)  # the device buffer of its row gets one of its rows' samples
         positions = torch.tensor(pos, dtype=torch.int64)
         pool.write_at(torch.tensor(rows), positions, out_cache_loc)
         n = len(entries)
         return cls(entries, True, ids, rows, positions, out_cache_loc, [1] * n, [p + 1 for p in pos],
-                   [r.epoch for r in entries], [False] * n, [(0, 0)] * n, draft_index=index)
+                   [r.epoch for r in entries], [False] * n, [(0, 0)] * n, draft_index=index,
+                   device_inputs=min(ids, default=0) < 0)
+
+
+def _host_input(r: Req) -> int:
+    """A decode entry's input where the host has it (its results processed, no beams),
+    else -1: the last token its row sampled, on the device."""
+    if r.beam is not None or r.inflight:
+        return -1
+    return r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1]

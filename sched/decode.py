@@ -65,6 +65,8 @@ class DecodeManager:
         # Proposes tokens each step verifies (a speculative engine), within max_rows decode rows.
         self.speculator = speculator
         self.max_rows = max_rows
+        # The step being built speculates: a speculative engine with few enough running requests.
+        self.speculating = False
         self.prefill = prefill
         self.context_length = context_length
         self.finish = finish
@@ -85,8 +87,10 @@ class DecodeManager:
 
     def can_step(self, r: Req) -> bool:
         """Whether a running request takes part in the next decode step. Under overlap a
-        request whose in-flight tokens will surely end it (length or context) sits out."""
-        if r.to_abort is not None or (r.serial and r.inflight):
+        request whose in-flight tokens will surely end it (length or context) sits out; a
+        speculative step's requests, and one whose device input is stale, step only once
+        their last step is processed (its proposals, its input come from the host)."""
+        if r.to_abort is not None or ((r.serial or self.speculating or r.stale_input) and r.inflight):
             return False
         return r.inflight < r.tokens_left(self.context_length)
 
@@ -94,6 +98,8 @@ class DecodeManager:
         """The next decode step of the running requests that can step, retracting the
         youngest KV holders until their slots fit; None when none can step."""
         self.stepping = []
+        spec = self.speculator
+        self.speculating = spec is not None and spec.on_for(len(self.running))
         while True:
             reqs = [r for r in self.running if self.can_step(r)]
             if not reqs:
@@ -101,8 +107,9 @@ class DecodeManager:
             self.stepping = reqs
             rows = sum(len(r.rows) for r in reqs)  # a beam request steps every beam
             props = None
-            if self.speculator is not None:
-                props = self.speculator.propose(reqs, self.context_length, self.max_rows)
+            if self.speculating:
+                assert spec is not None
+                props = spec.propose(reqs, self.context_length, self.max_rows)
                 loc = self.kv.alloc(rows + sum(map(len, props)))
                 if loc is not None:
                     break
@@ -113,7 +120,7 @@ class DecodeManager:
             self._retract_youngest()  # one holder fewer each time: the loop ends
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.stats["decode_steps"] += 1
-        return ScheduleBatch.decode(reqs, loc, self.kv.pool, props)
+        return ScheduleBatch.decode(reqs, loc, self.kv.pool, props, host_inputs=any(r.stale_input for r in reqs))
 
     def abort_ready(self) -> list[Req]:
         """The KV holders whose abort is pending and which no launched batch holds: they end now."""

@@ -25,11 +25,8 @@ from sgl.sched.trie_store import TrieStore
 class RequestIntake:
     def __init__(self, runner: ModelRunner, grammars: Grammars, has_tokenizer: bool,
                  allowed_processors: tuple[str, ...], max_top_logprobs_num: int,
-                 max_queued_requests: int | None, lora: LoraManager | None = None, speculative: bool = False) -> None:
+                 max_queued_requests: int | None, lora: LoraManager | None = None) -> None:
         self.runner = runner
-        # Every request of a speculative engine runs serially: a step's proposals are built from
-        # the tokens its previous step accepted (sgl.sched.speculative).
-        self.speculative = speculative
         self.lora = lora
         self.grammars = grammars
         self.tries = TrieStore()
@@ -95,7 +92,7 @@ class RequestIntake:
         # batch is prepared. Plain grammar requests keep the overlap: their masks are filled
         # once the previous step's tokens are known (sgl.sched.runner.step.Step).
         beam_serial = req.beam is not None and (req.sampling_params.grammar is not None or r.device.type == "cpu")
-        req.serial = (proc is not None and proc.needs_output_ids) or beam_serial or self.speculative
+        req.serial = (proc is not None and proc.needs_output_ids) or beam_serial
         c = req.sampling_params.constraint
         if c is None:
             return None

@@ -57,6 +57,7 @@ class Req:
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
         "grammar_width", "grammar_seen", "grammar_after", "arrival", "oom_retried", "embed", "pooled", "embedding",
         "priority", "timeout", "deadline", "lora_name", "lora_id", "lora_slot", "ngram",
+        "stale_input",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -116,6 +117,9 @@ class Req:
         self.lora_id = 0  # that adapter's load (sgl.sched.lora), set on acceptance; 0: the base model
         self.lora_slot = -1  # the device slot of its adapter, set at each admission; -1: none
         self.ngram: Any = None  # its tokens for n-gram proposals (sgl.sched.speculative), from its first proposal
+        # Its row's last-token buffer on the device is not its last token (a speculative step
+        # sampled several rows of its row): its next step takes its input from the host.
+        self.stale_input = False
 
     @property
     def all_ids(self) -> list[int]:

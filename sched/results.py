@@ -257,8 +257,11 @@ class ResultProcessor:
             if reason is not None:
                 break
         # Rows 0..taken-1 hold the KV of the last token and the proposals taken before the newest
-        # token, whose own KV the next step writes (as in plain decode).
-        self.kv.truncate(req, int(batch.positions[i]) + taken)
+        # token, whose own KV the next step writes (as in plain decode). A request with proposals
+        # steps again only once this is processed (its device input is stale), so its KV ends
+        # with this step's rows; one without may be in a later step already, and has none to free.
+        if n > 1:
+            self.kv.truncate(req, int(batch.positions[i]) + taken)
         spec.record(n - 1, taken)
         if reason is not None:
             self.finish(req, reason)

@@ -88,8 +88,7 @@ class Scheduler:
                                  enabled=args.grammar_backend != "none", tp=tp)
         self.speculator = Speculator(args) if args.speculative_algorithm is not None else None
         self.intake = RequestIntake(r, self.grammars, tok_path is not None, tuple(args.custom_logit_processors),
-                                    args.max_top_logprobs_num, args.max_queued_requests, self.lora,
-                                    speculative=self.speculator is not None)
+                                    args.max_top_logprobs_num, args.max_queued_requests, self.lora)
         self.prefill = PrefillManager(self.kv, policy=args.schedule_policy, max_prefill_tokens=args.max_prefill_tokens,
                                       chunk_size=r.chunked_prefill_size or r.context_length, vocab_size=r.vocab_size,
                                       max_running_requests=r.max_running_requests, lora=self.lora)

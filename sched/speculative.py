@@ -81,7 +81,12 @@ class Speculator:
         self.rows = args.speculative_num_draft_tokens  # rows a request verifies per step, at most
         self.lo = args.speculative_ngram_min_match_window_size
         self.hi = args.speculative_ngram_max_match_window_size
+        self.max_batch = args.speculative_disable_by_batch_size
         self.stats = {"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
+
+    def on_for(self, running: int) -> bool:
+        """Whether a decode step of `running` requests speculates."""
+        return self.max_batch is None or running <= self.max_batch
 
     @staticmethod
     def eligible(req: Req) -> bool:

@@ -7,7 +7,9 @@ stop ids, lengths, ignore_eos, streaming; now and then one the limits refuse), a
 land at random moments, and the scheduler steps. Each run draws its pools (small
 enough to force eviction, retraction and chunked prefill) and the class fixes the
 overlap loop on or off, and NGRAM speculative steps on or off (sgl.sched.speculative:
-a request's rows past what it took are freed at once; outputs equal the reference's).
+a request's rows past what it took are freed at once; outputs equal the reference's;
+speculating only while at most two requests run, so steps switch between speculative
+ones and plain overlapped ones whose inputs come from the host after a speculative step).
 
 After every scheduler step the machine proves:
 - KV accounting: every KV slot has exactly one owner (the free list, a tree node, or
@@ -242,7 +244,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(cfg=configs)
     def build(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
-        spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4} if self.SPECULATIVE else {}
+        # Speculating only while at most 2 requests run: steps switch between the two kinds.
+        spec = ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4,
+                 "speculative_disable_by_batch_size": 2} if self.SPECULATIVE else {})
         self.s, self.recv, self.send = make_scheduler(self.MODEL, disable_overlap_schedule=not self.OVERLAP,
                                                       **spec, **cfg)
 

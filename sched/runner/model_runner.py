@@ -401,7 +401,7 @@ class ModelRunner:
         """Queue one batch's forward: the logits rows it computes, on the device."""
         # Decode inputs are the tokens the previous step sampled, still on the device.
         input_ids = self.sampling.next_token[p.rows] if p.input_ids is None else p.input_ids
-        if p.batch.device_inputs:  # a speculative step's beam entries (-1): their tokens are on the device
+        if p.batch.device_inputs:  # entries whose tokens are on the device (-1 in the host's inputs)
             input_ids = torch.where(input_ids < 0, self.sampling.next_token[p.rows], input_ids)
         if p.attn.is_decode and self.graphs is not None and self.graphs.can_run(len(p.attn.qo_lens)):
             return self.graphs.replay(p, input_ids)

@@ -108,6 +108,9 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     speculative_num_draft_tokens: int = 5
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    # Speculate only while at most this many requests run; above it, plain steps under the
+    # overlap loop (vLLM's name). None: always.
+    speculative_disable_by_batch_size: int | None = None
     # Serve embeddings (engine.encode, /v1/embeddings) with a model whose files do not say
     # how to pool (no sentence-transformers modules.json); `pooling` overrides the files' mode.
     is_embedding: bool = False
@@ -170,7 +173,8 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _positive(self, "max_total_tokens", "context_length", "max_running_requests", "cuda_graph_max_bs",
                   "tensor_core_decode_min_batch",
                   "max_top_logprobs_num", "max_queued_requests", "max_lora_rank", "max_loras_per_batch",
-                  "max_loaded_loras", "speculative_ngram_min_match_window_size")
+                  "max_loaded_loras", "speculative_ngram_min_match_window_size",
+                  "speculative_disable_by_batch_size")
         if not 2 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"speculative_num_draft_tokens={self.speculative_num_draft_tokens} is invalid: must be "
                              f"in [2, {MAX_DRAFT_TOKENS}] (the last token and at least one proposed one)")

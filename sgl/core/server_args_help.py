@@ -22,6 +22,8 @@ FIELD_HELP: dict[str, str] = {
     "speculative_ngram_min_match_window_size": "NGRAM: the shortest suffix of a request's tokens matched earlier "
                                                "in them",
     "speculative_ngram_max_match_window_size": "NGRAM: the longest suffix matched (longer ones are tried first)",
+    "speculative_disable_by_batch_size": "speculate only while at most N requests run; above it, plain decode steps "
+                                         "under the overlap loop (default: always)",
     "model_path": "Hugging Face model directory or .gguf file (also the positional MODEL of `sgl serve`); "
                   "unset: the default model, SmolLM2-135M-Instruct",
     "tokenizer_path": "tokenizer directory, if not the model's",
