@@ -6,7 +6,8 @@ so its bf16 GEMMs may round differently: tokens are equal until a position where
 decoding's two best logprobs are within bf16 noise, and most requests are equal
 throughout. Weights are random (dummy, bf16) on the default model's config and
 tokenizer (as tests/test_gpu_grammar.py): their greedy text repeats, so proposals are
-taken. KV balances."""
+taken. KV balances. With a batch-size limit the steps switch between plain overlapped
+ones and speculative ones as requests finish."""
 
 from __future__ import annotations
 
@@ -33,19 +34,22 @@ def model_dir(default_config_dir: str) -> str:
 
 def _run(model_dir: str, **kw: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     prompts = [f"item {i}: " + " ".join(f"w{j % (3 + i)}" for j in range(40)) for i in range(8)]
+    # Lengths apart: the running requests fall from 8 to 1, so a batch-size limit switches kinds.
+    sps = [{"max_new_tokens": 40 + 12 * i, "temperature": 0, "ignore_eos": True} for i in range(8)]
     with sgl.Engine(model_dir, transport="inproc", load_format="dummy", dtype="bfloat16",
                     attention_backend="flashinfer", max_total_tokens=60000, random_seed=0, **kw) as e:
-        outs = e.generate(prompts, {"max_new_tokens": 96, "temperature": 0, "ignore_eos": True},
-                          return_logprob=True, top_logprobs_num=2)
+        outs = e.generate(prompts, sps, return_logprob=True, top_logprobs_num=2)
         info = e.get_server_info()
         assert_kv_balanced(info)
         assert info["failures"] == 0
     return outs, info
 
 
-def test_ngram_steps_under_graphs_and_overlap_equal_plain_greedy(model_dir: str) -> None:
+@pytest.mark.parametrize("limit", [None, 4], ids=["always", "at-most-4-running"])
+def test_ngram_steps_under_graphs_and_overlap_equal_plain_greedy(model_dir: str, limit: int | None) -> None:
     plain, _ = _run(model_dir)
-    spec, info = _run(model_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    spec, info = _run(model_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5,
+                      speculative_disable_by_batch_size=limit)
     assert info["spec_accept_length"] > 1.5
     equal = 0
     for x, y in zip(plain, spec):
