@@ -144,6 +144,16 @@ class Client:
     async def flush_cache(self) -> dict[str, Any]:
         return await self._post("/flush_cache", {})
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load a LoRA adapter (a PEFT folder on the server's machine) under a name that
+        requests then give as `lora_path` (docs/lora.md): {"success", "message",
+        "loaded_adapters"}; a refusal (bad folder, name in use) is a ValueError."""
+        return await self._post("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload a LoRA adapter by name (refused, as a ValueError, while a request uses it)."""
+        return await self._post("/unload_lora_adapter", {"lora_name": lora_name})
+
 
 def _new_part(chunk: dict[str, Any], seen: dict[int, dict[str, int]]) -> dict[str, Any]:
     """A cumulative chunk's new part (text, output ids, logprob lists): the delta

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import openai
 import pytest
 import torch
@@ -254,6 +255,20 @@ def test_http_routes_name_the_adapter(models: dict[str, str], adapters: dict[str
         assert r.status_code == 200 and r.json()["success"], r.text
         with pytest.raises(openai.NotFoundError):
             oai.chat.completions.create(model="all8", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+
+        async def through_the_client() -> None:  # sgl.Client's calls go the same routes
+            async with sgl.Client(s.url) as c:
+                assert (await c.load_lora_adapter("mine", adapters["chat"]["qv4"]))["success"]
+                out = await c.generate(input_ids=PROMPTS[0], lora_path="mine", sampling_params={
+                    "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True})
+                assert isinstance(out, dict) and out["text"] == native["text"]  # qv4's weights, another name
+                with pytest.raises(ValueError, match="mine"):
+                    await c.load_lora_adapter("mine", adapters["chat"]["all8"])  # the name is taken
+                assert (await c.unload_lora_adapter("mine"))["success"]
+                with pytest.raises(ValueError):
+                    await c.generate(input_ids=PROMPTS[0], lora_path="mine", sampling_params={"max_new_tokens": 1})
+
+        anyio.run(through_the_client)
         s.assert_balanced()
     finally:
         oai.close()
