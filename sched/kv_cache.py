@@ -97,9 +97,12 @@ class KVCache:
         rows past the tokens it took)."""
         if kv_len < req.kv_len:
             self._checked = False
-            row = req.req_pool_idx
-            self.allocator.free(self.pool.req_to_token[row, kv_len : req.kv_len].to(torch.int64))
+            self._free_own(req, kv_len)
             req.kv_len = kv_len
+
+    def _free_own(self, req: Req, start: int) -> None:
+        """Free the request's own slots at positions [start, kv_len) of its row."""
+        self.allocator.free(self.pool.req_to_token[req.req_pool_idx, start : req.kv_len].to(torch.int64))
 
     def release(self, req: Req, cache: bool) -> None:
         """Give back the request's rows and KV: into the radix tree, or freed outright
@@ -112,11 +115,9 @@ class KVCache:
         if cache:
             self.tree.cache_finished_req(req)
         else:
-            row = req.req_pool_idx
-            own = self.pool.req_to_token[row, len(req.prefix_indices) : req.kv_len].to(torch.int64)
-            self.allocator.free(own)
+            self._free_own(req, len(req.prefix_indices))
             self.tree.dec_lock_ref(req.last_node)
-            self.pool.free(row)
+            self.pool.free(req.req_pool_idx)
             req.req_pool_idx = None
         req.prefix_indices = req.prefix_indices[:0]
         req.last_node = None
