@@ -11,6 +11,7 @@ AttachedEngine (sgl/engine/attached_engine.py), which owns no roles."""
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any
 
 from sgl.core.protocol import ShutdownReq
@@ -28,6 +29,14 @@ from sgl.sched.models.tokenizer import load_tokenizer
 __all__ = ["AsyncEngine", "EngineDeadError"]
 
 ROLES_EXIT_S = 10.0  # how long a shutdown waits for the roles to exit before killing them
+
+
+def _import_front_end_modules() -> None:
+    """The modules the front end first imports while it is built on the loop
+    (prometheus_client for its metrics, anyio's asyncio backend for its locks), imported
+    on a thread by `start` instead: tens of milliseconds the loop would stall."""
+    for name in ("prometheus_client", "anyio._backends._asyncio"):
+        importlib.import_module(name)
 
 
 class AsyncEngine(EngineFrontEnd):
@@ -79,6 +88,7 @@ class AsyncEngine(EngineFrontEnd):
         args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         roles = EngineRoles(args, await off_loop(find_model_files, args))
         await roles.ready()
+        await off_loop(_import_front_end_modules)
         return cls(roles=roles)
 
     @functools.cached_property
