@@ -33,10 +33,11 @@ class KVPools:
 
 
 def default_kv_tokens(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      device: torch.device, mem_fraction: float | None = None) -> int:
+                      device: torch.device, mem_fraction: float | None = None, extra_bytes_per_token: int = 0) -> int:
     """KV slots that fit: on CUDA `mem_fraction` (default DEFAULT_GPU_MEM_FRACTION) of the
-    free memory, on CPU a share of the RAM, at most DEFAULT_CPU_KV_TOKENS."""
-    per_token = MHATokenToKVPool.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    free memory, on CPU a share of the RAM, at most DEFAULT_CPU_KV_TOKENS. A second pool at
+    the same slots (a draft model's) adds `extra_bytes_per_token`."""
+    per_token = MHATokenToKVPool.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) + extra_bytes_per_token
     if device.type == "cuda":
         # SGLang's meaning: the KV pool takes this fraction of what the weights left free;
         # the rest holds activations, logits and CUDA graphs.

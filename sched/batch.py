@@ -18,6 +18,19 @@ from sgl.cache.req_to_token_pool import ReqToTokenPool
 from sgl.sched.req import Req
 
 
+@dataclass(frozen=True, slots=True)
+class DraftInput:
+    """One request's part of a draft model's work in a speculative step: the draft's KV
+    from position `start` on, for `tokens` (the request's tokens the draft has not seen,
+    ending with its last one when it proposes), then `k` proposed tokens, which fill the k
+    entries after the request's first one (`entry`)."""
+
+    entry: int
+    start: int
+    tokens: list[int]
+    k: int
+
+
 @dataclass(slots=True)
 class ScheduleBatch:
     reqs: list[Req]
@@ -41,6 +54,9 @@ class ScheduleBatch:
     draft_index: list[int] | None = None
     # A decode batch with input_ids given: some entries (-1 there) read theirs on the device.
     device_inputs: bool = False
+    # A draft model's speculative step: its work per request. Until the runner's draft fills
+    # them when the batch is prepared, the proposal entries' input_ids are -1.
+    drafts: list[DraftInput] | None = None
 
     @property
     def unique_reqs(self) -> list[Req]:
@@ -88,15 +104,18 @@ class ScheduleBatch:
 
     @classmethod
     def decode(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool,
-               proposals: list[list[int]] | None = None, host_inputs: bool = False) -> ScheduleBatch:
+               proposals: list[list[int]] | None = None, host_inputs: bool = False,
+               catch_up: list[tuple[int, list[int]] | None] | None = None) -> ScheduleBatch:
         """One step: each req's newest token is written at its own new slot; a beam
         request's rows, one entry each, are consecutive. Inputs are the last sampled
         tokens on the device, or with `host_inputs` given here where the host knows them
         (sgl.sched.speculative: a request whose device input is stale). With `proposals`
         (a speculative step) a request's last token and its proposed tokens are consecutive
-        entries of its one row at consecutive positions."""
+        entries of its one row at consecutive positions; with `catch_up` (a draft model's
+        step: each request's (start, tokens) for the draft, or None) the proposals are
+        placeholders the draft fills."""
         if proposals is not None:
-            return cls._speculative(reqs, out_cache_loc, pool, proposals)
+            return cls._speculative(reqs, out_cache_loc, pool, proposals, catch_up)
         entries = [r for r in reqs for _ in r.rows]
         rows = [row for r in reqs for row in r.rows]  # every running request holds its rows
         pos = torch.tensor([r.kv_len for r in entries], dtype=torch.int64)
@@ -112,7 +131,7 @@ class ScheduleBatch:
 
     @classmethod
     def _speculative(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool,
-                     proposals: list[list[int]]) -> ScheduleBatch:
+                     proposals: list[list[int]], catch_up: list[tuple[int, list[int]] | None] | None) -> ScheduleBatch:
         """Each request's last token (known on the host: a speculating request's previous
         step is processed before this one is built) and its proposed tokens; a beam's
         rows, which move on the device, read their inputs there."""
@@ -121,9 +140,16 @@ class ScheduleBatch:
         pos: list[int] = []
         ids: list[int] = []
         index: list[int] = []
-        for r, prop in zip(reqs, proposals):
+        drafts: list[DraftInput] | None = [] if catch_up is not None else None
+        on_device = False  # entries reading their inputs on the device (beams)
+        for i, (r, prop) in enumerate(zip(reqs, proposals)):
+            if drafts is not None and (work := cast(list, catch_up)[i]) is not None:
+                drafts.append(DraftInput(len(entries), work[0], work[1], len(prop)))
+                # The draft writes its inputs' KV, then that of each proposal it feeds back (not the last).
+                r.draft_len = work[0] + len(work[1]) + max(len(prop) - 1, 0)
             own = [cast(int, r.req_pool_idx)] * (1 + len(prop)) if r.beam is None else r.beam.rows
             inputs = [_host_input(r), *prop] if r.beam is None else [-1] * len(own)
+            on_device = on_device or inputs[0] < 0
             for j, (row, tok) in enumerate(zip(own, inputs)):
                 entries.append(r)
                 rows.append(row)
@@ -137,7 +163,7 @@ class ScheduleBatch:
         n = len(entries)
         return cls(entries, True, ids, rows, positions, out_cache_loc, [1] * n, [p + 1 for p in pos],
                    [r.epoch for r in entries], [False] * n, [(0, 0)] * n, draft_index=index,
-                   device_inputs=min(ids, default=0) < 0)
+                   device_inputs=on_device, drafts=drafts)
 
 
 def _host_input(r: Req) -> int:

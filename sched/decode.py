@@ -106,21 +106,23 @@ class DecodeManager:
                 return None
             self.stepping = reqs
             rows = sum(len(r.rows) for r in reqs)  # a beam request steps every beam
-            props = None
+            props = work = None
             if self.speculating:
                 assert spec is not None
-                props = spec.propose(reqs, self.context_length, self.max_rows)
+                props, work = spec.propose(reqs, self.context_length, self.max_rows)
                 loc = self.kv.alloc(rows + sum(map(len, props)))
                 if loc is not None:
                     break
-                props = [[] for _ in reqs]  # short of KV: no proposals before any retraction
+                # Short of KV: no proposals before any retraction (a draft may still catch up).
+                props = [[] for _ in reqs]
             loc = self.kv.alloc(rows)
             if loc is not None:
                 break
             self._retract_youngest()  # one holder fewer each time: the loop ends
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.stats["decode_steps"] += 1
-        return ScheduleBatch.decode(reqs, loc, self.kv.pool, props, host_inputs=any(r.stale_input for r in reqs))
+        return ScheduleBatch.decode(reqs, loc, self.kv.pool, props, host_inputs=any(r.stale_input for r in reqs),
+                                    catch_up=work)
 
     def abort_ready(self) -> list[Req]:
         """The KV holders whose abort is pending and which no launched batch holds: they end now."""

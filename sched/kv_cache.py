@@ -99,6 +99,7 @@ class KVCache:
             self._checked = False
             self._free_own(req, kv_len)
             req.kv_len = kv_len
+            req.draft_len = min(req.draft_len, kv_len)
 
     def _free_own(self, req: Req, start: int) -> None:
         """Free the request's own slots at positions [start, kv_len) of its row."""
@@ -122,6 +123,7 @@ class KVCache:
         req.prefix_indices = req.prefix_indices[:0]
         req.last_node = None
         req.kv_len = 0
+        req.draft_len = 0
 
     def _release_beams(self, req: Req) -> None:
         """What a beam request holds beyond its own row: every slot on a beam (alive ones

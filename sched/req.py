@@ -57,7 +57,7 @@ class Req:
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
         "grammar_width", "grammar_seen", "grammar_after", "arrival", "oom_retried", "embed", "pooled", "embedding",
         "priority", "timeout", "deadline", "lora_name", "lora_id", "lora_slot", "ngram",
-        "stale_input",
+        "stale_input", "draft_len",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -120,10 +120,22 @@ class Req:
         # Its row's last-token buffer on the device is not its last token (a speculative step
         # sampled several rows of its row): its next step takes its input from the host.
         self.stale_input = False
+        # Positions whose draft-model KV is written, in its row's slots (STANDALONE speculation);
+        # at most kv_len: the draft catches up on the rest before it proposes.
+        self.draft_len = 0
 
     @property
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """Its tokens at positions [start, end), without copying the rest (all_ids would)."""
+        prompt, n = self.origin_input_ids, len(self.origin_input_ids)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return prompt[start:] + self.output_ids[: end - n]
 
     @property
     def fill_ids(self) -> list[int]:

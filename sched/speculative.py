@@ -1,5 +1,6 @@
-"""Speculative decoding by n-gram lookup (prompt lookup): proposals from a request's own
-prompt and output, and what a verify step's sampled tokens make of them.
+"""Speculative decoding: proposals by n-gram lookup (prompt lookup: from a request's
+own prompt and output) or from a draft model, and what a verify step's sampled tokens
+make of them.
 
 A speculative decode step runs, for each request, its last token and the d tokens
 proposed after it as d + 1 consecutive decode rows of its one request row (each row
@@ -13,7 +14,17 @@ with probability p(proposal), and on a rejection the sample is drawn from p with
 renormalised, which is the residual distribution. So greedy and sampled outputs are
 those of plain decode, token for token under a seed.
 
-Proposals: the longest suffix of the request's tokens (max down to min window) that
+A draft model (STANDALONE) proposes its most likely token k times: a point mass each,
+so the rule above is speculative sampling's for it too, for any sampling parameters.
+Its KV lives in a pool of its own at the request's slots (sgl.sched.runner.draft), so
+the request table and the allocator serve both models; `Req.draft_len` says how far it
+is written. Before proposing, the draft catches up on the tokens it has not seen (a new
+request's prompt, a step's bonus token, what plain steps added), within a budget of
+tokens per step: a request past the budget catches up over several steps and proposes
+once it has. A cached prefix's draft KV is computed again by each request (the radix
+cache shares the target's KV only).
+
+N-gram proposals: the longest suffix of the request's tokens (max down to min window) that
 occurred earlier in them; the tokens that followed its latest earlier occurrence are
 the proposal. The search runs in C over the tokens packed as 4-byte words
 (bytes.rfind), kept per request and appended to as tokens come: a kept library for
@@ -71,13 +82,21 @@ class NgramIndex:
         return []
 
 
-class Speculator:
-    """The NGRAM proposer of an engine and its acceptance counts. A request speculates
-    unless its next token depends on state the verify rows do not carry: beams, a trie or
-    a grammar (their masks follow the matcher token by token), penalties (counts per
-    request row), or a custom logit processor (it may read the output ids)."""
+# A draft model's work for one request in a step: (first position, its tokens from there).
+CatchUp = tuple[int, list[int]]
 
-    def __init__(self, args: ServerArgs) -> None:
+
+class Speculator:
+    """The proposer of an engine (NGRAM, or STANDALONE's plan for the draft model) and its
+    acceptance counts. A request speculates unless its next token depends on state the
+    verify rows do not carry: beams, a trie or a grammar (their masks follow the matcher
+    token by token), penalties (counts per request row), or a custom logit processor (it
+    may read the output ids)."""
+
+    def __init__(self, args: ServerArgs, catch_up_tokens: int) -> None:
+        self.algorithm = args.speculative_algorithm
+        self.drafted = self.algorithm == "STANDALONE"
+        self.catch_up_tokens = catch_up_tokens  # tokens a step's draft catches up on, at most
         self.rows = args.speculative_num_draft_tokens  # rows a request verifies per step, at most
         self.lo = args.speculative_ngram_min_match_window_size
         self.hi = args.speculative_ngram_max_match_window_size
@@ -94,26 +113,40 @@ class Speculator:
         return (req.beam is None and req.trie is None and p.grammar is None and not p.has_penalties
                 and not req.processor)
 
-    def propose(self, reqs: list[Req], context_length: int, max_rows: int | None) -> list[list[int]]:
+    def propose(self, reqs: list[Req], context_length: int,
+                max_rows: int | None) -> tuple[list[list[int]], list[CatchUp | None] | None]:
         """Each request's proposal for the next step ([] for none): at most rows - 1
         tokens, fewer when its output or context has less room (its last token and the
         proposal fill rows of the request table, and every one could be accepted), and
-        all together within max_rows decode rows (the CUDA graphs' largest batch)."""
+        all together within max_rows decode rows (the CUDA graphs' largest batch). A draft
+        model's proposals are placeholders (-1) it fills, and its work per request comes
+        second (None for NGRAM)."""
         k = self.rows - 1
         if max_rows is not None:
             k = min(k, max(0, (max_rows - len(reqs)) // len(reqs)))
-        out: list[list[int]] = []
+        props: list[list[int]] = []
+        work: list[CatchUp | None] = []
+        budget = self.catch_up_tokens
         for r in reqs:
             room = min(k, r.tokens_left(context_length) - 1)
             if room <= 0 or not self.eligible(r):
-                out.append([])
-                continue
-            index = r.ngram
-            if index is None:
-                index = r.ngram = NgramIndex()
-            index.sync(r)
-            out.append(index.propose(room, self.lo, self.hi))
-        return out
+                props.append([])
+                work.append(None)
+            elif self.drafted:
+                start = r.draft_len
+                need = r.kv_len + 1 - start  # through its last token, whose KV this step writes
+                took = min(need, budget)
+                budget -= took
+                props.append([-1] * room if took == need else [])
+                work.append((start, r.ids_between(start, start + took)) if took else None)
+            else:
+                index = r.ngram
+                if index is None:
+                    index = r.ngram = NgramIndex()
+                index.sync(r)
+                props.append(index.propose(room, self.lo, self.hi))
+                work.append(None)
+        return props, work if self.drafted else None
 
     @staticmethod
     def accepted(proposal: list[int], sampled: list[int]) -> int:
@@ -135,5 +168,5 @@ class Speculator:
         st = self.stats
         steps = st["spec_steps"]
         # SGLang's accept length: tokens a request gains per verify step (its accepted proposals and one more).
-        return {**st, "spec_algorithm": "NGRAM", "spec_num_draft_tokens": self.rows,
+        return {**st, "spec_algorithm": self.algorithm, "spec_num_draft_tokens": self.rows,
                 "spec_accept_length": (steps + st["spec_accepted_tokens"]) / steps if steps else None}

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import sgl
 from sgl.core.sampling_params import SamplingParams
+from sgl.sched.models.default_model import default_model_dir
 from sgl.sched.req import Req
 from sgl.sched.speculative import NgramIndex, Speculator
 from tests.conftest import assert_kv_balanced, settle_aborts, tiny_model_dir
@@ -79,14 +80,33 @@ def test_large_ids_match_only_whole_tokens() -> None:
 
 def test_proposals_fit_the_output_room_and_the_rows() -> None:
     args = sgl.ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
-    spec = Speculator(args)
+    spec = Speculator(args, 2048)
     ids = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
     reqs = [Req(str(m), ids, SamplingParams(max_new_tokens=m), False) for m in (1, 2, 3, 50)]
-    assert [len(p) for p in spec.propose(reqs, 4096, None)] == [0, 1, 2, 4]
-    assert [len(p) for p in spec.propose(reqs, 4096, 8)] == [0, 1, 1, 1]  # 8 rows for 4 requests
-    assert [len(p) for p in spec.propose(reqs, len(ids) + 3, None)] == [0, 1, 2, 2]  # the context's room
+    assert [len(p) for p in spec.propose(reqs, 4096, None)[0]] == [0, 1, 2, 4]
+    assert [len(p) for p in spec.propose(reqs, 4096, 8)[0]] == [0, 1, 1, 1]  # 8 rows for 4 requests
+    assert [len(p) for p in spec.propose(reqs, len(ids) + 3, None)[0]] == [0, 1, 2, 2]  # the context's room
     penalised = Req("p", ids, SamplingParams(max_new_tokens=9, frequency_penalty=0.5), False)
-    assert spec.propose([penalised], 4096, None) == [[]]
+    assert spec.propose([penalised], 4096, None) == ([[]], None)
+
+
+def test_draft_catch_up_stays_within_its_budget() -> None:
+    """A draft model's plan: each request catches up on the tokens its draft has not seen
+    (from draft_len through its last token) and then proposes; past the step's budget a
+    request catches up on what is left of it and proposes in a later step."""
+    args = sgl.ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="d",
+                          speculative_num_draft_tokens=4)
+    spec = Speculator(args, 10)
+    reqs = [Req(str(i), list(range(100 + i, 106 + i)), SamplingParams(max_new_tokens=50), False) for i in range(3)]
+    for r in reqs:
+        r.kv_len = 5  # decoding: the prompt's last token is the input
+    reqs[1].draft_len = 3
+    props, work = spec.propose(reqs, 4096, None)
+    assert props == [[-1] * 3, [-1] * 3, []]  # 6 + 3 tokens fit the budget of 10, the third's 6 do not
+    assert work == [(0, reqs[0].origin_input_ids), (3, reqs[1].origin_input_ids[3:]), (0, [102])]
+    reqs[2].output_ids = [7, 8]
+    reqs[2].kv_len, reqs[2].draft_len = 7, 1
+    assert spec.propose(reqs[2:], 4096, None) == ([[-1] * 3], [(1, [103, 104, 105, 106, 107, 7, 8])])
 
 
 def test_accepted_counts_the_matching_prefix() -> None:
@@ -102,10 +122,13 @@ def plain() -> Iterator[sgl.Engine]:
         yield e
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[sgl.Engine]:
-    with sgl.Engine(transport="inproc", random_seed=1, speculative_algorithm="NGRAM",
-                    speculative_num_draft_tokens=5, chunked_prefill_size=32) as e:
+@pytest.fixture(scope="module", params=["NGRAM", "STANDALONE"])
+def engine(request: pytest.FixtureRequest) -> Iterator[sgl.Engine]:
+    """STANDALONE's draft is the target model itself: its greedy proposals are all taken
+    (the bookkeeping of the draft's own KV must be right for that), its sampled ones often not."""
+    draft = {"speculative_draft_model_path": default_model_dir()} if request.param == "STANDALONE" else {}
+    with sgl.Engine(transport="inproc", random_seed=1, speculative_algorithm=request.param,
+                    speculative_num_draft_tokens=5, chunked_prefill_size=32, **draft) as e:
         yield e
 
 
@@ -130,6 +153,9 @@ def test_greedy_outputs_and_logprobs_equal_plain_decoding(plain: sgl.Engine, eng
     gained = sum(len(y["output_ids"]) for y in b) - len(b)  # each request's first token came with its prompt
     assert steps < gained  # fewer request steps than tokens: proposals were taken
     assert info["spec_accept_length"] > 1.4
+    if info["spec_algorithm"] == "STANDALONE":
+        proposed = info["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+        assert info["spec_accepted_tokens"] - before["spec_accepted_tokens"] > 0.9 * proposed
 
 
 def test_seeded_samples_equal_plain_decoding(plain: sgl.Engine, engine: sgl.Engine) -> None:
@@ -214,23 +240,32 @@ def _statistic(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(_chi2(Counter(x[j] for x in a), Counter(x[j] for x in b)) for j in range(1, len(a[0])))
 
 
-def test_unseeded_samples_come_from_the_same_distribution(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_unseeded_samples_come_from_the_same_distribution(tmp_path_factory: pytest.TempPathFactory,
+                                                          algorithm: str) -> None:
     """400 samples of 4 tokens each from a tiny random model over 8 tokens, whose prompt
-    gives a proposal at every step, taken about a quarter of the time: the position-wise
-    token counts of the two engines, in a permutation test of Pearson's statistic.
-    Seeded engines: the same verdict on every run. (Taking a rejected proposal 30% of the
-    time, the classic bias toward the draft, fails it.)"""
-    model = tiny_model_dir(tmp_path_factory.mktemp("spec-tiny"), "llama", vocab=8, seed=4, initializer_range=0.2)
+    gives a proposal at every step (NGRAM; STANDALONE: another tiny random model's most
+    likely token), taken a fair share of the time (a quarter; a tenth): the position-wise
+    token counts of the two engines, in a permutation test of Pearson's statistic. Seeded engines: the same verdict on
+    every run. (Taking a rejected proposal 30% of the time, the classic bias toward the
+    draft, fails it.)"""
+    base = tmp_path_factory.mktemp("spec-tiny")
+    model = tiny_model_dir(base, "llama", vocab=8, seed=4, initializer_range=0.2)
     prompt = random.Random(5).choices(range(7), k=24)
     sp = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+    speculative: dict[str, Any] = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 4}
+    if algorithm == "STANDALONE":  # another tiny random model: its proposals are often unlikely ones
+        speculative["speculative_draft_model_path"] = tiny_model_dir(base, "llama", vocab=8, seed=9,
+                                                                     initializer_range=0.2)
     outs = []
-    for spec in ({}, {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}):
+    for spec in ({}, speculative):
         with sgl.Engine(model, transport="inproc", skip_tokenizer_init=True, dtype="float32", random_seed=1,
                         **spec) as e:
             outs.append([o["output_ids"] for o in e.generate(input_ids=[prompt] * 400, sampling_params=sp)])
             if spec:
                 info = e.get_server_info()
-                assert 0.15 < info["spec_accepted_tokens"] / info["spec_proposed_tokens"] < 0.7
+                low = 0.15 if algorithm == "NGRAM" else 0.05
+                assert low < info["spec_accepted_tokens"] / info["spec_proposed_tokens"] < 0.7
                 assert_kv_balanced(info)
     a, b = outs
     observed = _statistic(a, b)

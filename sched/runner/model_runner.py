@@ -35,6 +35,7 @@ from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
 from sgl.sched.models.lora_layers import LoraSpec
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.models.pooling import PoolingConfig, pooling_config
+from sgl.sched.runner.draft import DraftModel
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.grammar_masks import GrammarFill
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
@@ -148,10 +149,22 @@ class ModelRunner:
         self.chunked_prefill_size = chunked_prefill_size(args, self.device)
         m = self.model
         self.kv_dtype = _KV_DTYPES.get(args.kv_cache_dtype, self.dtype)
+        # STANDALONE speculation's draft model: loaded before the KV pools, which share the
+        # memory left with its own pool (the same slots: its bytes per token count too).
+        t0 = time.perf_counter()
+        draft = self._load_draft(args)
+        if draft is not None:
+            self.startup["draft_weights_s"] = time.perf_counter() - t0
+        draft_bytes = (0 if draft is None else
+                       MHATokenToKVPool.bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim,
+                                                        self.kv_dtype))
         slots = args.max_total_tokens
         if slots is None and tp.size > 1:  # every rank must hold the same slots: the smallest pool fits all
             slots = tp.min_int(default_kv_tokens(m.num_layers, m.num_kv_heads, m.head_dim, self.kv_dtype,
                                                  self.device, args.mem_fraction_static))
+        if slots is None and draft is not None:
+            slots = default_kv_tokens(m.num_layers, m.num_kv_heads, m.head_dim, self.kv_dtype, self.device,
+                                      args.mem_fraction_static, extra_bytes_per_token=draft_bytes)
         t0 = time.perf_counter()
         pools = build_kv_pools(m.num_layers, m.num_kv_heads, m.head_dim, self.kv_dtype, self.device,
                                self.context_length, slots, args.max_running_requests, args.mem_fraction_static)
@@ -161,11 +174,18 @@ class ModelRunner:
         self.kv_pool = pools.kv_pool
         self.allocator = pools.allocator
         self.req_to_token_pool = pools.req_to_token_pool
-        self.attn_backend = self._attention_backend(args)
+        self.attn_backend = self._attention_backend(args, m)
         on = args.enable_cascade_attention
         self.cascade = self.attn_backend.supports_cascade and (
             self.attn_backend.cascade_by_default if on is None else on)
         self.preparer = BatchPreparer(self)
+        self.draft: DraftModel | None = None
+        if draft is not None:
+            self.draft = DraftModel(draft, WeightManager(draft, self.device, self.dtype, tp, args.load_format),
+                                    MHATokenToKVPool(self.max_total_tokens, draft.num_layers, draft.num_kv_heads,
+                                                     draft.head_dim, self.kv_dtype, self.device),
+                                    self._attention_backend(args, draft), self.req_to_token_pool, self.preparer,
+                                    min(self.vocab_size, draft.vocab_size))
         self.sampling = SamplingState(self.device, self.req_to_token_pool.size, self.vocab_size, self.dtype,
                                       args.random_seed or 0, self.eos_ids, self.processors,
                                       masks=args.grammar_backend != "none")
@@ -202,11 +222,12 @@ class ModelRunner:
         """The memory tags whose device memory is released."""
         return frozenset(t for t in MEMORY_TAGS if not self._memory_owner(t)[1])
 
-    def _memory_owner(self, tag: str) -> tuple[WeightManager | MHATokenToKVPool, bool]:
-        """The object that holds a tag's memory, and whether that memory is on the device."""
+    def _memory_owner(self, tag: str) -> tuple[MemoryHolders, bool]:
+        """What holds a tag's memory (a draft model's part too), and whether that memory is on the device."""
+        d = self.draft
         if tag == "weights":
-            return self.weights, self.weights.resident
-        return self.kv_pool, not self.kv_pool.released
+            return MemoryHolders(self.weights, *([d.weights] if d else [])), self.weights.resident
+        return MemoryHolders(self.kv_pool, *([d.kv_pool] if d else [])), not self.kv_pool.released
 
     def _tags(self, tags: set[str], released: bool) -> list[str]:
         unknown = sorted(set(tags) - set(MEMORY_TAGS))
@@ -273,7 +294,8 @@ class ModelRunner:
         b = self.attn_backend
         return "torch" if not hasattr(b, "triton_decode") else "triton" if b.triton_decode else "flashinfer"
 
-    def _attention_backend(self, args: ServerArgs) -> AttentionBackend:
+    def _attention_backend(self, args: ServerArgs, m: CausalLM) -> AttentionBackend:
+        """An attention backend for model `m` (the target, or the draft: their shapes may differ)."""
         choice = args.attention_backend
         if choice == "auto":
             choice = "flashinfer" if self.device.type == "cuda" and self.dtype != torch.float32 else "torch"
@@ -294,7 +316,6 @@ class ModelRunner:
             raise ValueError("decode_attention_backend='triton' needs the triton package (pip install triton), and "
                              "for an FP8 kv_cache_dtype a GPU of compute capability 8.9+; or pass "
                              "decode_attention_backend='flashinfer'")
-        m = self.model
         return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
                                           self.max_total_tokens + 1, context_length=self.context_length,
                                           tensor_core_min_batch=args.tensor_core_decode_min_batch,
@@ -312,6 +333,23 @@ class ModelRunner:
         model, config = load_model(model_path, args.load_format, self.dtype, self.device,
                                    seed=args.random_seed or 0, tp=self.tp, lora=self.lora_spec)
         return model, config  # in eval mode already
+
+    def _load_draft(self, args: ServerArgs) -> CausalLM | None:
+        """STANDALONE's draft model (None without one), in the target's dtype on its device."""
+        path = args.speculative_draft_model_path
+        if path is None:
+            return None
+        if args.load_format == "null":
+            raise ValueError("speculative_algorithm='STANDALONE' needs real weights: the null model "
+                             "(load_format='null') has nothing to verify proposals with")
+        if not Path(path).is_dir():
+            raise ValueError(f"speculative_draft_model_path={path!r} is not a directory: pass a Hugging Face model "
+                             "directory whose tokenizer is the target's")
+        from sgl.sched.models.loader import load_model
+
+        model, _ = load_model(path, "auto" if args.load_format == "gguf" else args.load_format, self.dtype,
+                              self.device, seed=args.random_seed or 0)
+        return model
 
     def _lora_spec(self, args: ServerArgs) -> LoraSpec | None:
         if not args.lora_enabled:
@@ -337,7 +375,11 @@ class ModelRunner:
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
         """Host side, at build time: every tensor the forward needs, copied from the
         request state so that the scheduler may change it while the batch runs.
-        Nothing here waits for the device (sgl.sched.runner.prepare)."""
+        Nothing here waits for the device (sgl.sched.runner.prepare), except a draft
+        model's proposals (sgl.sched.runner.draft), which fill a speculative step's inputs first."""
+        if batch.drafts:
+            assert self.draft is not None
+            self.draft.propose(batch)
         return self.preparer.prepare(batch)
 
     def launch(self, p: PreparedBatch) -> Step:
@@ -387,6 +429,7 @@ class ModelRunner:
                 "eos_token_ids": sorted(self.eos_ids), "cascade_steps": self.preparer.cascade_steps,
                 "startup": self.startup, "memory": self.memory_stats,
                 "embedding": None if self.pooling is None else self.pooling.info(),
+                **(self.draft.info() if self.draft is not None else {}),
                 **self.gpu_timeline.info(), **self.sampling.masks.times}
 
     def close(self) -> None:
@@ -418,6 +461,31 @@ class ModelRunner:
             lora=p.lora,
         )
         return self.model(fb)
+
+
+class MemoryHolders:
+    """The holders of one memory tag (the target's, and a draft model's), released and
+    resumed together: when one fails, those done already are undone."""
+
+    def __init__(self, *holders: WeightManager | MHATokenToKVPool) -> None:
+        self.holders = holders
+
+    def release(self) -> None:
+        self._all("release", "resume")
+
+    def resume(self) -> None:
+        self._all("resume", "release")
+
+    def _all(self, do: str, undo: str) -> None:
+        done: list[WeightManager | MHATokenToKVPool] = []
+        try:
+            for h in self.holders:
+                getattr(h, do)()
+                done.append(h)
+        except BaseException:
+            for h in reversed(done):
+                getattr(h, undo)()
+            raise
 
 
 def _done(value: T) -> Future[T]:

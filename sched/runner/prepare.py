@@ -81,39 +81,18 @@ class BatchPreparer:
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
         r = self.runner
         dev = r.device
-        qo_indptr = self._host(indptr_of(batch.qo_lens))
-        kv_indptr = self._host(indptr_of(batch.kv_lens))
         rows = torch.tensor(batch.rows, dtype=torch.int64)
         kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
         r.req_to_token_pool.sync()
         rows_dev, kv_lens_dev = self._dev(rows), self._dev(kv_lens)
-        zeros = torch.zeros_like(rows_dev)
         key = (tuple(batch.rows), tuple(q.rid for q in batch.reqs), tuple(batch.epochs)) if batch.is_decode else ()
         # The shared prefix matters to cascade attention and to a backend's choice of decode kernel.
         wanted = r.cascade or len(r.attn_backend.decode_kernels(len(batch.rows))) > 1
         shared = self._shared_len(batch, key, rows, kv_lens) if key and len(batch.rows) > 1 and wanted else 0
         cascade = self._cascade(batch, shared, key, rows_dev, kv_lens, kv_lens_dev) if shared and r.cascade else None
-        table = r.req_to_token_pool.mirror
-        meta = AttnMetadata(
-            is_decode=batch.is_decode,
-            qo_indptr=self._dev(qo_indptr),
-            kv_indptr=self._dev(kv_indptr),
-            kv_indices=(gather_kv_indices(table, rows_dev, zeros, kv_lens_dev, int(kv_indptr[-1]))
-                        if cascade is None else torch.empty(0, dtype=torch.int32, device=dev)),
-            qo_lens=batch.qo_lens,
-            kv_lens=batch.kv_lens,
-            kv_indptr_host=kv_indptr,
-            qo_indptr_host=qo_indptr,
-            cascade=cascade,
-            shared_len=shared,
-        )
-        prefix_lens = [k - q for k, q in zip(batch.kv_lens, batch.qo_lens)]
-        if not batch.is_decode and any(prefix_lens):
-            prefix_indptr = self._host(indptr_of(prefix_lens))
-            plens = torch.tensor(prefix_lens, dtype=torch.int64)
-            meta.prefix_indptr_host = prefix_indptr
-            meta.prefix_lens_host = self._host(plens.to(torch.int32))
-            meta.prefix_indices = gather_kv_indices(table, rows_dev, zeros, self._dev(plens), int(prefix_indptr[-1]))
+        meta = self.attention(batch.is_decode, batch.qo_lens, batch.kv_lens, rows_dev, kv_lens_dev, cascade, shared)
+        qo_indptr = meta.qo_indptr_host
+        assert qo_indptr is not None
         ids = None if batch.input_ids is None else self._dev(torch.tensor(batch.input_ids, dtype=torch.int64))
         reqs = batch.reqs
         same = self._sampling[1] if key and self._sampling[0] == key else None
@@ -156,6 +135,38 @@ class BatchPreparer:
             pool=self._pool_rows(batch, pooled) if pooled else None,
             lora=self._lora_batch(batch, key) if r.lora_spec is not None else None,
         )
+
+    def attention(self, is_decode: bool, qo_lens: list[int], kv_lens: list[int], rows_dev: torch.Tensor,
+                  kv_lens_dev: torch.Tensor, cascade: CascadeMeta | None = None, shared: int = 0) -> AttnMetadata:
+        """The attention metadata of request-table rows `rows_dev`: row i's qo_lens[i] new
+        tokens over its first kv_lens[i] slots (kv_lens_dev: the same, on the device), or
+        over `cascade`'s split; an extend's cached prefixes apart. The table's mirror must
+        be synced."""
+        table = self.runner.req_to_token_pool.mirror
+        qo_indptr = self._host(indptr_of(qo_lens))
+        kv_indptr = self._host(indptr_of(kv_lens))
+        zeros = torch.zeros_like(rows_dev)
+        meta = AttnMetadata(
+            is_decode=is_decode,
+            qo_indptr=self._dev(qo_indptr),
+            kv_indptr=self._dev(kv_indptr),
+            kv_indices=(gather_kv_indices(table, rows_dev, zeros, kv_lens_dev, int(kv_indptr[-1]))
+                        if cascade is None else torch.empty(0, dtype=torch.int32, device=self.runner.device)),
+            qo_lens=qo_lens,
+            kv_lens=kv_lens,
+            kv_indptr_host=kv_indptr,
+            qo_indptr_host=qo_indptr,
+            cascade=cascade,
+            shared_len=shared,
+        )
+        prefix_lens = [k - q for k, q in zip(kv_lens, qo_lens)]
+        if not is_decode and any(prefix_lens):
+            prefix_indptr = self._host(indptr_of(prefix_lens))
+            plens = torch.tensor(prefix_lens, dtype=torch.int64)
+            meta.prefix_indptr_host = prefix_indptr
+            meta.prefix_lens_host = self._host(plens.to(torch.int32))
+            meta.prefix_indices = gather_kv_indices(table, rows_dev, zeros, self._dev(plens), int(prefix_indptr[-1]))
+        return meta
 
     def _lora_batch(self, batch: ScheduleBatch, key: tuple) -> LoraBatch:
         """Each row's adapter slot, in blocks; reused for a decode batch of the same requests."""

@@ -104,7 +104,10 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # last token and up to speculative_num_draft_tokens - 1 tokens proposed from the request's
     # own prompt and output (the longest of its last 1..12 tokens, by the two window sizes,
     # found earlier in them: what followed is the proposal); outputs are those of plain decode.
-    speculative_algorithm: Literal["NGRAM"] | None = None
+    # STANDALONE: a smaller model of the same tokenizer (speculative_draft_model_path) proposes
+    # the tokens, its most likely one at a time.
+    speculative_algorithm: Literal["NGRAM", "STANDALONE"] | None = None
+    speculative_draft_model_path: str | None = None
     speculative_num_draft_tokens: int = 5
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
@@ -178,6 +181,14 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not 2 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"speculative_num_draft_tokens={self.speculative_num_draft_tokens} is invalid: must be "
                              f"in [2, {MAX_DRAFT_TOKENS}] (the last token and at least one proposed one)")
+        drafted = self.speculative_algorithm == "STANDALONE"
+        if drafted != (self.speculative_draft_model_path is not None):
+            raise ValueError("speculative_draft_model_path is invalid without speculative_algorithm='STANDALONE'"
+                             if not drafted else "speculative_algorithm='STANDALONE' needs "
+                             "speculative_draft_model_path: a Hugging Face model directory of the same tokenizer")
+        if drafted and self.tp_size > 1:
+            raise ValueError("speculative_algorithm='STANDALONE' is invalid with tp_size > 1: the draft model runs "
+                             "on one device; use NGRAM, or tp_size=1")
         lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
         if not lo <= hi <= MAX_NGRAM_WINDOW:
             raise ValueError(f"speculative_ngram_max_match_window_size={hi} is invalid: must be in "

@@ -16,7 +16,10 @@ FIELD_HELP: dict[str, str] = {
                            "in place of unused ones)",
     "max_loaded_loras": "LoRA adapters held in host memory at once (loads past it are refused)",
     "speculative_algorithm": "speculative decoding: NGRAM proposes tokens from each request's own prompt and output, "
-                             "verified in one forward (same outputs, fewer steps on text that repeats); unset: off",
+                             "STANDALONE from a draft model (--speculative-draft-model-path); verified in one "
+                             "forward (same outputs, fewer steps); unset: off",
+    "speculative_draft_model_path": "STANDALONE: the draft model, a Hugging Face directory of a smaller model with "
+                                    "the same tokenizer",
     "speculative_num_draft_tokens": "tokens a speculative step verifies per request: its last token and up to N-1 "
                                     "proposed ones",
     "speculative_ngram_min_match_window_size": "NGRAM: the shortest suffix of a request's tokens matched earlier "

@@ -1,0 +1,100 @@
+"""The draft model of STANDALONE speculative decoding: a smaller model of the target's
+tokenizer, with a KV pool of its own at the target's slot ids (the request table and
+the allocator serve both models), which fills a speculative step's proposal entries
+when the step is prepared (sgl.sched.speculative says what it proposes, and why the
+outputs stay those of plain decoding).
+
+Per step: one forward over each request's tokens the draft has not seen (through its
+last token), then one decode forward per further proposal, each feeding back the
+token it proposed last; every proposal is the draft's most likely token, fetched to
+the host as the next forward's input and the verify rows' input. The forwards run
+eagerly, on the scheduler's side of the loop, before the step's own forward is queued.
+
+It decides nothing: which requests propose, how many tokens and from which position
+the draft catches up come with the batch (ScheduleBatch.drafts). It never allocates
+slots and never changes a request."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from sgl.cache.host_copy import to_device
+from sgl.cache.kv_pool import MHATokenToKVPool
+from sgl.cache.req_to_token_pool import ReqToTokenPool
+from sgl.kernels.attention import AttentionBackend
+from sgl.sched.batch import ScheduleBatch
+from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
+from sgl.sched.runner.weights import WeightManager
+
+if TYPE_CHECKING:
+    from sgl.sched.runner.prepare import BatchPreparer
+
+
+class DraftModel:
+    def __init__(self, model: CausalLM, weights: WeightManager, kv_pool: MHATokenToKVPool,
+                 backend: AttentionBackend, table: ReqToTokenPool, preparer: BatchPreparer, vocab_size: int) -> None:
+        self.model = model
+        self.weights = weights  # its memory, released and resumed with the target's
+        self.kv_pool = kv_pool
+        self.backend = backend
+        self.table = table  # the target's request table
+        self.preparer = preparer  # the target's: attention metadata from the table's mirror
+        self.vocab_size = vocab_size  # ids it may propose: the target's vocabulary (a draft's may be padded wider)
+
+    @torch.inference_mode()
+    def propose(self, batch: ScheduleBatch) -> None:
+        """Write each drafting request's proposals into the batch's input_ids (their
+        placeholders), catching up on its unseen tokens first."""
+        works, ids = batch.drafts, batch.input_ids
+        assert works is not None and ids is not None
+        table = self.table
+        table.sync()
+        rows = [batch.rows[w.entry] for w in works]
+        ends = [w.start + len(w.tokens) for w in works]  # positions the draft's KV reaches after catching up
+        slots = torch.cat([table.req_to_token[row, w.start:end] for row, w, end in zip(rows, works, ends)])
+        positions = torch.cat([torch.arange(w.start, end, dtype=torch.int64) for w, end in zip(works, ends)])
+        last = self._forward(rows, [t for w in works for t in w.tokens], positions, slots,
+                             [len(w.tokens) for w in works], ends, is_decode=False)
+        drafting = [i for i, w in enumerate(works) if w.k]
+        for j in range(1, max((works[i].k for i in drafting), default=0) + 1):
+            for i in drafting:
+                ids[works[i].entry + j] = last[i]  # proposal j: what the draft predicts after position end - 1
+            drafting = [i for i in drafting if works[i].k > j]
+            if not drafting:
+                break
+            # Feed proposal j back at its position (ends[i] - 1 + j) to predict proposal j + 1.
+            pos = [ends[i] - 1 + j for i in drafting]
+            step_rows = [rows[i] for i in drafting]
+            out = self._forward(step_rows, [last[i] for i in drafting], torch.tensor(pos, dtype=torch.int64),
+                                table.req_to_token[torch.tensor(step_rows), torch.tensor(pos)].to(torch.int64),
+                                [1] * len(drafting), [p + 1 for p in pos], is_decode=True)
+            for i, tok in zip(drafting, out):
+                last[i] = tok
+
+    def _forward(self, rows: list[int], input_ids: list[int], positions: torch.Tensor, slots: torch.Tensor,
+                 qo_lens: list[int], kv_lens: list[int], is_decode: bool) -> list[int]:
+        """One forward over request-table rows: each row's qo_lens[i] new tokens (written at
+        `slots`) ending at kv_lens[i]; the most likely next token after each row's last."""
+        dev = self.kv_pool.device
+        p = self.preparer
+        meta = p.attention(is_decode, qo_lens, kv_lens, to_device(torch.tensor(rows, dtype=torch.int64), dev),
+                           to_device(torch.tensor(kv_lens, dtype=torch.int64), dev))
+        assert meta.qo_indptr_host is not None
+        self.backend.begin_forward(meta)
+        fb = ForwardBatch(
+            input_ids=to_device(torch.tensor(input_ids, dtype=torch.int64), dev),
+            positions=to_device(positions, dev),
+            out_cache_loc=to_device(slots.to(torch.int64), dev),
+            logits_indices=to_device((meta.qo_indptr_host[1:] - 1).to(torch.int64), dev),
+            attn=meta,
+            attn_backend=self.backend,
+            kv_pool=self.kv_pool,
+        )
+        logits = self.model(fb)
+        return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+
+    def info(self) -> dict[str, int]:
+        m = self.model
+        return {"spec_draft_layers": m.num_layers, "spec_draft_vocab_size": m.vocab_size}
