@@ -1,5 +1,6 @@
-"""Speculative decoding on the GPU path (marked gpu; skipped without CUDA): NGRAM steps
-under CUDA graphs and the overlap loop give plain decoding's greedy tokens.
+"""Speculative decoding on the GPU path (marked gpu; skipped without CUDA): NGRAM and
+STANDALONE steps (the draft: the same dummy weights, so its proposals are the target's
+own) under CUDA graphs and the overlap loop give plain decoding's greedy tokens.
 
 A verify step runs a request's rows as a decode batch of more rows than plain decode's,
 so its bf16 GEMMs may round differently: tokens are equal until a position where plain
@@ -45,11 +46,14 @@ def _run(model_dir: str, **kw: Any) -> tuple[list[dict[str, Any]], dict[str, Any
     return outs, info
 
 
-@pytest.mark.parametrize("limit", [None, 4], ids=["always", "at-most-4-running"])
-def test_ngram_steps_under_graphs_and_overlap_equal_plain_greedy(model_dir: str, limit: int | None) -> None:
+@pytest.mark.parametrize("algorithm, limit", [("NGRAM", None), ("NGRAM", 4), ("STANDALONE", None)],
+                         ids=["ngram", "ngram-at-most-4-running", "draft"])
+def test_speculative_steps_under_graphs_and_overlap_equal_plain_greedy(model_dir: str, algorithm: str,
+                                                                       limit: int | None) -> None:
     plain, _ = _run(model_dir)
-    spec, info = _run(model_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5,
-                      speculative_disable_by_batch_size=limit)
+    draft = {"speculative_draft_model_path": model_dir} if algorithm == "STANDALONE" else {}
+    spec, info = _run(model_dir, speculative_algorithm=algorithm, speculative_num_draft_tokens=5,
+                      speculative_disable_by_batch_size=limit, **draft)
     assert info["spec_accept_length"] > 1.5
     equal = 0
     for x, y in zip(plain, spec):

@@ -6,10 +6,12 @@ n > 1 expanded into siblings with a prefix leader as the tokenizer manager does,
 stop ids, lengths, ignore_eos, streaming; now and then one the limits refuse), aborts
 land at random moments, and the scheduler steps. Each run draws its pools (small
 enough to force eviction, retraction and chunked prefill) and the class fixes the
-overlap loop on or off, and NGRAM speculative steps on or off (sgl.sched.speculative:
-a request's rows past what it took are freed at once; outputs equal the reference's;
-speculating only while at most two requests run, so steps switch between speculative
-ones and plain overlapped ones whose inputs come from the host after a speculative step).
+overlap loop on or off, and speculative steps off, NGRAM or STANDALONE (the model itself
+as the draft, with its own KV at the same slots; sgl.sched.speculative: a request's
+rows past what it took are freed at once; outputs equal the reference's; speculating
+only while at most two requests run, so steps switch between speculative ones and plain
+overlapped ones whose inputs come from the host after a speculative step, and a draft
+catches up on what plain steps added).
 
 After every scheduler step the machine proves:
 - KV accounting: every KV slot has exactly one owner (the free list, a tree node, or
@@ -224,7 +226,7 @@ configs = st.fixed_dictionaries({
 
 class SchedulerMachine(RuleBasedStateMachine):
     OVERLAP = False
-    SPECULATIVE = False  # NGRAM steps (sgl.sched.speculative), their requests serial
+    SPECULATIVE = ""  # "NGRAM" or "STANDALONE" steps (sgl.sched.speculative), their requests serial
     MODEL = ""
 
     def __init__(self) -> None:
@@ -245,8 +247,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def build(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
         # Speculating only while at most 2 requests run: steps switch between the two kinds.
-        spec = ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4,
+        spec = ({"speculative_algorithm": self.SPECULATIVE, "speculative_num_draft_tokens": 4,
                  "speculative_disable_by_batch_size": 2} if self.SPECULATIVE else {})
+        if self.SPECULATIVE == "STANDALONE":
+            spec["speculative_draft_model_path"] = self.MODEL
         self.s, self.recv, self.send = make_scheduler(self.MODEL, disable_overlap_schedule=not self.OVERLAP,
                                                       **spec, **cfg)
 
@@ -430,6 +434,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for r in live:
             if r.inflight != pending[id(r)]:
                 raise fail("token/KV alignment", f"{r}: inflight {r.inflight}, in the launched batch {pending[id(r)]}")
+            if not r.draft_len <= r.kv_len:  # a draft's KV only where the request's slots are
+                raise fail("token/KV alignment", f"{r}: draft_len {r.draft_len} > kv_len {r.kv_len}")
             if r in s.decode.running:
                 expect = r.seq_len - 1 + (rows[id(r)] if decoding else 0)
                 if r.kv_len != expect:
@@ -549,9 +555,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             raise fail("idle KV", f"violations {info['invariant_violations']}, rows free {pool.available_size()}")
 
 
-def machine(model: str, overlap: bool, speculative: bool = False) -> type[SchedulerMachine]:
+def machine(model: str, overlap: bool, speculative: str = "") -> type[SchedulerMachine]:
     REFERENCES.setdefault(model, Reference(model))
-    name = f"SchedulerMachine{'Overlap' if overlap else 'Plain'}{'Speculative' if speculative else ''}"
+    name = f"SchedulerMachine{'Overlap' if overlap else 'Plain'}{speculative.title()}"
     return type(name, (SchedulerMachine,), {"OVERLAP": overlap, "MODEL": model, "SPECULATIVE": speculative})
 
 
@@ -584,9 +590,9 @@ def _report(label: str, before: Counter[str], t0: float) -> None:
 
 
 @_soak
-@pytest.mark.parametrize("overlap, speculative", [(False, False), (True, False), (True, True)],
-                         ids=["plain", "overlap", "speculative"])
-def test_scheduler_state_machine(model_dir: str, overlap: bool, speculative: bool) -> None:
+@pytest.mark.parametrize("overlap, speculative", [(False, ""), (True, ""), (True, "NGRAM"), (True, "STANDALONE")],
+                         ids=["plain", "overlap", "ngram", "draft"])
+def test_scheduler_state_machine(model_dir: str, overlap: bool, speculative: str) -> None:
     before, t0 = STATS.copy(), time.perf_counter()
     try:
         run_state_machine_as_test(machine(model_dir, overlap, speculative), settings=machine_settings())

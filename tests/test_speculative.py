@@ -246,9 +246,9 @@ def test_unseeded_samples_come_from_the_same_distribution(tmp_path_factory: pyte
     """400 samples of 4 tokens each from a tiny random model over 8 tokens, whose prompt
     gives a proposal at every step (NGRAM; STANDALONE: another tiny random model's most
     likely token), taken a fair share of the time (a quarter; a tenth): the position-wise
-    token counts of the two engines, in a permutation test of Pearson's statistic. Seeded engines: the same verdict on
-    every run. (Taking a rejected proposal 30% of the time, the classic bias toward the
-    draft, fails it.)"""
+    token counts of the two engines, in a permutation test of Pearson's statistic.
+    Seeded engines: the same verdict on every run. (Taking a rejected proposal 30% of the
+    time, the classic bias toward the draft, fails it for either.)"""
     base = tmp_path_factory.mktemp("spec-tiny")
     model = tiny_model_dir(base, "llama", vocab=8, seed=4, initializer_range=0.2)
     prompt = random.Random(5).choices(range(7), k=24)
@@ -277,3 +277,54 @@ def test_unseeded_samples_come_from_the_same_distribution(tmp_path_factory: pyte
         rng.shuffle(pool)
         worse += _statistic(pool[:400], pool[400:]) >= observed
     assert (worse + 1) / (trials + 1) > 0.01
+
+
+# ---- a draft model's arguments and memory ----
+
+def test_draft_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="needs speculative_draft_model_path"):
+        sgl.ServerArgs(speculative_algorithm="STANDALONE")
+    with pytest.raises(ValueError, match="speculative_draft_model_path is invalid without"):
+        sgl.ServerArgs(speculative_algorithm="NGRAM", speculative_draft_model_path="d")
+    with pytest.raises(ValueError, match="invalid with tp_size > 1"):
+        sgl.ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="d", tp_size=2,
+                       transport="ipc")
+
+
+def test_draft_model_memory_goes_with_the_targets(tmp_path_factory: pytest.TempPathFactory,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Releasing weights or the KV cache releases the draft's too; a holder that fails
+    leaves every holder of the tag as it was."""
+    from sgl.sched.runner.model_runner import ModelRunner
+
+    base = tmp_path_factory.mktemp("spec-memory")
+    target = tiny_model_dir(base, "llama", vocab=8, seed=4)
+    with pytest.raises(ValueError, match="is not a directory"):
+        ModelRunner(sgl.ServerArgs(speculative_algorithm="STANDALONE", max_total_tokens=64,
+                                   speculative_draft_model_path=str(base / "missing")), target)
+    r = ModelRunner(sgl.ServerArgs(speculative_algorithm="STANDALONE", max_total_tokens=64,
+                                   speculative_draft_model_path=tiny_model_dir(base, "llama", vocab=8, seed=9)),
+                    target)
+    try:
+        draft = r.draft
+        assert draft is not None and draft.kv_pool.size == r.kv_pool.size == 64
+        r.release_memory({"weights", "kv_cache"})
+        assert draft.kv_pool.released and not draft.weights.resident
+        assert all(p.numel() == 0 for p in draft.model.parameters())  # type: ignore[attr-defined]
+        r.resume_memory({"weights", "kv_cache"})
+        assert r.released == frozenset() and not draft.kv_pool.released and draft.weights.resident
+
+        def broken() -> None:
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(draft.weights, "release", broken)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            r.release_memory({"weights"})
+        assert r.released == frozenset() and r.weights.resident  # the target's release was undone
+        r.release_memory({"kv_cache"})
+        monkeypatch.setattr(draft.kv_pool, "resume", broken)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            r.resume_memory({"kv_cache"})
+        assert r.released == {"kv_cache"} and r.kv_pool.released  # the target's resume was undone
+    finally:
+        r.close()
