@@ -293,8 +293,10 @@ def test_draft_arguments_are_checked() -> None:
 
 def test_draft_model_memory_goes_with_the_targets(tmp_path_factory: pytest.TempPathFactory,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Releasing weights or the KV cache releases the draft's too; a holder that fails
-    leaves every holder of the tag as it was."""
+    """A missing draft, or one whose context is shorter than the engine's (its positions
+    would run past its rotary table), fails the start with what to pass. Releasing
+    weights or the KV cache releases the draft's too; a holder that fails leaves every
+    holder of the tag as it was."""
     from sgl.sched.runner.model_runner import ModelRunner
 
     base = tmp_path_factory.mktemp("spec-memory")
@@ -302,6 +304,10 @@ def test_draft_model_memory_goes_with_the_targets(tmp_path_factory: pytest.TempP
     with pytest.raises(ValueError, match="is not a directory"):
         ModelRunner(sgl.ServerArgs(speculative_algorithm="STANDALONE", max_total_tokens=64,
                                    speculative_draft_model_path=str(base / "missing")), target)
+    short = tiny_model_dir(base, "llama", vocab=8, seed=7, max_position_embeddings=256)
+    with pytest.raises(ValueError, match=r"draft model's context \(256 tokens\) is shorter than context_length"):
+        ModelRunner(sgl.ServerArgs(speculative_algorithm="STANDALONE", max_total_tokens=64,
+                                   speculative_draft_model_path=short), target)
     r = ModelRunner(sgl.ServerArgs(speculative_algorithm="STANDALONE", max_total_tokens=64,
                                    speculative_draft_model_path=tiny_model_dir(base, "llama", vocab=8, seed=9)),
                     target)

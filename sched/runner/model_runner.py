@@ -349,6 +349,10 @@ class ModelRunner:
 
         model, _ = load_model(path, "auto" if args.load_format == "gguf" else args.load_format, self.dtype,
                               self.device, seed=args.random_seed or 0)
+        limit = getattr(model, "context_len", None)
+        if limit is not None and limit < self.context_length:
+            raise ValueError(f"the draft model's context ({limit} tokens) is shorter than context_length "
+                             f"({self.context_length}): pass context_length={limit} or a draft with a longer context")
         return model
 
     def _lora_spec(self, args: ServerArgs) -> LoraSpec | None:
