@@ -13,6 +13,8 @@ from sgl.cli_args import add_server_args, server_args_from
 from sgl.core.server_args import ServerArgs
 from sgl.core.version import __version__
 
+CLI_ADAPTER = "adapter"  # the name `sgl generate --lora-path` loads its adapter under
+
 
 def _generate(ns: argparse.Namespace) -> int:
     from sgl.core.log import configure_logging
@@ -28,6 +30,10 @@ def _generate(ns: argparse.Namespace) -> int:
         kwargs["dtype"] = ns.dtype
     if ns.chat_template:
         kwargs["chat_template"] = ns.chat_template
+    adapter = None
+    if ns.lora_path:
+        kwargs["lora_paths"] = [f"{CLI_ADAPTER}={ns.lora_path}"]
+        adapter = CLI_ADAPTER
     with Engine(ns.model_path, **kwargs) as engine:
         prompt = ns.prompt
         tok = engine.tokenizer
@@ -38,15 +44,15 @@ def _generate(ns: argparse.Namespace) -> int:
         params: dict[str, Any] = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
         if ns.beam_width:
             params["beam_width"] = ns.beam_width
-            for beam in engine.generate(prompt, params):  # best first
+            for beam in engine.generate(prompt, params, lora_path=adapter):  # best first
                 print(f"[{beam['meta_info']['beam_index']}] score={beam['meta_info']['score']}: {beam['text']}")
         elif ns.stream:
-            for chunk in engine.generate(prompt, params, stream=True):
+            for chunk in engine.generate(prompt, params, stream=True, lora_path=adapter):
                 sys.stdout.write(chunk["text"])
                 sys.stdout.flush()
             sys.stdout.write("\n")
         else:
-            print(engine.generate(prompt, params)["text"])
+            print(engine.generate(prompt, params, lora_path=adapter)["text"])
     return 0
 
 
@@ -105,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    g.add_argument("--lora-path", default=None,
+                   help="a LoRA adapter (PEFT folder) of the model: the answer comes from the model with it")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning",
                    help="log level (default: warning)")
     g.set_defaults(func=_generate)

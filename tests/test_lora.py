@@ -273,3 +273,20 @@ def test_http_routes_name_the_adapter(models: dict[str, str], adapters: dict[str
     finally:
         oai.close()
         s.stop()
+
+
+def test_cli_generate_with_an_adapter(models: dict[str, str], adapters: dict[str, dict[str, str]],
+                                      merged_engines: tuple[sgl.Engine, sgl.Engine]) -> None:
+    """`sgl generate --lora-path` answers as the model with the adapter merged does."""
+    import subprocess
+    import sys
+
+    prompt, params = "Give me a person as JSON:", {"temperature": 0.0, "max_new_tokens": 12}
+    run = subprocess.run([sys.executable, "-m", "sgl.cli", "generate", prompt, "--raw", "--model-path",
+                          models["chat"], "--lora-path", adapters["chat"]["all8"], "--dtype", "float32",
+                          "--max-new-tokens", "12", "--transport", "inproc"],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    want = merged_engines[1].generate(prompt, params)["text"]
+    assert run.stdout.rstrip("\n") == want
+    assert want != merged_engines[0].generate(prompt, params)["text"]  # the adapter matters here
