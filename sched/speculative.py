@@ -89,9 +89,11 @@ CatchUp = tuple[int, list[int]]
 class Speculator:
     """The proposer of an engine (NGRAM, or STANDALONE's plan for the draft model) and its
     acceptance counts. A request speculates unless its next token depends on state the
-    verify rows do not carry: beams, a trie or a grammar (their masks follow the matcher
-    token by token), penalties (counts per request row), or a custom logit processor (it
-    may read the output ids)."""
+    verify rows do not carry: beams, a trie, penalties (counts per request row), a custom
+    logit processor (it may read the output ids), or a grammar that starts after the
+    request's reasoning, which has not ended yet. A grammar request's proposal rows are
+    masked by its matcher as it would stand after each proposal
+    (sgl.sched.runner.grammar_masks)."""
 
     def __init__(self, args: ServerArgs, catch_up_tokens: int) -> None:
         self.algorithm = args.speculative_algorithm
@@ -110,8 +112,8 @@ class Speculator:
     @staticmethod
     def eligible(req: Req) -> bool:
         p = req.sampling_params
-        return (req.beam is None and req.trie is None and p.grammar is None and not p.has_penalties
-                and not req.processor)
+        return (req.beam is None and req.trie is None and not p.has_penalties and not req.processor
+                and req.grammar_after is None)
 
     def propose(self, reqs: list[Req], context_length: int,
                 max_rows: int | None) -> tuple[list[list[int]], list[CatchUp | None] | None]:

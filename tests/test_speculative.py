@@ -211,6 +211,27 @@ def test_grammar_penalties_n_and_beams_in_one_batch(plain: sgl.Engine, engine: s
     assert json.loads(b[0]["text"]).keys() == {"name", "age"}
 
 
+def test_grammar_requests_speculate_within_their_grammar(plain: sgl.Engine, engine: sgl.Engine) -> None:
+    """JSON-schema and regex requests alone, greedy and seeded: the same tokens as plain
+    decoding, valid JSON, and proposals taken (each proposal row masked as the matcher
+    would stand after the proposals before it)."""
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    prompts = [f"Put this text in a JSON object under \"text\":\n{t}\nJSON:\n" for t in TEXTS]
+    sps: list[dict[str, Any]] = [{"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(schema)}
+                                 for _ in TEXTS]
+    sps[1] = {**sps[1], "temperature": 0.7, "seed": 3}
+    prompts.append(copy_prompt(TEXTS[0]))
+    sps.append({"max_new_tokens": 24, "temperature": 0, "regex": "The quick brown [a-z ]+\\."})
+    before = engine.get_server_info()
+    a, b = _both(plain, engine, prompts, sps)
+    assert [y["output_ids"] for y in b] == [x["output_ids"] for x in a]
+    for y in b[:3]:
+        if y["meta_info"]["finish_reason"]["type"] == "stop":
+            json.loads(y["text"])
+    info = engine.get_server_info()
+    assert info["spec_accepted_tokens"] - before["spec_accepted_tokens"] > 20
+
+
 def test_leaving_a_stream_frees_its_kv(engine: sgl.Engine) -> None:
     stream = engine.generate(PROMPTS[0], {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
                              stream=True)

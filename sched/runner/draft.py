@@ -16,7 +16,7 @@ slots and never changes a request."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,7 @@ from sgl.cache.req_to_token_pool import ReqToTokenPool
 from sgl.kernels.attention import AttentionBackend
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
+from sgl.sched.req import Req
 from sgl.sched.runner.weights import WeightManager
 
 if TYPE_CHECKING:
@@ -55,9 +56,11 @@ class DraftModel:
         ends = [w.start + len(w.tokens) for w in works]  # positions the draft's KV reaches after catching up
         slots = torch.cat([table.req_to_token[row, w.start:end] for row, w, end in zip(rows, works, ends)])
         positions = torch.cat([torch.arange(w.start, end, dtype=torch.int64) for w, end in zip(works, ends)])
-        last = self._forward(rows, [t for w in works for t in w.tokens], positions, slots,
-                             [len(w.tokens) for w in works], ends, is_decode=False)
+        logits = self._forward(rows, [t for w in works for t in w.tokens], positions, slots,
+                               [len(w.tokens) for w in works], ends, is_decode=False)
         drafting = [i for i, w in enumerate(works) if w.k]
+        guide = DraftGrammars([batch.reqs[works[i].entry] for i in drafting], drafting)
+        last = guide.pick(logits, list(range(len(works))))
         for j in range(1, max((works[i].k for i in drafting), default=0) + 1):
             for i in drafting:
                 ids[works[i].entry + j] = last[i]  # proposal j: what the draft predicts after position end - 1
@@ -67,16 +70,17 @@ class DraftModel:
             # Feed proposal j back at its position (ends[i] - 1 + j) to predict proposal j + 1.
             pos = [ends[i] - 1 + j for i in drafting]
             step_rows = [rows[i] for i in drafting]
-            out = self._forward(step_rows, [last[i] for i in drafting], torch.tensor(pos, dtype=torch.int64),
-                                table.req_to_token[torch.tensor(step_rows), torch.tensor(pos)].to(torch.int64),
-                                [1] * len(drafting), [p + 1 for p in pos], is_decode=True)
-            for i, tok in zip(drafting, out):
+            logits = self._forward(step_rows, [last[i] for i in drafting], torch.tensor(pos, dtype=torch.int64),
+                                   table.req_to_token[torch.tensor(step_rows), torch.tensor(pos)].to(torch.int64),
+                                   [1] * len(drafting), [p + 1 for p in pos], is_decode=True)
+            for i, tok in zip(drafting, guide.pick(logits, drafting)):
                 last[i] = tok
+        guide.rollback()
 
     def _forward(self, rows: list[int], input_ids: list[int], positions: torch.Tensor, slots: torch.Tensor,
-                 qo_lens: list[int], kv_lens: list[int], is_decode: bool) -> list[int]:
+                 qo_lens: list[int], kv_lens: list[int], is_decode: bool) -> torch.Tensor:
         """One forward over request-table rows: each row's qo_lens[i] new tokens (written at
-        `slots`) ending at kv_lens[i]; the most likely next token after each row's last."""
+        `slots`) ending at kv_lens[i]; the logits after each row's last, over the target's ids."""
         dev = self.kv_pool.device
         p = self.preparer
         meta = p.attention(is_decode, qo_lens, kv_lens, to_device(torch.tensor(rows, dtype=torch.int64), dev),
@@ -92,9 +96,72 @@ class DraftModel:
             attn_backend=self.backend,
             kv_pool=self.kv_pool,
         )
-        logits = self.model(fb)
-        return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        return self.model(fb)[:, : self.vocab_size]
 
     def info(self) -> dict[str, int]:
         m = self.model
         return {"spec_draft_layers": m.num_layers, "spec_draft_vocab_size": m.vocab_size}
+
+
+class DraftGrammars:
+    """The grammars of a step's drafting requests, so that the draft proposes only what
+    they allow: each matcher first takes the request's tokens it has not taken yet (it
+    takes them lazily, when its next mask is filled), then each proposal, whose next
+    mask guides the one after; `rollback` leaves every matcher as it was. Runs on the
+    scheduler's thread before the step's masks are filled (the fill owns the matchers
+    from then on). A matcher that refuses a token stops guiding its request: its later
+    proposals are unmasked, and the verify rows refuse them."""
+
+    def __init__(self, reqs: list[Req], works: list[int]) -> None:
+        self.matchers: dict[int, tuple[Any, int]] = {}  # work index -> (matcher, tokens it took)
+        self.width = 0
+        for r, i in zip(reqs, works):
+            m = r.grammar
+            if m is None or r.grammar_after is not None:
+                continue
+            took = 0
+            for t in r.output_ids[r.grammar_seen:]:
+                if m.is_terminated() or not m.accept_token(t):
+                    break
+                took += 1
+            else:
+                self.matchers[i] = (m, took)
+                self.width = r.grammar_width
+                continue
+            if took:
+                m.rollback(took)
+
+    def pick(self, logits: torch.Tensor, works: list[int]) -> list[int]:
+        """The most likely token of each row (row k: work `works[k]`) its grammar allows;
+        each guided matcher takes its pick."""
+        guided = [k for k, i in enumerate(works) if i in self.matchers]
+        if guided:
+            import xgrammar
+
+            mask = torch.full((len(guided), (self.width + 31) // 32), -1, dtype=torch.int32)
+            for row, k in enumerate(guided):
+                m, _ = self.matchers[works[k]]
+                if not m.is_terminated():
+                    m.fill_next_token_bitmask(mask, row)
+            rows = logits[guided].float()
+            xgrammar.apply_token_bitmask_inplace(rows, mask.to(rows.device), vocab_size=self.width)
+            rows[:, self.width:] = float("-inf")
+            logits = logits.float()
+            logits[guided] = rows
+        out = logits.argmax(dim=-1).tolist()
+        for k in guided:
+            i = works[k]
+            m, took = self.matchers[i]
+            if m.is_terminated() or not m.accept_token(out[k]):
+                if took:
+                    m.rollback(took)
+                del self.matchers[i]
+            else:
+                self.matchers[i] = (m, took + 1)
+        return out
+
+    def rollback(self) -> None:
+        for m, took in self.matchers.values():
+            if took:
+                m.rollback(took)
+        self.matchers.clear()

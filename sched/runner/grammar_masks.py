@@ -54,6 +54,10 @@ class GrammarRows:
     reqs: list[Req]
     beams: list[int]  # each row's beam within its request (0 for a plain request)
     width: int  # the bitmask's token ids (the tokenizer's): logits columns past it are never allowed
+    # A speculative step's rows: each row's place among its request's rows (0: its last token;
+    # j: proposed token j, its input `inputs[row]`); None for any other batch.
+    ahead: list[int] | None = None
+    inputs: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -70,13 +74,20 @@ def grammar_rows(batch: ScheduleBatch, device: torch.device) -> GrammarRows | No
     entries: list[int] = []
     reqs: list[Req] = []
     beams: list[int] = []
-    for i, (r, beam) in enumerate(zip(batch.reqs, beam_offsets(batch.reqs))):
+    spec = batch.draft_index
+    offsets = spec if spec is not None else beam_offsets(batch.reqs)
+    for i, (r, beam) in enumerate(zip(batch.reqs, offsets)):
         if r.grammar is not None and sampled(batch, i):
             entries.append(i)
             reqs.append(r)
-            beams.append(beam)
+            beams.append(beam if spec is None else 0)
     if not entries:
         return None
+    ahead = inputs = None
+    if spec is not None:
+        assert batch.input_ids is not None
+        ahead = [spec[i] for i in entries]
+        inputs = [batch.input_ids[i] for i in entries]
     every = len(entries) == len(batch.reqs)  # the logits rows themselves: no gather and scatter
     dev = mask_rows = None
     if not every:
@@ -84,7 +95,7 @@ def grammar_rows(batch: ScheduleBatch, device: torch.device) -> GrammarRows | No
         inverse = torch.full((len(batch.reqs),), -1, dtype=torch.int32)
         inverse[entries] = torch.arange(len(entries), dtype=torch.int32)
         mask_rows = to_device(inverse, device)
-    return GrammarRows(dev, mask_rows, entries, reqs, beams, reqs[0].grammar_width)
+    return GrammarRows(dev, mask_rows, entries, reqs, beams, reqs[0].grammar_width, ahead, inputs)
 
 
 @dataclass(slots=True)
@@ -130,6 +141,8 @@ class MaskFiller:
         # is still reasoning (its grammar starts after the end of its reasoning).
         ended: list[int] = []
         for j, r in enumerate(g.reqs):
+            if g.ahead is not None and g.ahead[j]:
+                continue  # a proposal's row: filled after its request's first (`_fill_ahead`)
             if r.finished_reason is not None:
                 ended.append(j)
                 continue
@@ -174,6 +187,8 @@ class MaskFiller:
             matchers.append(m)
         if ended:
             mask[ended] = -1
+        if g.ahead is not None:
+            mask[[j for j, a in enumerate(g.ahead) if a]] = -1  # all allowed unless `_fill_ahead` fills them
         if not rows:
             return StartedFill(mask, errors, None)
 
@@ -194,6 +209,8 @@ class MaskFiller:
             if rows:
                 t2 = time.perf_counter()
                 self._filler(len(rows)).batch_fill_next_token_bitmask(matchers, mask, indices=rows)
+                if g.ahead is not None:
+                    self._fill_ahead(g, mask, rows, matchers)
                 times["mask_fill_s"] += time.perf_counter() - t2
             times["mask_thread_s"] += time.perf_counter() - t1
 
@@ -238,6 +255,30 @@ class MaskFiller:
 
             self.fillers[threads] = xgrammar.BatchGrammarMatcher(max_threads=threads)
         return self.fillers[threads]
+
+    @staticmethod
+    def _fill_ahead(g: GrammarRows, mask: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+        """A speculative step's proposal rows: row j's mask is the matcher's after its
+        request's proposals 1..j, taken in turn and then rolled back. From a proposal the
+        grammar refuses on, the rows keep the mask before it: the row before refuses that
+        proposal, so nothing sampled past it is taken (only a mask that allows something
+        is needed there)."""
+        assert g.ahead is not None and g.inputs is not None
+        n = len(g.reqs)
+        for first, m in zip(rows, matchers):  # each request's first row, filled already
+            taken, prev, j = 0, first, first + 1
+            while j < n and g.ahead[j]:
+                if not m.is_terminated() and taken == j - first - 1 and m.accept_token(g.inputs[j]):
+                    taken += 1
+                    if not m.is_terminated():
+                        m.fill_next_token_bitmask(mask, j)
+                        prev = j
+                        j += 1
+                        continue
+                mask[j] = mask[prev]
+                j += 1
+            if taken:
+                m.rollback(taken)
 
     @staticmethod
     def _after_reasoning(r: Req, new: list[int]) -> list[int] | None:
