@@ -212,8 +212,8 @@ def test_grammar_penalties_n_and_beams_in_one_batch(plain: sgl.Engine, engine: s
 
 
 def test_grammar_requests_speculate_within_their_grammar(plain: sgl.Engine, engine: sgl.Engine) -> None:
-    """JSON-schema and regex requests alone, greedy and seeded: the same tokens as plain
-    decoding, valid JSON, and proposals taken (each proposal row masked as the matcher
+    """JSON-schema and regex requests, greedy and seeded, and a beam search under a
+    grammar: the same tokens as plain decoding, valid JSON, and proposals taken (each proposal row masked as the matcher
     would stand after the proposals before it)."""
     schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
     prompts = [f"Put this text in a JSON object under \"text\":\n{t}\nJSON:\n" for t in TEXTS]
@@ -222,9 +222,12 @@ def test_grammar_requests_speculate_within_their_grammar(plain: sgl.Engine, engi
     sps[1] = {**sps[1], "temperature": 0.7, "seed": 3}
     prompts.append(copy_prompt(TEXTS[0]))
     sps.append({"max_new_tokens": 24, "temperature": 0, "regex": "The quick brown [a-z ]+\\."})
+    prompts.append(prompts[0])  # a beam search under a grammar in the same steps: its beams' own matchers
+    sps.append({"max_new_tokens": 10, "beam_width": 2, "json_schema": json.dumps(schema)})
     before = engine.get_server_info()
     a, b = _both(plain, engine, prompts, sps)
-    assert [y["output_ids"] for y in b] == [x["output_ids"] for x in a]
+    assert [[o["output_ids"] for o in y] for y in b[-1:]] == [[o["output_ids"] for o in x] for x in a[-1:]]
+    assert [y["output_ids"] for y in b[:-1]] == [x["output_ids"] for x in a[:-1]]
     for y in b[:3]:
         if y["meta_info"]["finish_reason"]["type"] == "stop":
             json.loads(y["text"])

@@ -74,17 +74,15 @@ def grammar_rows(batch: ScheduleBatch, device: torch.device) -> GrammarRows | No
     entries: list[int] = []
     reqs: list[Req] = []
     beams: list[int] = []
-    spec = batch.draft_index
-    offsets = spec if spec is not None else beam_offsets(batch.reqs)
-    for i, (r, beam) in enumerate(zip(batch.reqs, offsets)):
+    for i, (r, beam) in enumerate(zip(batch.reqs, beam_offsets(batch.reqs))):
         if r.grammar is not None and sampled(batch, i):
             entries.append(i)
             reqs.append(r)
-            beams.append(beam if spec is None else 0)
+            beams.append(beam)  # a speculating request's proposal rows count on, unread (`ahead`)
     if not entries:
         return None
     ahead = inputs = None
-    if spec is not None:
+    if (spec := batch.draft_index) is not None:
         assert batch.input_ids is not None
         ahead = [spec[i] for i in entries]
         inputs = [batch.input_ids[i] for i in entries]
