@@ -213,12 +213,12 @@ def test_grammar_penalties_n_and_beams_in_one_batch(plain: sgl.Engine, engine: s
 
 def test_grammar_requests_speculate_within_their_grammar(plain: sgl.Engine, engine: sgl.Engine) -> None:
     """JSON-schema and regex requests, greedy and seeded, and a beam search under a
-    grammar: the same tokens as plain decoding, valid JSON, and proposals taken (each proposal row masked as the matcher
-    would stand after the proposals before it)."""
+    grammar: the same tokens as plain decoding, valid JSON, and proposals taken (each
+    proposal row masked as the matcher would stand after the proposals before it)."""
     schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
-    prompts = [f"Put this text in a JSON object under \"text\":\n{t}\nJSON:\n" for t in TEXTS]
-    sps: list[dict[str, Any]] = [{"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(schema)}
-                                 for _ in TEXTS]
+    prompts = [f"Put this text in a JSON object under \"text\":\n{t}\nJSON:\n" for t in TEXTS[:2]]
+    sps: list[dict[str, Any]] = [{"max_new_tokens": 32, "temperature": 0, "json_schema": json.dumps(schema)}
+                                 for _ in prompts]
     sps[1] = {**sps[1], "temperature": 0.7, "seed": 3}
     prompts.append(copy_prompt(TEXTS[0]))
     sps.append({"max_new_tokens": 24, "temperature": 0, "regex": "The quick brown [a-z ]+\\."})
@@ -228,11 +228,11 @@ def test_grammar_requests_speculate_within_their_grammar(plain: sgl.Engine, engi
     a, b = _both(plain, engine, prompts, sps)
     assert [[o["output_ids"] for o in y] for y in b[-1:]] == [[o["output_ids"] for o in x] for x in a[-1:]]
     assert [y["output_ids"] for y in b[:-1]] == [x["output_ids"] for x in a[:-1]]
-    for y in b[:3]:
+    for y in b[:2]:
         if y["meta_info"]["finish_reason"]["type"] == "stop":
             json.loads(y["text"])
     info = engine.get_server_info()
-    assert info["spec_accepted_tokens"] - before["spec_accepted_tokens"] > 20
+    assert info["spec_accepted_tokens"] - before["spec_accepted_tokens"] > 12
 
 
 def test_leaving_a_stream_frees_its_kv(engine: sgl.Engine) -> None:
