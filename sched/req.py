@@ -12,7 +12,7 @@ the beams descending from one another."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,9 +20,6 @@ from sgl.core.protocol import Beam, GenerateReqInput, Logprobs
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.trie import Trie
 from sgl.sched.models.pooling import PooledPrompt
-
-if TYPE_CHECKING:
-    from sgl.sched.speculative import NgramIndex
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -119,8 +116,7 @@ class Req:
         self.lora_name = m.lora_path  # its LoRA adapter's name; None: the base model
         self.lora_id = 0  # that adapter's load (sgl.sched.lora), set on acceptance; 0: the base model
         self.lora_slot = -1  # the device slot of its adapter, set at each admission; -1: none
-        # Its tokens for n-gram proposals (sgl.sched.speculative), from its first proposal.
-        self.ngram: NgramIndex | None = None
+        self.ngram: Any = None  # its tokens for n-gram proposals (sgl.sched.speculative), from its first proposal
         # Its row's last-token buffer on the device is not its last token (a speculative step
         # sampled several rows of its row): its next step takes its input from the host.
         self.stale_input = False
