@@ -27,6 +27,7 @@ from sgl.kernels.attention import AttentionBackend
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
 from sgl.sched.req import Req
+from sgl.sched.runner.grammar_masks import apply_masks
 from sgl.sched.runner.weights import WeightManager
 
 if TYPE_CHECKING:
@@ -136,16 +137,13 @@ class DraftGrammars:
         each guided matcher takes its pick."""
         guided = [k for k, i in enumerate(works) if i in self.matchers]
         if guided:
-            import xgrammar
-
             mask = torch.full((len(guided), (self.width + 31) // 32), -1, dtype=torch.int32)
             for row, k in enumerate(guided):
                 m, _ = self.matchers[works[k]]
                 if not m.is_terminated():
                     m.fill_next_token_bitmask(mask, row)
             rows = logits[guided].float()
-            xgrammar.apply_token_bitmask_inplace(rows, mask.to(rows.device), vocab_size=self.width)
-            rows[:, self.width:] = float("-inf")
+            apply_masks(rows, mask.to(rows.device), self.width)
             logits = logits.float()
             logits[guided] = rows
         out = logits.argmax(dim=-1).tolist()

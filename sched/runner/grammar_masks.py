@@ -69,6 +69,16 @@ class GrammarFill:
     errors: dict[int, str]
 
 
+def apply_masks(rows: torch.Tensor, mask: torch.Tensor, width: int) -> None:
+    """Keep in each logits row only the token ids its bitmask row allows: `width` ids (the
+    tokenizer's) are masked, the model's padded columns past them are never allowed."""
+    from xgrammar import apply_token_bitmask_inplace
+
+    apply_token_bitmask_inplace(rows, mask, vocab_size=width)
+    if width < rows.shape[1]:
+        rows[:, width:] = float("-inf")
+
+
 def grammar_rows(batch: ScheduleBatch, device: torch.device) -> GrammarRows | None:
     """The batch's grammar rows, or None when no sampled row has a grammar."""
     entries: list[int] = []
@@ -264,16 +274,14 @@ class MaskFiller:
         assert g.ahead is not None and g.inputs is not None
         n = len(g.reqs)
         for first, m in zip(rows, matchers):  # each request's first row, filled already
-            taken, prev, j = 0, first, first + 1
+            taken, j = 0, first + 1
             while j < n and g.ahead[j]:
-                if not m.is_terminated() and taken == j - first - 1 and m.accept_token(g.inputs[j]):
-                    taken += 1
-                    if not m.is_terminated():
-                        m.fill_next_token_bitmask(mask, j)
-                        prev = j
-                        j += 1
-                        continue
-                mask[j] = mask[prev]
+                if taken == j - first - 1 and not m.is_terminated() and m.accept_token(g.inputs[j]):
+                    taken += 1  # every proposal so far taken
+                if taken == j - first and not m.is_terminated():
+                    m.fill_next_token_bitmask(mask, j)
+                else:
+                    mask[j] = mask[j - 1]
                 j += 1
             if taken:
                 m.rollback(taken)

@@ -159,12 +159,12 @@ class ModelRunner:
                        MHATokenToKVPool.bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim,
                                                         self.kv_dtype))
         slots = args.max_total_tokens
-        if slots is None and tp.size > 1:  # every rank must hold the same slots: the smallest pool fits all
+        # Sized here when every rank must hold the same slots (the smallest pool fits all) or a
+        # draft's pool shares the memory; else build_kv_pools sizes it.
+        if slots is None and (tp.size > 1 or draft is not None):
             slots = tp.min_int(default_kv_tokens(m.num_layers, m.num_kv_heads, m.head_dim, self.kv_dtype,
-                                                 self.device, args.mem_fraction_static))
-        if slots is None and draft is not None:
-            slots = default_kv_tokens(m.num_layers, m.num_kv_heads, m.head_dim, self.kv_dtype, self.device,
-                                      args.mem_fraction_static, extra_bytes_per_token=draft_bytes)
+                                                 self.device, args.mem_fraction_static,
+                                                 extra_bytes_per_token=draft_bytes))
         t0 = time.perf_counter()
         pools = build_kv_pools(m.num_layers, m.num_kv_heads, m.head_dim, self.kv_dtype, self.device,
                                self.context_length, slots, args.max_running_requests, args.mem_fraction_static)

@@ -18,7 +18,7 @@ from sgl.kernels.gumbel_draw import Bitmask
 from sgl.kernels.sampling import FusedDraw
 from sgl.kernels.trie_mask import trie_advance, trie_mask_
 from sgl.sched.runner.beam_select import BeamBuffers, select
-from sgl.sched.runner.grammar_masks import GrammarFill, MaskFiller
+from sgl.sched.runner.grammar_masks import GrammarFill, MaskFiller, apply_masks
 from sgl.sched.runner.sampler import fused_takes, process_logits, sample
 from sgl.sched.runner.step import StepResult
 
@@ -122,13 +122,9 @@ class SamplingState:
             trie_mask_(rows, tg.trie, nodes[p.rows[tg.entries]], tg.width, self.eos_dev)
             processed[tg.entries] = rows
         if (g := p.grammar) is not None:
-            from xgrammar import apply_token_bitmask_inplace
-
             assert fill is not None
             rows = processed if g.entries is None else processed[g.entries]
-            apply_token_bitmask_inplace(rows, fill.mask, vocab_size=g.width)
-            if g.width < rows.shape[1]:
-                rows[:, g.width:] = float("-inf")  # past the tokenizer's ids: never a grammar's token
+            apply_masks(rows, fill.mask, g.width)
             if g.entries is not None:
                 processed[g.entries] = rows
         return processed
