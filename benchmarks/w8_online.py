@@ -36,6 +36,7 @@ point reports `client_cpu_load`, its CPU seconds per wall second.
 
     python -m benchmarks.w8_online --url http://127.0.0.1:30000 [--workloads w2,chat,edit]
         [--rates 2,4,8,16,32,inf] [--concurrency 1,4,16,64] [--requests 256] [--json F]
+        [--saturation-requests N]   # the `inf` point's requests: enough to fill the engine
         # `--rates none` (or `--concurrency none`) leaves that sweep out
         [--launch 'sgl serve DIR --port 30000 ...']   # start the server, wait for it, stop it after
         [--plots DIR] [--label sgl]
@@ -546,7 +547,8 @@ def sweep(a: argparse.Namespace, model: str) -> list[dict[str, Any]]:
             continue
         rows = []
         for k, (mode, v) in enumerate(plan):
-            reqs = make_requests(w, a.requests, k + 1, a.seed, a.temperature, a.output_cap)
+            n = a.saturation_requests if mode == "rate" and math.isinf(v) and a.saturation_requests else a.requests
+            reqs = make_requests(w, n, k + 1, a.seed, a.temperature, a.output_cap)
             sends = arrivals(len(reqs), v, a.seed * 7919 + k) if mode == "rate" else None
             recs, wall, cpu = run_point(a.url, a.api_key, model, reqs, sends, int(v) if sends is None else 0,
                                         a.procs, a.request_timeout)
@@ -572,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="Poisson request rates, req/s (inf: all at once); none: no rate points")
     ap.add_argument("--concurrency", default="1,4,16,64", help="concurrent streams; none: no concurrency points")
     ap.add_argument("--requests", type=int, default=256, help="requests per point")
+    ap.add_argument("--saturation-requests", type=int,
+                    help="requests of the `inf` rate point (default --requests): enough to keep the engine full")
     ap.add_argument("--warmup", type=int, default=4, help="requests sent before each workload, not measured")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-cap", type=int, help="cap every output length (quick runs)")

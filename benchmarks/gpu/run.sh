@@ -17,7 +17,7 @@
 #   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 w8 tp startup looplag priority
 #   A/B         old w3old w7old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
-#   profiles    profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
+#   profiles    prefillcost profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy (py-spy's wheel in .whl/)
 #   real model  model fp8acc smolhf spec (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
 #   vLLM        vllm vllm8b vllmfp8 vllmw8 vllmspec (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
@@ -234,7 +234,7 @@ for step in "$@"; do
         run 540 python3 -m benchmarks.w8_online --label sgl --url http://127.0.0.1:30000 --procs 4 \
           --launch "python3 -m sgl.launch_server $dir --load-format dummy $tok --host 127.0.0.1 --port 30000 --random-seed 0" \
           --workloads "$wl" --json "$results/w8_sgl.json" --plots "$results" \
-          ${W8_ARGS:---requests 64 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64} ;;
+          ${W8_ARGS:---requests 64 --saturation-requests 256 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64} ;;
     # vllmw8: the same sweep through the vLLM peer's OpenAI server (its parts unpacked in /tmp, as
     # for `vllm`; the wheels of .whl/ for what its bundle lacks), same model folder, tokenizer and
     # W8_ARGS, label vllm; w8_vllm.json, and w8_*.png of both engines when w8_sgl.json is there
@@ -245,7 +245,7 @@ for step in "$@"; do
          --launch "python3 -m vllm.entrypoints.openai.api_server --model $dir --load-format dummy --dtype bfloat16 \
                    --seed 0 --host 127.0.0.1 --port 30001 --disable-uvicorn-access-log $tok" \
          --launch-timeout 300 --workloads "$wl" --json "$results/w8_vllm.json" \
-         ${W8_ARGS:---requests 64 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64})
+         ${W8_ARGS:---requests 64 --saturation-requests 256 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64})
       if [ -f "$results/w8_vllm.json" ]; then
         if [ -f "$results/w8_sgl.json" ]; then
           python3 -m benchmarks.w8_online --plot "$results/w8_sgl.json" "$results/w8_vllm.json" --labels sgl,vllm \
@@ -405,6 +405,9 @@ for step in "$@"; do
     # speccost: where a decode step's time goes, plain and NGRAM (benchmarks/spec_step_cost.py), on
     # the default model's config with dummy weights (.lt), at concurrency 1 and 8.
     speccost) run 240 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} ;;
+    # prefillcost: one request's prefill alone (benchmarks/prefill_cost.py): host, wall and GPU
+    # time per prompt length, and the kernels of one prefill (what a lone request's TTFT costs).
+    prefillcost) run 200 python3 -m benchmarks.prefill_cost ;;
     spec)
       if smollm2_gguf; then
         for mode in off on; do

@@ -1,0 +1,83 @@
+"""Where a lone request's time to first token goes on the GPU: one request's prefill of
+N tokens (no cache hit), Qwen3-0.6B architecture with dummy weights (or `--model DIR`),
+driven through the real ModelRunner (prepare -> launch -> result) without the scheduler.
+
+Prints, per prompt length: the host time to build and prepare the batch, to queue the
+forward (launch), the wall time until the sampled token is on the host, and the GPU's
+busy time (CUDA events around the step). Wall far above GPU busy means the prefill is
+bound by the host queueing kernels one by one (no CUDA graph covers an extend batch),
+not by the GPU. Then the kernels of one prefill by GPU time and their count.
+
+    python -m benchmarks.prefill_cost [--lens 100,400,1000,4000] [--reps 20] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import dummy_model_dir, machine, table
+from sgl.core.sampling_params import SamplingParams
+from sgl.core.server_args import ServerArgs
+from sgl.sched.batch import ScheduleBatch
+from sgl.sched.req import Req
+from sgl.sched.runner.model_runner import ModelRunner
+
+
+def prefill(runner: ModelRunner, n: int) -> tuple[float, float, float]:
+    """One request's prefill of n tokens, its KV freed after; (prepare, launch, wall) seconds."""
+    r = Req("p", [(7 * i + 3) % 1000 + 10 for i in range(n)], SamplingParams(temperature=0, max_new_tokens=1), False)
+    r.req_pool_idx = runner.req_to_token_pool.alloc()
+    r.extend_len = n
+    out = runner.allocator.alloc(n)
+    assert out is not None and r.req_pool_idx is not None
+    t0 = time.perf_counter()
+    p = runner.prepare(ScheduleBatch.extend([r], out, runner.req_to_token_pool))
+    t1 = time.perf_counter()
+    launched = runner.launch(p)
+    t2 = time.perf_counter()
+    launched.result()
+    t3 = time.perf_counter()
+    runner.allocator.free(out)
+    runner.req_to_token_pool.free(r.req_pool_idx)
+    return t1 - t0, t2 - t1, t3 - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lens", default="100,400,1000,4000")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--model", default=None, help="a model folder (default: Qwen3-0.6B, dummy weights)")
+    a = ap.parse_args()
+    lens = [int(x) for x in a.lens.split(",")]
+    args = ServerArgs(load_format="dummy", max_total_tokens=4 * max(lens) + 64, max_running_requests=8,
+                      random_seed=0, skip_tokenizer_init=True, chunked_prefill_size=max(lens))
+    runner = ModelRunner(args, a.model or dummy_model_dir())
+    cuda = torch.cuda.is_available()
+    rows = []
+    for n in lens:
+        for _ in range(3):
+            prefill(runner, n)
+        busy0 = runner.gpu_timeline.busy_s
+        times = [prefill(runner, n) for _ in range(a.reps)]
+        med = [sorted(col)[len(col) // 2] * 1e3 for col in zip(*times)]
+        gpu = (runner.gpu_timeline.busy_s - busy0) / a.reps * 1e3 if cuda else float("nan")
+        rows.append({"tokens": n, "prepare ms": med[0], "launch ms": med[1], "wall ms": med[2], "GPU busy ms": gpu})
+    print(f"one request's prefill, {runner.model.__class__.__name__}, on {machine()}, torch {torch.__version__}")
+    print(table(rows))
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    n = lens[len(lens) // 2]
+    with torch.profiler.profile(activities=acts) as prof:
+        prefill(runner, n)
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if cuda and e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"--- one prefill of {n} tokens: {kernels} GPU kernels, by {key}")
+    print(events.table(sort_by=key, row_limit=16, max_name_column_width=60))
+    runner.close()
+
+
+if __name__ == "__main__":
+    main()
