@@ -5,8 +5,10 @@ driven through the real ModelRunner (prepare -> launch -> result) without the sc
 Prints, per prompt length: the host time to build and prepare the batch, to queue the
 forward (launch), the wall time until the sampled token is on the host, and the GPU's
 busy time (CUDA events around the step). Wall far above GPU busy means the prefill is
-bound by the host queueing kernels one by one (no CUDA graph covers an extend batch),
-not by the GPU. Then the kernels of one prefill by GPU time and their count.
+bound by the host queueing kernels one by one, not by the GPU. Each length runs eagerly
+and through the piecewise CUDA graphs (sgl.sched.runner.prefill_graph; lengths past
+their largest count, 2,048 by default, run eagerly in both). Then the kernels of one
+prefill by GPU time and their count, per variant.
 
     python -m benchmarks.prefill_cost [--lens 100,400,1000,4000] [--reps 20] [--model DIR]
 """
@@ -52,31 +54,36 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model folder (default: Qwen3-0.6B, dummy weights)")
     a = ap.parse_args()
     lens = [int(x) for x in a.lens.split(",")]
-    args = ServerArgs(load_format="dummy", max_total_tokens=4 * max(lens) + 64, max_running_requests=8,
-                      random_seed=0, skip_tokenizer_init=True, chunked_prefill_size=max(lens))
-    runner = ModelRunner(args, a.model or dummy_model_dir())
     cuda = torch.cuda.is_available()
     rows = []
-    for n in lens:
-        for _ in range(3):
+    for variant, pieces in (("eager", 0), ("pieces", ServerArgs().piecewise_cuda_graph_max_tokens)):
+        args = ServerArgs(load_format="dummy", max_total_tokens=4 * max(lens) + 64, max_running_requests=8,
+                          random_seed=0, skip_tokenizer_init=True, chunked_prefill_size=max(lens),
+                          piecewise_cuda_graph_max_tokens=pieces)
+        runner = ModelRunner(args, a.model or dummy_model_dir())
+        for n in lens:
+            for _ in range(3):
+                prefill(runner, n)
+            busy0 = runner.gpu_timeline.busy_s
+            times = [prefill(runner, n) for _ in range(a.reps)]
+            med = [sorted(col)[len(col) // 2] * 1e3 for col in zip(*times)]
+            gpu = (runner.gpu_timeline.busy_s - busy0) / a.reps * 1e3 if cuda else float("nan")
+            rows.append({"variant": variant, "tokens": n, "prepare ms": med[0], "launch ms": med[1],
+                         "wall ms": med[2], "GPU busy ms": gpu})
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        n = lens[len(lens) // 2]
+        with torch.profiler.profile(activities=acts) as prof:
             prefill(runner, n)
-        busy0 = runner.gpu_timeline.busy_s
-        times = [prefill(runner, n) for _ in range(a.reps)]
-        med = [sorted(col)[len(col) // 2] * 1e3 for col in zip(*times)]
-        gpu = (runner.gpu_timeline.busy_s - busy0) / a.reps * 1e3 if cuda else float("nan")
-        rows.append({"tokens": n, "prepare ms": med[0], "launch ms": med[1], "wall ms": med[2], "GPU busy ms": gpu})
-    print(f"one request's prefill, {runner.model.__class__.__name__}, on {machine()}, torch {torch.__version__}")
+        key = "cuda_time_total" if cuda else "cpu_time_total"
+        events = prof.key_averages()
+        kernels = sum(e.count for e in events if cuda and e.device_type == torch.autograd.DeviceType.CUDA)
+        print(f"--- {variant}: one prefill of {n} tokens, {kernels} GPU kernels, by {key}; start-up {runner.startup}")
+        print(events.table(sort_by=key, row_limit=12, max_name_column_width=60))
+        name = runner.model.__class__.__name__
+        runner.close()
+        del runner
+    print(f"one request's prefill, {name}, on {machine()}, torch {torch.__version__}")
     print(table(rows))
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    n = lens[len(lens) // 2]
-    with torch.profiler.profile(activities=acts) as prof:
-        prefill(runner, n)
-    key = "cuda_time_total" if cuda else "cpu_time_total"
-    events = prof.key_averages()
-    kernels = sum(e.count for e in events if cuda and e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"--- one prefill of {n} tokens: {kernels} GPU kernels, by {key}")
-    print(events.table(sort_by=key, row_limit=16, max_name_column_width=60))
-    runner.close()
 
 
 if __name__ == "__main__":

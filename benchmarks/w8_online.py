@@ -24,7 +24,8 @@ none is counted one token per chunk with choices, and the point says `tokens_fro
 Per point, p50/p90/p99 of: TTFT; `itl`, every gap between token-carrying chunks of every
 request (a chunk carrying k tokens is one gap: what a reader sees); `tpot`, each request's
 mean inter-token time, (e2e - ttft) / (tokens - 1), over requests; e2e. Also the achieved
-request rate and output tokens/s (first send to last end), failures (a failed request is
+request rate and output tokens/s (first send to last end), each request's first and last gap
+apart (where in a stream its slow gaps fall), failures (a failed request is
 recorded, never fatal) and the client's own CPU time per chunk.
 
 The client is httpx streaming the server-sent events by hand: the openai client goes
@@ -417,6 +418,10 @@ def summarize(workload: str, mode: str, value: float, recs: list[Record], wall: 
         "tpot_ms": percentiles([(r.e2e - r.ttft) / (r.tokens - 1) for r in ok
                                 if r.e2e is not None and r.ttft is not None and r.tokens > 1]),
         "e2e_ms": percentiles([r.e2e for r in ok if r.e2e is not None]),
+        # Where in a stream the slow gaps fall: a request's first gap (its first decode step
+        # after the prefill) and its last, apart from all gaps (itl).
+        "first_gap_ms": percentiles([r.gaps[0] for r in ok if r.gaps]),
+        "last_gap_ms": percentiles([r.gaps[-1] for r in ok if r.gaps]),
         "tokens_per_chunk": round(tokens / max(1, sum(r.chunks for r in ok)), 3),
         "tokens_from": "usage" if all(r.from_usage for r in recs) else "chunks",
         "client_cpu_us_per_chunk": round(cpu / max(1, chunks) * 1e6, 1),

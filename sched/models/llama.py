@@ -98,32 +98,40 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps, dtype, device) if qk_norm else None
         self.fused: bool | None = None  # the fused kernel's, decided at the first forward (it needs the pool)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: RopeTables) -> torch.Tensor:
+    def project(self, x: torch.Tensor, fb: ForwardBatch, rope: RopeTables) -> tuple[torch.Tensor, ...]:
+        """q, k, v of the rows of x ([T, heads, head_dim] each), with their K/V written to the pool."""
         t = x.shape[0]
         qkv = self.qkv_proj(x, fb.lora)
         pool = fb.kv_pool
         if self.fused is None:
             self.fused = fused_available(x.device, x.dtype, pool.dtype)
-        layer_k, layer_v = pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id]
         if self.fused:
             # Norms, rotary and the KV write in one launch (sgl.kernels.norm_rope_store), eager
             # and under CUDA graphs alike, so the two give the same numbers.
             qn, kn = self.q_norm, self.k_norm
-            q, k, v = norm_rope_store(
+            return norm_rope_store(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim, qn.weight if qn else None,
                 kn.weight if kn else None, qn.eps if qn else 0.0, fb.positions, rope.cos_sin,
-                layer_k, layer_v, fb.out_cache_loc)
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, k, fb.positions, rope)
-            pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
-        o = fb.attn_backend.forward(q, k, v, layer_k, layer_v, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size), fb.lora)
+                pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id], fb.out_cache_loc)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, fb.positions, rope)
+        pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """The attention of the rows' queries ([T, q_size]), by the batch's planned backend."""
+        pool = fb.kv_pool
+        o = fb.attn_backend.forward(q, k, v, pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id], self.scale)
+        return o.reshape(q.shape[0], self.q_size)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: RopeTables) -> torch.Tensor:
+        q, k, v = self.project(x, fb, rope)
+        return self.o_proj(self.attend(q, k, v, fb), fb.lora)
 
 
 class MLP(nn.Module):
@@ -163,18 +171,31 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
-    def forward(
+    def before_attention(
         self, h: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, rope: RopeTables
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to its attention: (q, k, v, residual), the K/V written to the pool."""
         ln = self.input_layernorm
         if residual is None:
             residual, x = h, ln(h)
         else:
             x, residual = add_rms_norm(h, residual, ln.weight, ln.eps)
-        h = self.self_attn(x, fb, rope)
+        q, k, v = self.self_attn.project(x, fb, rope)
+        return q, k, v, residual
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor,
+                        fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its attention's output o ([T, q_size]) on: (h, residual)."""
+        h = self.self_attn.o_proj(o, fb.lora)
         ln = self.post_attention_layernorm
         x, residual = add_rms_norm(h, residual, ln.weight, ln.eps)
         return self.mlp(x, fb.lora), residual
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, rope: RopeTables
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.before_attention(h, residual, fb, rope)
+        return self.after_attention(self.self_attn.attend(q, k, v, fb), residual, fb)
 
 
 class Backbone(nn.Module):
@@ -256,12 +277,27 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(h, residual, fb, self.rope)
         assert residual is not None
         if fb.pool is not None:
-            fb.pool.pool(self.model.norm(h[fb.pool.rows] + residual[fb.pool.rows]))
+            fb.pool.pool(self.final_norm(h[fb.pool.rows], residual[fb.pool.rows]))
         # Norm and LM head only on the rows that predict a token: prefill computes the others for the KV alone.
-        h = h[fb.logits_indices] + residual[fb.logits_indices]
-        h = self.model.norm(h)
+        return self.lm_logits(self.final_norm(h[fb.logits_indices], residual[fb.logits_indices]))
+
+    # ---- the forward in pieces, for CUDA graphs of everything but attention ----
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.model.layers))
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's output added to the residual stream and normalised, row by row."""
+        return self.model.norm(h + residual)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits [R, vocab] of final-norm hidden states [R, hidden]."""
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(h, head)
+        logits = F.linear(hidden, head)
         if self.tp.size > 1:  # each rank's vocab slice, joined, then the padding rows dropped
             logits = self.tp.all_gather_last(logits)[:, : self.vocab_size].contiguous()
         return logits

@@ -38,6 +38,7 @@ from sgl.sched.models.pooling import PoolingConfig, pooling_config
 from sgl.sched.runner.draft import DraftModel
 from sgl.sched.runner.gpu_timeline import GpuTimeline
 from sgl.sched.runner.grammar_masks import GrammarFill
+from sgl.sched.runner.prefill_graph import PrefillGraphs, supports_pieces
 from sgl.sched.runner.prepare import BatchPreparer, PreparedBatch
 from sgl.sched.runner.sampling_state import SamplingState
 from sgl.sched.runner.step import Step, StepResult
@@ -191,10 +192,16 @@ class ModelRunner:
                                       masks=args.grammar_backend != "none")
         self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        graphed = self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null"
         # The largest batch the CUDA graphs take; None: no graphs.
-        self.graph_bs = (min(args.cuda_graph_max_bs, self.max_running_requests)
-                         if self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null"
-                         else None)
+        self.graph_bs = min(args.cuda_graph_max_bs, self.max_running_requests) if graphed else None
+        # The largest extend batch (in tokens) the piecewise graphs take; None: none. Not with
+        # LoRA adapters (their rows change every batch) nor beyond a prefill chunk.
+        self.prefill_graph_tokens = (min(args.piecewise_cuda_graph_max_tokens,
+                                         self.chunked_prefill_size or args.piecewise_cuda_graph_max_tokens)
+                                     if graphed and args.piecewise_cuda_graph_max_tokens > 0
+                                     and self.lora_spec is None and supports_pieces(self.model) else None)
         t0 = time.perf_counter()
         self._capture_graphs()
         self.startup["cuda_graphs_s"] = time.perf_counter() - t0
@@ -206,6 +213,7 @@ class ModelRunner:
             decode_attention=self.decode_attention,
             context_length=self.context_length, max_running_requests=self.max_running_requests,
             cuda_graph_sizes=self.graphs.sizes if self.graphs else None,
+            prefill_graph_tokens=self.prefill_graphs.sizes if self.prefill_graphs else None,
             **{k: round(v, 2) for k, v in self.startup.items()},
         )
 
@@ -214,6 +222,8 @@ class ModelRunner:
             from sgl.sched.runner.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self, self.graph_bs)
+        if self.prefill_graph_tokens is not None:
+            self.prefill_graphs = PrefillGraphs(self, self.prefill_graph_tokens)
 
     # ---- memory release, for a trainer sharing the device ----
 
@@ -255,8 +265,8 @@ class ModelRunner:
             for tag in reversed(done):
                 self._memory_owner(tag)[0].resume()
             raise
-        if self.graphs is not None:
-            self.graphs = None
+        if self.graphs is not None or self.prefill_graphs is not None:
+            self.graphs = self.prefill_graphs = None
             gc.collect()  # the graphs' memory pool goes with its last graph
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -281,7 +291,7 @@ class ModelRunner:
                 self._capture_graphs()
                 self.memory_stats["recapture_s"] = time.perf_counter() - t1
         except BaseException:
-            self.graphs = None
+            self.graphs = self.prefill_graphs = None
             for tag in reversed(done):
                 self._memory_owner(tag)[0].release()
             raise
@@ -431,6 +441,7 @@ class ModelRunner:
                 "vocab_size": self.vocab_size, "context_length": self.context_length,
                 "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
                 "eos_token_ids": sorted(self.eos_ids), "cascade_steps": self.preparer.cascade_steps,
+                "prefill_graph_steps": self.prefill_graphs.steps if self.prefill_graphs else 0,
                 "startup": self.startup, "memory": self.memory_stats,
                 "embedding": None if self.pooling is None else self.pooling.info(),
                 **(self.draft.info() if self.draft is not None else {}),
@@ -464,6 +475,8 @@ class ModelRunner:
             pool=p.pool,
             lora=p.lora,
         )
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0]):
+            return self.prefill_graphs.forward(input_ids, fb)
         return self.model(fb)
 
 

@@ -127,6 +127,9 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # chat templates for the caller's side, whose process loads no tokenizer.
     tokenizer_threads: int = 4
     cuda_graph_max_bs: int = 256
+    # Batches the decode graphs do not take (prefill chunks, decode past cuda_graph_max_bs) of up
+    # to this many tokens replay CUDA graphs of everything but attention (sgl.sched.runner.prefill_graph); 0: eager.
+    piecewise_cuda_graph_max_tokens: int = 2048
     disable_cuda_graph: bool = False
     # Decode batches sharing a long prefix read it once per step, under CUDA graphs too.
     # None: on where the backend reads the prefix once (flashinfer: W3 4.3x faster than
@@ -193,6 +196,9 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not lo <= hi <= MAX_NGRAM_WINDOW:
             raise ValueError(f"speculative_ngram_max_match_window_size={hi} is invalid: must be in "
                              f"[speculative_ngram_min_match_window_size ({lo}), {MAX_NGRAM_WINDOW}]")
+        if self.piecewise_cuda_graph_max_tokens < 0:
+            raise ValueError(f"piecewise_cuda_graph_max_tokens={self.piecewise_cuda_graph_max_tokens} is invalid: "
+                             "must be 0 (no piecewise graphs) or more")
         if self.max_lora_rank is not None and self.max_lora_rank > MAX_LORA_RANK:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} is invalid: must be at most {MAX_LORA_RANK}")
         adapters = self.lora_adapters  # checks the entries

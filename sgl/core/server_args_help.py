@@ -83,7 +83,9 @@ FIELD_HELP: dict[str, str] = {
     "tokenizer_threads": "threads of the tokenizer's process (the detokenizer's) that encode prompts and render "
                          "chat templates",
     "cuda_graph_max_bs": "the largest decode batch captured in a CUDA graph",
-    "disable_cuda_graph": "run decode without CUDA graphs",
+    "piecewise_cuda_graph_max_tokens": "prefill batches of up to this many tokens replay CUDA graphs of "
+                                       "everything but attention; 0: eager",
+    "disable_cuda_graph": "run without CUDA graphs (decode and piecewise prefill)",
     "tensor_core_decode_min_batch": "with FlashInfer's decode: batches of at least this many rows may use its "
                                     "tensor-core kernel (always when 4+ query heads share a KV head)",
     "decode_attention_backend": "plain decode's kernel with flashinfer: triton (sgl's) or flashinfer; auto: "

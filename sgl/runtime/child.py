@@ -15,6 +15,7 @@ application's own, and no handler runs on SIGKILL anyway)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -58,6 +59,16 @@ def _exit_flushed(code: int) -> None:
     os._exit(code)
 
 
+def freeze_startup_heap() -> None:
+    """Move everything allocated so far (modules, the model, graphs, tokenizers) out of the
+    garbage collector's reach. None of it is ever garbage, yet each collection of the
+    oldest generation walked all of it: a 55-77 ms pause of the process, a stall of every
+    stream it serves. Only in processes sgl owns (its children, `sgl serve`), never in a
+    caller's."""
+    gc.collect()
+    gc.freeze()
+
+
 def _on_gpu(device: str) -> bool:
     if device not in ("auto", "cuda"):
         return False
@@ -84,6 +95,8 @@ def main() -> None:
         sys.setswitchinterval(SCHEDULER_SWITCH_INTERVAL_S)
 
     def report(status: dict[str, Any]) -> None:
+        if status.get("status") == "ready":
+            freeze_startup_heap()
         with os.fdopen(ready_fd, "w") as f:
             f.write(json.dumps(status) + "\n")
 

@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from sgl.core.server_args import ServerArgs
+from sgl.runtime.child import freeze_startup_heap
 
 GRACEFUL_SHUTDOWN_S = 3
 BACKSTOP_S = 5  # past the grace, uvicorn cancels what still runs (a client that stopped reading)
@@ -115,6 +116,7 @@ async def _serve(args: ServerArgs) -> int:
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop, sig)
+    freeze_startup_heap()
     watch = asyncio.ensure_future(_watch(engine, server))
     died: str | None = None
     try:
