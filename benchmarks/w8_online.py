@@ -23,7 +23,8 @@ carrying tokens, end-to-end latency, output tokens. Tokens per chunk come from
 none is counted one token per chunk with choices, and the point says `tokens_from: chunks`.
 Per point, p50/p90/p99 of: TTFT; `itl`, every gap between token-carrying chunks of every
 request (a chunk carrying k tokens is one gap: what a reader sees); `tpot`, each request's
-mean inter-token time, (e2e - ttft) / (tokens - 1), over requests; e2e. Also the achieved
+mean inter-token time, (e2e - ttft) / (tokens - 1), over requests; e2e. Also the most requests
+open at once (`max_in_flight`), the achieved
 request rate and output tokens/s (first send to last end), each request's first and last gap
 apart (where in a stream its slow gaps fall), failures (a failed request is
 recorded, never fatal) and the client's own CPU time per chunk.
@@ -361,23 +362,33 @@ def _share_in_process(args: tuple[Any, ...]) -> tuple[list[Record], float]:
     return recs, time.process_time() - cpu
 
 
+def split_point(n: int, procs: int, workers: int | None) -> tuple[list[list[int]], list[int]]:
+    """A point's request indices over its client processes, and each process's workers
+    (`workers`: the point's concurrency; None for a rate point, 1 each, unused). A
+    concurrency point uses at most `workers` processes, so that their workers add up to
+    exactly the concurrency asked."""
+    procs = max(1, min(procs, n, workers or procs))
+    share_workers = [1] * procs if workers is None else [workers // procs + (p < workers % procs) for p in range(procs)]
+    return [list(range(p, n, procs)) for p in range(procs)], share_workers
+
+
 def run_point(url: str, api_key: str | None, model: str, reqs: list[Request], sends: list[float] | None,
               workers: int, procs: int, timeout: float) -> tuple[list[Record], float, float]:
     """All of one point's requests, over `procs` client processes; returns the records (in
     request order), the wall time from first send to last end, and the clients' CPU seconds."""
-    procs = max(1, min(procs, len(reqs)))
-    shares = [[(i, r) for i, r in enumerate(reqs) if i % procs == p] for p in range(procs)]
-    share_sends = [None if sends is None else [sends[i] for i, _ in s] for s in shares]
-    share_workers = [max(1, workers // procs + (p < workers % procs)) for p in range(procs)]
+    shares, share_workers = split_point(len(reqs), procs, None if sends is not None else workers)
+    procs = len(shares)
+    shares_r = [[(i, reqs[i]) for i in s] for s in shares]
+    share_sends = [None if sends is None else [sends[i] for i in s] for s in shares]
     if procs == 1:
         t0 = time.perf_counter()
-        results = [_share_in_process((url, api_key, model, shares[0], t0, share_sends[0], workers, timeout))]
+        results = [_share_in_process((url, api_key, model, shares_r[0], t0, share_sends[0], workers, timeout))]
     else:
         # Fork: the children start at once; t0 leaves them time to open their loops.
         with multiprocessing.get_context("fork").Pool(procs) as pool:
             t0 = time.perf_counter() + 0.2
             results = pool.map(_share_in_process, [(url, api_key, model, s, t0, ss, w, timeout)
-                                                   for s, ss, w in zip(shares, share_sends, share_workers)])
+                                                   for s, ss, w in zip(shares_r, share_sends, share_workers)])
     recs = sorted((r for rs, _ in results for r in rs), key=lambda r: r.index)
     ended = [r.sent + r.e2e for r in recs if r.e2e is not None]
     wall = (max(ended) if ended else time.perf_counter()) - min(r.sent for r in recs)
@@ -402,6 +413,18 @@ def percentiles(xs: list[float], scale: float = 1e3) -> dict[str, float | None]:
             "mean": round(sum(s) / len(s) * scale, 3)}
 
 
+def max_in_flight(recs: list[Record]) -> int:
+    """The most requests open at once (sent, last chunk not yet in): a concurrency point's
+    check that it ran at the concurrency it names."""
+    events = sorted([(r.sent, 1) for r in recs if r.e2e is not None]
+                    + [(r.sent + r.e2e, -1) for r in recs if r.e2e is not None], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, d in events:
+        now += d
+        most = max(most, now)
+    return most
+
+
 def summarize(workload: str, mode: str, value: float, recs: list[Record], wall: float, cpu: float) -> dict[str, Any]:
     ok = [r for r in recs if r.error is None]
     errors = sorted({r.error for r in recs if r.error is not None})
@@ -420,6 +443,7 @@ def summarize(workload: str, mode: str, value: float, recs: list[Record], wall: 
         "e2e_ms": percentiles([r.e2e for r in ok if r.e2e is not None]),
         # Where in a stream the slow gaps fall: a request's first gap (its first decode step
         # after the prefill) and its last, apart from all gaps (itl).
+        "max_in_flight": max_in_flight(recs),
         "first_gap_ms": percentiles([r.gaps[0] for r in ok if r.gaps]),
         "last_gap_ms": percentiles([r.gaps[-1] for r in ok if r.gaps]),
         "tokens_per_chunk": round(tokens / max(1, sum(r.chunks for r in ok)), 3),

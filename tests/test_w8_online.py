@@ -51,8 +51,25 @@ def test_points(server: ServerProc, tmp_path: Path, capsys: pytest.CaptureFixtur
             assert q["p50"] is not None and 0 <= q["p50"] <= q["p90"] <= q["p99"], (k, q)
         assert p["ttft_ms"]["p99"] <= p["e2e_ms"]["p99"]
         assert p["req_s"] > 0 and p["out_tok_s"] > 0 and p["client_cpu_us_per_chunk"] > 0
+        if p["mode"] == "concurrency":
+            assert p["max_in_flight"] == p["value"]
     # The file holds plain JSON (no Infinity) and reads back as it was written.
     assert json.loads(json.dumps(data, allow_nan=False)) == data
+
+
+def test_points_split_keeps_the_concurrency() -> None:
+    """A concurrency point's workers over the client processes add up to the concurrency
+    asked (at concurrency 1 with 4 processes, one process and one worker, not 4); every
+    request goes to exactly one process; a rate point's processes each get requests."""
+    for n, procs, workers in [(64, 4, 1), (64, 4, 4), (64, 4, 16), (64, 4, 6), (3, 4, 16), (64, 1, 64)]:
+        shares, share_workers = w8_online.split_point(n, procs, workers)
+        assert sum(share_workers) == workers and min(share_workers) >= 1
+        assert len(shares) <= min(procs, n, workers)
+        assert sorted(i for s in shares for i in s) == list(range(n))
+    shares, share_workers = w8_online.split_point(10, 4, None)
+    assert len(shares) == 4 and all(shares) and sorted(i for s in shares for i in s) == list(range(10))
+    recs = [w8_online.Record(i, sent=float(i), e2e=1.5) for i in range(4)]
+    assert w8_online.max_in_flight(recs) == 2
 
 
 def test_arrivals_and_percentiles() -> None:
