@@ -79,11 +79,31 @@ class DecodeManager:
         self.stats = {"decode_steps": 0, "retractions": 0, "preemptions": 0}
 
     def add(self, req: Req) -> None:
-        self.running.append(req)
+        """A request whose prompt is done (or launched: `join`) runs; adding one that runs is a no-op."""
+        if not req.running:
+            req.running = True
+            self.running.append(req)
 
     def remove(self, req: Req) -> None:
-        if req in self.running:
+        if req.running:
+            req.running = False
             self.running.remove(req)
+
+    def join(self, batch: ScheduleBatch) -> None:
+        """Under the overlap loop: the requests whose last prompt chunk the just-launched
+        prefill `batch` carries run from now on, so the next decode step takes them, its
+        input their prefill's token, sampled on the device before it. A stream's second
+        token then comes one step after its first, as every later one does; waiting for
+        the prefill's results cost a step more. Their prefill's results find them running
+        (and a token that ends one makes its entry of that step stale, as for any step in
+        flight). Until those results they stay prefilling too: a waiting request that
+        shares their prompt waits for it to be cached (PrefillAdder.prefix_in_flight).
+        Requests whose next step needs the host first wait for the results: beams, serial
+        requests, grammars and trie constraints, prefill-only ones and embeddings."""
+        for r, partial in zip(batch.reqs, batch.partial):
+            if not (partial or r.beam is not None or r.serial or r.grammar is not None
+                    or r.trie is not None or r.prefill_only or r.pooled is not None):
+                self.add(r)
 
     def can_step(self, r: Req) -> bool:
         """Whether a running request takes part in the next decode step. Under overlap a
@@ -133,8 +153,9 @@ class DecodeManager:
         return self.stepping
 
     def holders(self) -> list[Req]:
-        """The requests holding KV: running, or admitted with their prompt not done."""
-        return [*self.running, *self.prefill.prefilling]
+        """The requests holding KV, once each: running, or admitted with their prompt not
+        done (a request may be both: `join`)."""
+        return [*self.running, *(r for r in self.prefill.prefilling if not r.running)]
 
     def victims(self, req: Req) -> list[Req]:
         """The running requests a waiting `req` may preempt (the priority policy's): those

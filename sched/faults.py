@@ -143,10 +143,13 @@ class FaultInjector:
     def strike(self, batch: ScheduleBatch, stage: str) -> None:
         """Raise the planted error of a Fail armed for `stage` on a request of `batch` that
         has its after_tokens, as that stage would raise it (called inside the stage's
-        containment)."""
+        containment). A batch whose entry of a request is stale (the request retracted or
+        ended since its launch) no longer computes for it: that request's faults wait."""
         if not self.fails:
             return
-        for req in batch.unique_reqs:
+        for req, epoch in dict.fromkeys(zip(batch.reqs, batch.epochs)):
+            if req.finished or req.epoch != epoch:
+                continue
             fails = self.fails.get(req, [])
             due = next((f for f in fails if f.stage == stage and len(req.output_ids) >= f.after_tokens), None)
             if due is not None:

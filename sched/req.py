@@ -57,7 +57,7 @@ class Req:
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
         "grammar_width", "grammar_seen", "grammar_after", "arrival", "oom_retried", "embed", "pooled", "embedding",
         "priority", "timeout", "deadline", "lora_name", "lora_id", "lora_slot", "ngram",
-        "stale_input", "draft_len",
+        "stale_input", "draft_len", "running",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, stream: bool,
@@ -96,6 +96,7 @@ class Req:
         # Never overlaps its own steps: the host must know each step's outcome before the next
         # (set by the scheduler: a processor that reads output ids, or beams on a CPU worker).
         self.serial = False
+        self.running = False  # in the decode manager's running set (sgl.sched.decode)
         self.grammar: Any = None  # its xgrammar GrammarMatcher, once compiled (sgl.sched.grammar)
         self.grammar_width = 0  # its bitmask's token ids (the tokenizer's), set with the matcher
         # Output ids its matcher has taken: the rest go in just before the request's next

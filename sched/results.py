@@ -4,7 +4,8 @@ Each entry of a collected step gets one `Outcome`, decided once (`Outcomes`): th
 matchers of the next grammar batch take exactly the TOKEN entries' tokens, and
 processing follows the same list: each request's sampled token and logprobs
 appended, finished requests ended (stop token, stop string, length, context),
-prefilled requests moved to running. A step that fails (prepare, forward, sampling,
+prefilled requests moved to running (under the overlap loop most run from their last
+chunk's launch already: DecodeManager.join). A step that fails (prepare, forward, sampling,
 its results) ends its requests with an abort reason (retracted once first on a CUDA
 OOM), and KV that was never written is dropped from the radix tree. The Outbox
 turns what finished or streamed into the BatchTokenIDOutput the detokenizer gets.

@@ -182,6 +182,8 @@ class Scheduler:
                 r.inflight += 1
             if not self.runner.overlap:
                 last, step = step, None  # processed in this turn
+            elif not step.batch.is_decode:
+                self.decode.join(step.batch)
         t1 = time.perf_counter()
         if last is not None:  # its results on the host, or None
             got = self.results.wait(last, self.faults.strike if self.faults.plan is not None else None)

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 import sgl
+from sgl.core.sampling_params import SamplingParams
+from sgl.core.server_args import ServerArgs
 from tests.conftest import ENGINE_VARIANTS, assert_kv_balanced, tiny_model_dir
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -140,3 +142,67 @@ def test_soak_eviction_retraction_aborts_streams(tiny_dir: str, reference: sgl.E
             assert fin == {"type": "length", "length": len(got)}
             assert got == ref[: len(got)]
     assert aborted > 0
+
+
+# ---- the overlap loop: a prefilled request decodes in the next step ----
+
+def _drive(model: str, reqs: list[tuple[str, list[int], int]], overlap: bool,
+           **kw: Any) -> tuple[dict[str, list[int]], list[tuple[bool, list[str], list[bool]]]]:
+    """Each request's output ids and the batches in launch order: (is_decode, rids, partial)."""
+    from sgl.core.protocol import BatchTokenIDOutput, GenerateReqInput
+    from sgl.sched.scheduler import Scheduler
+    from tests.fake_channels import ListSender, QueueReceiver
+
+    args = ServerArgs.from_kwargs(model_path=model, device="cpu", skip_tokenizer_init=True, random_seed=0,
+                                  disable_overlap_schedule=not overlap, **kw)
+    recv, send = QueueReceiver(), ListSender()
+    s = Scheduler(args, model, recv, send)
+    batches: list[tuple[bool, list[str], list[bool]]] = []
+    schedule = s._schedule
+
+    def recording() -> Any:
+        b = schedule()
+        if b is not None:
+            batches.append((b.is_decode, [r.rid for r in b.reqs], list(b.partial)))
+        return b
+
+    s._schedule = recording  # type: ignore[method-assign]
+    for rid, ids, n in reqs:
+        recv.q.append(GenerateReqInput(rid, ids, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)))
+    out: dict[str, list[int]] = {rid: [] for rid, _, _ in reqs}
+    for _ in range(200):
+        s.step()
+        if s.idle:
+            break
+    assert s.idle
+    s.close()
+    for m in send.msgs:
+        if isinstance(m, BatchTokenIDOutput):
+            for rid, new in zip(m.rids, m.new_ids):
+                out[rid] += new
+    return out, batches
+
+
+def test_overlap_decodes_a_prefilled_request_in_the_next_step(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Under the overlap loop a request whose last prompt chunk was just launched is in
+    the very next decode step, its input its prefill's token on the device: its second
+    token comes one step after its first, as every later one does. Not before its last
+    chunk; never a request that ends with its first token. Greedy outputs equal the
+    loop without overlap."""
+    model = tiny_model_dir(tmp_path_factory.mktemp("join"), "llama", vocab=128, seed=5)
+    rng = random.Random(2)
+    reqs = [("long", [rng.randrange(1, 120) for _ in range(90)], 5),
+            ("short", [rng.randrange(1, 120) for _ in range(7)], 4),
+            ("one", [rng.randrange(1, 120) for _ in range(9)], 1)]
+    plain, _ = _drive(model, reqs, overlap=False, chunked_prefill_size=32, max_total_tokens=2048)
+    out, batches = _drive(model, reqs, overlap=True, chunked_prefill_size=32, max_total_tokens=2048)
+    assert out == plain and all(len(out[rid]) == n for rid, _, n in reqs)
+    at_once = 0
+    for rid in ("long", "short"):
+        last = max(i for i, (dec, rids, partial) in enumerate(batches)
+                   if not dec and any(r == rid and not p for r, p in zip(rids, partial)))
+        assert not any(dec and rid in rids for dec, rids, _ in batches[:last])
+        assert rid in next(rids for dec, rids, _ in batches[last + 1:] if dec), batches
+        at_once += batches[last + 1][0]  # no admission round came in between: the very next step
+    assert at_once >= 1, batches
+    assert not any(dec and "one" in rids for dec, rids, _ in batches)

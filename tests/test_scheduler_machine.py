@@ -397,7 +397,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert s is not None
         p = s.prefill
         chunked = [p.chunked] if p.chunked is not None and p.chunked not in p.prefilling else []
-        return [*p.waiting, *s.decode.running, *p.prefilling, *chunked]
+        # Under overlap a request runs from its last chunk's launch and prefills until that
+        # chunk's results: listed once (_check_requests checks that it is such a request).
+        return [*p.waiting, *s.decode.running, *(r for r in p.prefilling if r not in s.decode.running), *chunked]
 
     def _check(self) -> None:
         s = self.s
@@ -415,6 +417,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             raise fail("no request lost", f"in two queues at once: {[r for r, c in names.items() if c > 1]}")
         if s.prefill.chunked is not None and s.prefill.chunked not in s.prefill.prefilling:
             raise fail("no request lost", f"chunked {s.prefill.chunked} is not prefilling")
+        both = [r for r in s.decode.running if r in s.prefill.prefilling]
+        if both and (not s.runner.overlap or any(r.inflight == 0 or r is s.prefill.chunked for r in both)):
+            raise fail("no request lost", f"running and prefilling with no last chunk in flight: {both}")
         if set(s.rids) != set(names) or any(s.rids[r.rid] is not r for r in live):
             raise fail("no request lost", f"rids map {sorted(s.rids)} != live {sorted(names)}")
         if s.outbox.reqs:
@@ -437,7 +442,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not r.draft_len <= r.kv_len:  # a draft's KV only where the request's slots are
                 raise fail("token/KV alignment", f"{r}: draft_len {r.draft_len} > kv_len {r.kv_len}")
             if r in s.decode.running:
-                expect = r.seq_len - 1 + (rows[id(r)] if decoding else 0)
+                # Joined at its last chunk's launch, that prefill in flight: all its prompt's KV
+                # written and its first token still to come.
+                expect = (r.seq_len if r in s.prefill.prefilling
+                          else r.seq_len - 1 + (rows[id(r)] if decoding else 0))
                 if r.kv_len != expect:
                     raise fail("token/KV alignment", f"running {r}: kv_len {r.kv_len}, expected {expect}")
             elif r in s.prefill.waiting:
