@@ -167,3 +167,22 @@ def test_edit_requests() -> None:
     assert not {m["content"] for r in other for m in r.body["messages"]} & {
         m["content"] for r in reqs for m in r.body["messages"]}
     assert all(r.max_tokens <= 7 for r in w8_online.make_requests("edit", 4, 1, 0, 0.0, output_cap=7))
+
+
+def test_stream_gaps_engine_level(null_model_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/stream_gaps.py on the null model: every request streamed whole at each
+    concurrency of each variant, percentiles ordered, the JSON rows as printed."""
+    from benchmarks import stream_gaps
+
+    out = tmp_path / "gaps.json"
+    assert stream_gaps.main(["--model", null_model_dir, "--load-format", "null", "--concurrency", "1,3",
+                             "--requests", "6", "--max-new", "5", "--prompt-len", "5,40", "--vocab", "900",
+                             "--variants", '[{}, {"disable_overlap_schedule": false}]', "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["concurrency"]) for r in rows] == [
+        ("{}", 1), ("{}", 3), ('{"disable_overlap_schedule": false}', 1), ('{"disable_overlap_schedule": false}', 3)]
+    for r in rows:
+        assert r["requests"] == 6 and r["out_tok_s"] > 0
+        for k in ("ttft", "first_gap", "later_gap"):
+            assert r[f"{k}_p50"] is not None and 0 <= r[f"{k}_p50"] <= r[f"{k}_p99"], (k, r)
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("RESULT stream_gaps ")

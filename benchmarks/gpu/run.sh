@@ -17,7 +17,7 @@
 #   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 w8 tp startup looplag priority
 #   A/B         old w3old w7old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
-#   profiles    prefillcost profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
+#   profiles    prefillcost streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy (py-spy's wheel in .whl/)
 #   real model  model fp8acc smolhf spec (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
 #   vLLM        vllm vllm8b vllmfp8 vllmw8 vllmspec (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
@@ -408,6 +408,12 @@ for step in "$@"; do
     # prefillcost: one request's prefill alone (benchmarks/prefill_cost.py): host, wall and GPU
     # time per prompt length, and the kernels of one prefill (what a lone request's TTFT costs).
     prefillcost) run 200 python3 -m benchmarks.prefill_cost ;;
+    # Stream gaps inside the engine, no HTTP (benchmarks/stream_gaps.py): TTFT, each request's
+    # first gap and its later ones at concurrency 1, 4 and 16, for the default engine, the loop
+    # without overlap and prefill without the piecewise graphs; with .lt, W8's tokenizer set-up.
+    streamgaps) run 300 python3 -m benchmarks.stream_gaps $([ -d .lt ] && echo --tokenizer .lt) \
+                  --variants '[{}, {"disable_overlap_schedule": true}, {"piecewise_cuda_graph_max_tokens": 0}]' \
+                  --json "$results/stream_gaps.json" ;;
     spec)
       if smollm2_gguf; then
         for mode in off on; do

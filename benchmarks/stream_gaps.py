@@ -1,0 +1,131 @@
+"""Where a stream's time goes inside the engine, without HTTP: an AsyncEngine (its roles in
+processes of their own, over ipc) serving C concurrent streams, each request's time to first
+token, its first gap (first to second token) and its later gaps. Run beside W8
+(benchmarks/w8_online.py, the same engine behind `sgl serve`): what W8 measures above these
+numbers is the HTTP server's and the client's.
+
+Each variant (`--variants`, a JSON list of engine options; `{}` is the default engine)
+starts an engine in turn and runs every concurrency. Prompts are random ids, lengths
+uniform in `--prompt-len` (lo,hi), `--max-new` tokens each (ignore_eos), temperature 0.6.
+With `--tokenizer DIR` the model directory holds DIR's tokenizer (as W8's runs: the
+engine detokenizes every token) and ids stay inside its vocabulary; without it the engine
+loads no tokenizer.
+
+    python -m benchmarks.stream_gaps [--model DIR] [--load-format dummy] [--tokenizer DIR]
+        [--concurrency 1,4,16] [--requests 32] [--prompt-len 100,1000] [--max-new 64]
+        [--variants '[{}, {"disable_overlap_schedule": true}]'] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+from benchmarks.common import dummy_model_dir, machine, table, with_architecture
+
+
+def percentile(xs: list[float], p: float) -> float | None:
+    """The p-quantile of xs in ms (linear between ranks), None for none."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * p
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return round((s[lo] + (s[hi] - s[lo]) * (k - lo)) * 1e3, 3)
+
+
+async def stream_one(engine: Any, ids: list[int], max_new: int) -> tuple[float, list[float]]:
+    """One streamed request: (TTFT, the gaps between chunks carrying tokens), in seconds."""
+    params = {"temperature": 0.6, "max_new_tokens": max_new, "ignore_eos": True}
+    t0 = time.perf_counter()
+    times: list[float] = []
+    async for chunk in engine.stream(input_ids=ids, sampling_params=params):
+        if chunk.get("output_ids"):
+            times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError("a stream ended without a token")
+    return times[0] - t0, [b - a for a, b in zip(times, times[1:])]
+
+
+async def run_point(engine: Any, prompts: list[list[int]], max_new: int, concurrency: int) -> dict[str, Any]:
+    """All prompts through `concurrency` workers, each sending its next when its last ends."""
+    todo = iter(prompts)
+    results: list[tuple[float, list[float]]] = []
+
+    async def worker() -> None:
+        for ids in todo:
+            results.append(await stream_one(engine, ids, max_new))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    firsts = [g[0] for _, g in results if g]
+    later = [x for _, g in results for x in g[1:]]
+    return {"concurrency": concurrency, "requests": len(results),
+            "out_tok_s": round(sum(1 + len(g) for _, g in results) / wall, 1),
+            "ttft_p50": percentile([t for t, _ in results], 0.5), "ttft_p99": percentile([t for t, _ in results], 0.99),
+            "first_gap_p50": percentile(firsts, 0.5), "first_gap_p99": percentile(firsts, 0.99),
+            "later_gap_p50": percentile(later, 0.5), "later_gap_p99": percentile(later, 0.99)}
+
+
+async def run_variant(model: str, options: dict[str, Any], prompts: list[list[int]], a: argparse.Namespace,
+                      tokenizer: bool) -> list[dict[str, Any]]:
+    import sgl
+
+    kw: dict[str, Any] = {"load_format": a.load_format, "random_seed": 0, "skip_tokenizer_init": not tokenizer,
+                          **options}
+    rows = []
+    async with sgl.AsyncEngine(model, **kw) as engine:
+        await run_point(engine, prompts[:4], min(a.max_new, 8), 2)  # warm-up: first-use costs out of the timed runs
+        for c in a.concurrency:
+            rows.append({"variant": json.dumps(options), **await run_point(engine, prompts, a.max_new, c)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="a model folder (default: the Qwen3-0.6B architecture)")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--tokenizer", default=None, help="a folder whose tokenizer the engine loads")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-len", default="100,1000")
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=None, help="prompt ids below this (default: 10000, or the "
+                    "tokenizer's vocabulary)")
+    ap.add_argument("--variants", default="[{}]", help="a JSON list of engine options, one engine each")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    lo, hi = (int(x) for x in a.prompt_len.split(","))
+    model = a.model or dummy_model_dir()
+    vocab = a.vocab or 10000
+    if a.tokenizer:
+        model = with_architecture(a.tokenizer, "qwen3-0.6b") if a.model is None else model
+        from transformers import AutoTokenizer
+
+        vocab = a.vocab or len(AutoTokenizer.from_pretrained(a.tokenizer))
+    rng = random.Random(a.seed)
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(a.requests)]
+    rows: list[dict[str, Any]] = []
+    for options in json.loads(a.variants):
+        rows += asyncio.run(run_variant(model, options, prompts, a, a.tokenizer is not None))
+    print(f"stream gaps on {machine()}, prompts {lo}-{hi} tokens, {a.max_new} new, ms")
+    print(table(rows))
+    print("RESULT stream_gaps " + " ".join(
+        f"{r['variant'].replace(' ', '')}@c{r['concurrency']}:first={r['first_gap_p50']},later={r['later_gap_p50']}"
+        for r in rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"machine": machine(), "args": vars(a), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
