@@ -26,17 +26,7 @@ import time
 from typing import Any
 
 from benchmarks.common import dummy_model_dir, machine, table, with_architecture
-
-
-def percentile(xs: list[float], p: float) -> float | None:
-    """The p-quantile of xs in ms (linear between ranks), None for none."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * p
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return round((s[lo] + (s[hi] - s[lo]) * (k - lo)) * 1e3, 3)
+from benchmarks.w8_online import percentiles
 
 
 async def stream_one(engine: Any, ids: list[int], max_new: int) -> tuple[float, list[float]]:
@@ -64,13 +54,13 @@ async def run_point(engine: Any, prompts: list[list[int]], max_new: int, concurr
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    firsts = [g[0] for _, g in results if g]
-    later = [x for _, g in results for x in g[1:]]
-    return {"concurrency": concurrency, "requests": len(results),
-            "out_tok_s": round(sum(1 + len(g) for _, g in results) / wall, 1),
-            "ttft_p50": percentile([t for t, _ in results], 0.5), "ttft_p99": percentile([t for t, _ in results], 0.99),
-            "first_gap_p50": percentile(firsts, 0.5), "first_gap_p99": percentile(firsts, 0.99),
-            "later_gap_p50": percentile(later, 0.5), "later_gap_p99": percentile(later, 0.99)}
+    row: dict[str, Any] = {"concurrency": concurrency, "requests": len(results),
+                           "out_tok_s": round(sum(1 + len(g) for _, g in results) / wall, 1)}
+    for name, xs in (("ttft", [t for t, _ in results]), ("first_gap", [g[0] for _, g in results if g]),
+                     ("later_gap", [x for _, g in results for x in g[1:]])):
+        q = percentiles(xs)  # ms
+        row[f"{name}_p50"], row[f"{name}_p99"] = q["p50"], q["p99"]
+    return row
 
 
 async def run_variant(model: str, options: dict[str, Any], prompts: list[list[int]], a: argparse.Namespace,

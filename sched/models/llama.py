@@ -271,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits [B, vocab] in the model's dtype for the rows `fb.logits_indices` of the
         packed batch (the sampler takes float32 where it needs it; greedy argmax does not);
         with `fb.pool`, its rows' final-norm hidden states pooled into `fb.pool.out`."""
-        h = self.model.embed_tokens(fb.input_ids)
+        h = self.embed(fb.input_ids)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, fb, self.rope)

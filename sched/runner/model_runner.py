@@ -193,6 +193,7 @@ class ModelRunner:
         self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.prefill_graph_steps = 0  # batches run through the piecewise graphs (server info)
         graphed = self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null"
         # The largest batch the CUDA graphs take; None: no graphs.
         self.graph_bs = min(args.cuda_graph_max_bs, self.max_running_requests) if graphed else None
@@ -441,7 +442,7 @@ class ModelRunner:
                 "vocab_size": self.vocab_size, "context_length": self.context_length,
                 "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
                 "eos_token_ids": sorted(self.eos_ids), "cascade_steps": self.preparer.cascade_steps,
-                "prefill_graph_steps": self.prefill_graphs.steps if self.prefill_graphs else 0,
+                "prefill_graph_steps": self.prefill_graph_steps,
                 "startup": self.startup, "memory": self.memory_stats,
                 "embedding": None if self.pooling is None else self.pooling.info(),
                 **(self.draft.info() if self.draft is not None else {}),
@@ -476,6 +477,7 @@ class ModelRunner:
             lora=p.lora,
         )
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0]):
+            self.prefill_graph_steps += 1
             return self.prefill_graphs.forward(input_ids, fb)
         return self.model(fb)
 

@@ -89,7 +89,6 @@ class PrefillGraphs:
         m: PieceModel = runner.model  # type: ignore[assignment]
         self.model = m
         self.layers = list(m.decoder_layers)
-        self.capture = capture
         self.sizes = [t for t in TOKEN_COUNTS if t < max_tokens] + [max_tokens]
         dev, dt, top = runner.device, runner.dtype, max_tokens
         with torch.inference_mode():
@@ -106,7 +105,6 @@ class PrefillGraphs:
         self.residual = torch.zeros(top, hidden, dtype=dt, device=dev)
         self.hidden = torch.zeros(top, hidden, dtype=dt, device=dev)
         self.pieces: dict[int, list[Callable[[], Any]]] = {}
-        self.steps = 0  # batches run through the pieces (server info: prefill_graph_steps)
         self._pool: Any = None
         if not capture:
             self.pieces = {t: self._pieces(runner, t) for t in self.sizes}
@@ -138,7 +136,6 @@ class PrefillGraphs:
             self.input_ids[n:t].zero_()
             self.positions[n:t].zero_()
             self.out_cache_loc[n:t].zero_()
-        self.steps += 1
         pieces = self.pieces[t]
         pieces[0]()
         for layer, piece in zip(self.layers, pieces[1:]):
