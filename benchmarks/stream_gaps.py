@@ -9,11 +9,12 @@ starts an engine in turn and runs every concurrency. Prompts are random ids, len
 uniform in `--prompt-len` (lo,hi), `--max-new` tokens each (ignore_eos), temperature 0.6.
 With `--tokenizer DIR` the model directory holds DIR's tokenizer (as W8's runs: the
 engine detokenizes every token) and ids stay inside its vocabulary; without it the engine
-loads no tokenizer.
+loads no tokenizer. `--text` (with a tokenizer) runs each variant a second time with the
+prompts sent as their decoded text, which the engine tokenizes as it does W8's requests.
 
     python -m benchmarks.stream_gaps [--model DIR] [--load-format dummy] [--tokenizer DIR]
         [--concurrency 1,4,16] [--requests 32] [--prompt-len 100,1000] [--max-new 64]
-        [--variants '[{}, {"disable_overlap_schedule": true}]'] [--json F]
+        [--variants '[{}, {"disable_overlap_schedule": true}]'] [--text] [--json F]
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ from benchmarks.common import dummy_model_dir, machine, table, with_architecture
 from benchmarks.w8_online import percentiles
 
 
-async def stream_one(engine: Any, ids: list[int], max_new: int) -> tuple[float, list[float]]:
+Prompt = list[int] | str  # ids, or text the engine tokenizes
+
+
+async def stream_one(engine: Any, prompt: Prompt, max_new: int) -> tuple[float, list[float]]:
     """One streamed request: (TTFT, the gaps between chunks carrying tokens), in seconds."""
     params = {"temperature": 0.6, "max_new_tokens": max_new, "ignore_eos": True}
     t0 = time.perf_counter()
     times: list[float] = []
-    async for chunk in engine.stream(input_ids=ids, sampling_params=params):
+    text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+    async for chunk in engine.stream(prompt=text, input_ids=ids, sampling_params=params):
         if chunk.get("output_ids"):
             times.append(time.perf_counter())
     if not times:
@@ -42,7 +47,7 @@ async def stream_one(engine: Any, ids: list[int], max_new: int) -> tuple[float, 
     return times[0] - t0, [b - a for a, b in zip(times, times[1:])]
 
 
-async def run_point(engine: Any, prompts: list[list[int]], max_new: int, concurrency: int) -> dict[str, Any]:
+async def run_point(engine: Any, prompts: list[Prompt], max_new: int, concurrency: int) -> dict[str, Any]:
     """All prompts through `concurrency` workers, each sending its next when its last ends."""
     todo = iter(prompts)
     results: list[tuple[float, list[float]]] = []
@@ -63,8 +68,8 @@ async def run_point(engine: Any, prompts: list[list[int]], max_new: int, concurr
     return row
 
 
-async def run_variant(model: str, options: dict[str, Any], prompts: list[list[int]], a: argparse.Namespace,
-                      tokenizer: bool) -> list[dict[str, Any]]:
+async def run_variant(model: str, options: dict[str, Any], prompts: list[Prompt], a: argparse.Namespace,
+                      tokenizer: bool, inputs: str = "ids") -> list[dict[str, Any]]:
     import sgl
 
     kw: dict[str, Any] = {"load_format": a.load_format, "random_seed": 0, "skip_tokenizer_init": not tokenizer,
@@ -73,7 +78,8 @@ async def run_variant(model: str, options: dict[str, Any], prompts: list[list[in
     async with sgl.AsyncEngine(model, **kw) as engine:
         await run_point(engine, prompts[:4], min(a.max_new, 8), 2)  # warm-up: first-use costs out of the timed runs
         for c in a.concurrency:
-            rows.append({"variant": json.dumps(options), **await run_point(engine, prompts, a.max_new, c)})
+            rows.append({"variant": json.dumps(options), "inputs": inputs,
+                         **await run_point(engine, prompts, a.max_new, c)})
     return rows
 
 
@@ -89,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=None, help="prompt ids below this (default: 10000, or the "
                     "tokenizer's vocabulary)")
     ap.add_argument("--variants", default="[{}]", help="a JSON list of engine options, one engine each")
+    ap.add_argument("--text", action="store_true", help="with --tokenizer: each variant again, prompts as text")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -96,20 +103,27 @@ def main(argv: list[str] | None = None) -> int:
     lo, hi = (int(x) for x in a.prompt_len.split(","))
     model = a.model or dummy_model_dir()
     vocab = a.vocab or 10000
+    tok = None
     if a.tokenizer:
         model = with_architecture(a.tokenizer, "qwen3-0.6b") if a.model is None else model
         from transformers import AutoTokenizer
 
-        vocab = a.vocab or len(AutoTokenizer.from_pretrained(a.tokenizer))
+        tok = AutoTokenizer.from_pretrained(a.tokenizer)
+        vocab = a.vocab or len(tok)
     rng = random.Random(a.seed)
-    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(a.requests)]
+    prompts: list[Prompt] = [[rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))]
+                             for _ in range(a.requests)]
+    texts: list[Prompt] = [tok.decode(p) for p in prompts] if tok is not None and a.text else []
     rows: list[dict[str, Any]] = []
     for options in json.loads(a.variants):
-        rows += asyncio.run(run_variant(model, options, prompts, a, a.tokenizer is not None))
+        rows += asyncio.run(run_variant(model, options, prompts, a, tok is not None))
+        if texts:
+            rows += asyncio.run(run_variant(model, options, texts, a, True, "text"))
     print(f"stream gaps on {machine()}, prompts {lo}-{hi} tokens, {a.max_new} new, ms")
     print(table(rows))
     print("RESULT stream_gaps " + " ".join(
-        f"{r['variant'].replace(' ', '')}@c{r['concurrency']}:first={r['first_gap_p50']},later={r['later_gap_p50']}"
+        f"{r['variant'].replace(' ', '')}/{r['inputs']}@c{r['concurrency']}:first={r['first_gap_p50']},"
+        f"later={r['later_gap_p50']}"
         for r in rows))
     if a.json:
         with open(a.json, "w") as f:

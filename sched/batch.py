@@ -1,5 +1,5 @@
-"""ScheduleBatch: the host-side description of one forward (prefill chunk or
-decode step) and the KV bookkeeping that goes with it.
+"""ScheduleBatch: the host-side description of one forward (prefill chunks, a decode
+step, or both: a mixed batch) and the KV bookkeeping that goes with it.
 
 Allocation is decided by the scheduler before a batch is built: building a
 batch writes the new slots into req_to_token and advances each request's
@@ -57,6 +57,20 @@ class ScheduleBatch:
     # A draft model's speculative step: its work per request. Until the runner's draft fills
     # them when the batch is prepared, the proposal entries' input_ids are -1.
     drafts: list[DraftInput] | None = None
+    # A mixed batch (prefill chunks whose forward also steps running requests): its entries
+    # from this one on are decode entries, one token each. None for any other batch.
+    decode_from: int | None = None
+
+    @property
+    def decode_start(self) -> int:
+        """The first decode entry: 0 for a decode step, len(reqs) for a prefill."""
+        if self.is_decode:
+            return 0
+        return len(self.reqs) if self.decode_from is None else self.decode_from
+
+    def prefills(self, i: int) -> bool:
+        """Whether entry i carries prompt tokens (else it is a decode step's)."""
+        return i < self.decode_start
 
     @property
     def unique_reqs(self) -> list[Req]:
@@ -128,6 +142,22 @@ class ScheduleBatch:
         return cls(entries, True, ids, rows, pos, out_cache_loc, [1] * n, (pos + 1).tolist(),
                    [r.epoch for r in entries], [False] * n, [(0, 0)] * n,
                    device_inputs=ids is not None and min(ids, default=0) < 0)
+
+    @classmethod
+    def mixed(cls, prefill: ScheduleBatch, step: ScheduleBatch) -> ScheduleBatch:
+        """One forward for a prefill batch and a decode step (no beams, no speculation):
+        the prefill's entries, then the step's; the step's inputs stay on the device where
+        the host does not have them."""
+        assert not prefill.is_decode and step.is_decode and step.draft_index is None
+        assert prefill.input_ids is not None
+        n = len(step.reqs)
+        ids = prefill.input_ids + (step.input_ids if step.input_ids is not None else [-1] * n)
+        return cls(prefill.reqs + step.reqs, False, ids, prefill.rows + step.rows,
+                   torch.cat((prefill.positions, step.positions)),
+                   torch.cat((prefill.out_cache_loc, step.out_cache_loc)),
+                   prefill.qo_lens + step.qo_lens, prefill.kv_lens + step.kv_lens, prefill.epochs + step.epochs,
+                   prefill.partial + step.partial, prefill.lp_in + step.lp_in, device_inputs=min(ids[-n:]) < 0,
+                   decode_from=len(prefill.reqs))
 
     @classmethod
     def _speculative(cls, reqs: list[Req], out_cache_loc: torch.Tensor, pool: ReqToTokenPool,

@@ -76,7 +76,8 @@ class DecodeManager:
         # The share of their remaining max_new_tokens that running requests are expected to
         # still need, which prefill admission reserves.
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self.stats = {"decode_steps": 0, "retractions": 0, "preemptions": 0}
+        # decode_steps counts mixed_steps too: those a prefill's forward carried.
+        self.stats = {"decode_steps": 0, "mixed_steps": 0, "retractions": 0, "preemptions": 0}
 
     def add(self, req: Req) -> None:
         """A request whose prompt is done (or launched: `join`) runs; adding one that runs is a no-op."""
@@ -100,7 +101,7 @@ class DecodeManager:
         shares their prompt waits for it to be cached (PrefillAdder.prefix_in_flight).
         Requests whose next step needs the host first wait for the results: beams, serial
         requests, grammars and trie constraints, prefill-only ones and embeddings."""
-        for r, partial in zip(batch.reqs, batch.partial):
+        for r, partial in zip(batch.reqs[: batch.decode_start], batch.partial):
             if not (partial or r.beam is not None or r.serial or r.grammar is not None
                     or r.trie is not None or r.prefill_only or r.pooled is not None):
                 self.add(r)
@@ -143,6 +144,33 @@ class DecodeManager:
         self.stats["decode_steps"] += 1
         return ScheduleBatch.decode(reqs, loc, self.kv.pool, props, host_inputs=any(r.stale_input for r in reqs),
                                     catch_up=work)
+
+    def mixable(self) -> list[Req]:
+        """The running requests that can step, for a prefill's forward to step too (a mixed
+        batch); none when one of them needs a step of its own: beams, grammars and tries
+        (their rows and masks), or a speculative step."""
+        spec = self.speculator
+        self.speculating = spec is not None and spec.on_for(len(self.running))
+        if self.speculating:
+            return []
+        reqs = [r for r in self.running if self.can_step(r)]
+        if any(r.beam is not None or r.grammar is not None or r.trie is not None for r in reqs):
+            return []
+        return reqs
+
+    def mixed_step(self) -> ScheduleBatch | None:
+        """The decode step of `mixable` requests that a prefill's forward carries, or None
+        when there are none or their slots are not free. It never retracts: the youngest
+        KV holder may be a request the prefill just admitted, so short of KV they step on
+        their own next turn, where retraction may happen."""
+        reqs = self.stepping = self.mixable()
+        loc = self.kv.alloc(sum(len(r.rows) for r in reqs)) if reqs else None
+        if loc is None:
+            return None
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.stats["decode_steps"] += 1
+        self.stats["mixed_steps"] += 1
+        return ScheduleBatch.decode(reqs, loc, self.kv.pool, host_inputs=any(r.stale_input for r in reqs))
 
     def abort_ready(self) -> list[Req]:
         """The KV holders whose abort is pending and which no launched batch holds: they end now."""

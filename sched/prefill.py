@@ -362,16 +362,20 @@ class PrefillManager:
         return [*a.admitted, *([a.current] if a.current else [])] if a is not None else []
 
     def schedule(self, running: Collection[Req], rids: Mapping[str, Req], new_token_ratio: float,
-                 admit: bool = True, preemption: Preemption | None = None) -> ScheduleBatch | None:
+                 admit: bool = True, preemption: Preemption | None = None,
+                 decode_rows: int = 0) -> ScheduleBatch | None:
         """The round: the chunked request's next chunk and (if `admit`) the waiting requests
         that fit, admitted, given their KV slots and built into a batch; None when nothing is.
-        Under the priority policy `preemption` may retract running requests for them."""
+        Under the priority policy `preemption` may retract running requests for them.
+        `decode_rows`: tokens of a decode step that may share the forward (a mixed batch),
+        taken from the chunk, though never more than half of it."""
         self.round = None
         if self.chunked is None and not (admit and self.waiting):
             return None
+        chunk = self.chunk_size - min(decode_rows, self.chunk_size // 2)
         adder = self.round = PrefillAdder(
             self.kv, running=running, prefilling=self.prefilling, rids=rids,
-            max_prefill_tokens=self.max_prefill_tokens, chunk_size=self.chunk_size, logprob_rows=self.logprob_rows,
+            max_prefill_tokens=self.max_prefill_tokens, chunk_size=chunk, logprob_rows=self.logprob_rows,
             max_running_requests=self.max_running_requests, new_token_ratio=new_token_ratio,
             preemption=preemption if self.policy == "priority" else None, lora=self.lora)
         if self.chunked is not None and not adder.add_chunked(self.chunked):

@@ -214,7 +214,8 @@ class ResultProcessor:
                 req.embedding = req.pooled.vector()
             self.finish(req, {"type": "length", "length": 0})
             return
-        if not batch.is_decode:
+        prefilled = batch.prefills(i)
+        if prefilled:
             self.prefill.remove(req)
             self.decode.add(req)
         if kind is Outcome.BEAM:
@@ -227,7 +228,7 @@ class ResultProcessor:
             return
         req.output_ids.append(tok)
         reason = self._finish_reason(req, tok)
-        if not batch.is_decode and reason is None:
+        if prefilled and reason is None:
             self.kv.cache_unfinished(req)  # its prompt is shareable while it decodes
         if reason is not None:
             self.finish(req, reason)

@@ -228,20 +228,27 @@ class Scheduler:
         return [first, *self.recv.recv_all_nowait()] if first is not None else []
 
     def _schedule(self) -> ScheduleBatch | None:
-        """The next batch: an admission round, else a decode step of the running requests.
-        If building it raises, the requests it was taking in are aborted."""
+        """The next batch: an admission round (with enable_mixed_chunk, its forward steps the
+        running requests too), else a decode step of the running requests. If building it
+        raises, the requests it was taking in are aborted."""
         if self.control.frozen:
             return None
-        builder: PrefillManager | DecodeManager = self.prefill
+        builders: tuple[PrefillManager | DecodeManager, ...] = (self.prefill,)
         try:
+            mix = self.args.enable_mixed_chunk and self.prefill.busy and self.decode.running
+            rows = len(self.decode.mixable()) if mix else 0
             batch = self.prefill.schedule(self.decode.running, self.rids, self.decode.new_token_ratio,
-                                          admit=self.control.admits, preemption=self.decode)
-            if batch is None and self.decode.running:
-                builder = self.decode
+                                          admit=self.control.admits, preemption=self.decode, decode_rows=rows)
+            if batch is not None and rows:
+                builders = (self.prefill, self.decode)
+                if (step := self.decode.mixed_step()) is not None:
+                    batch = ScheduleBatch.mixed(batch, step)
+            elif batch is None and self.decode.running:
+                builders = (self.decode,)
                 batch = self.decode.schedule()
             return batch
         except Exception as e:  # contained to the batch being built
-            culprits = builder.building()
+            culprits = [r for b in builders for r in b.building()]
             self.results.failures += 1
             self.log.exception("building a batch failed: its requests are aborted", rids=[r.rid for r in culprits])
             for r in dict.fromkeys(culprits):

@@ -54,8 +54,9 @@ def _processor(ended: dict[Req, dict[str, Any]]) -> ResultProcessor:
 def test_the_matchers_get_exactly_the_tokens_applied(states: list[str], seed: int, decode: bool) -> None:
     made = [_req(i, s) for i, s in enumerate(states)]
     reqs = [r for r, _, _ in made]
+    is_decode = decode and "partial" not in states
     batch: Any = SimpleNamespace(reqs=reqs, epochs=[e for _, e, _ in made], partial=[p for _, _, p in made],
-                                 lp_in=[(0, 0)] * len(reqs), is_decode=decode and "partial" not in states,
+                                 lp_in=[(0, 0)] * len(reqs), is_decode=is_decode, prefills=lambda i: not is_decode,
                                  unique_reqs=reqs, draft_index=None)
     ids = torch.arange(len(states)) + seed
     for i, s in enumerate(states):

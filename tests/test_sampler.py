@@ -186,8 +186,8 @@ def test_a_decode_step_reusing_the_last_batch_equals_a_fresh_build() -> None:
     reqs = [Req(str(i), [1], SamplingParams.coerce(p), False) for i, p in enumerate(params)]
     prev = None
     for step in range(4):
-        fresh = SamplingBatch.from_reqs(reqs, V, torch.device("cpu"), frozenset({5}), is_decode=True)
-        reused = SamplingBatch.from_reqs(reqs, V, torch.device("cpu"), frozenset({5}), is_decode=True, same_as=prev)
+        fresh = SamplingBatch.from_reqs(reqs, V, torch.device("cpu"), frozenset({5}), decode_from=0)
+        reused = SamplingBatch.from_reqs(reqs, V, torch.device("cpu"), frozenset({5}), decode_from=0, same_as=prev)
         assert _fields(reused) == _fields(fresh), step
         assert (reused.ban is not None) == (step < 2)  # the ban lifts once two tokens are out
         prev = reused

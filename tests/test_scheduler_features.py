@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -146,9 +146,19 @@ def test_soak_eviction_retraction_aborts_streams(tiny_dir: str, reference: sgl.E
 
 # ---- the overlap loop: a prefilled request decodes in the next step ----
 
+class Launched(NamedTuple):
+    """One batch the scheduler built, as _drive records it."""
+
+    decode: bool  # a decode step (a mixed batch is not)
+    rids: list[str]
+    partial: list[bool]
+    decode_from: int  # its first decode entry (len(rids) for a prefill)
+    tokens: int
+
+
 def _drive(model: str, reqs: list[tuple[str, list[int], int]], overlap: bool,
-           **kw: Any) -> tuple[dict[str, list[int]], list[tuple[bool, list[str], list[bool]]]]:
-    """Each request's output ids and the batches in launch order: (is_decode, rids, partial)."""
+           **kw: Any) -> tuple[dict[str, list[int]], list[Launched]]:
+    """Each request's output ids and the batches in launch order."""
     from sgl.core.protocol import BatchTokenIDOutput, GenerateReqInput
     from sgl.sched.scheduler import Scheduler
     from tests.fake_channels import ListSender, QueueReceiver
@@ -157,13 +167,14 @@ def _drive(model: str, reqs: list[tuple[str, list[int], int]], overlap: bool,
                                   disable_overlap_schedule=not overlap, **kw)
     recv, send = QueueReceiver(), ListSender()
     s = Scheduler(args, model, recv, send)
-    batches: list[tuple[bool, list[str], list[bool]]] = []
+    batches: list[Launched] = []
     schedule = s._schedule
 
     def recording() -> Any:
         b = schedule()
         if b is not None:
-            batches.append((b.is_decode, [r.rid for r in b.reqs], list(b.partial)))
+            batches.append(Launched(b.is_decode, [r.rid for r in b.reqs], list(b.partial), b.decode_start,
+                                    b.num_tokens))
         return b
 
     s._schedule = recording  # type: ignore[method-assign]
@@ -199,10 +210,43 @@ def test_overlap_decodes_a_prefilled_request_in_the_next_step(tmp_path_factory: 
     assert out == plain and all(len(out[rid]) == n for rid, _, n in reqs)
     at_once = 0
     for rid in ("long", "short"):
-        last = max(i for i, (dec, rids, partial) in enumerate(batches)
-                   if not dec and any(r == rid and not p for r, p in zip(rids, partial)))
-        assert not any(dec and rid in rids for dec, rids, _ in batches[:last])
-        assert rid in next(rids for dec, rids, _ in batches[last + 1:] if dec), batches
-        at_once += batches[last + 1][0]  # no admission round came in between: the very next step
+        last = max(i for i, b in enumerate(batches)
+                   if not b.decode and any(r == rid and not p for r, p in zip(b.rids, b.partial)))
+        assert not any(b.decode and rid in b.rids for b in batches[:last])
+        assert rid in next(b.rids for b in batches[last + 1:] if b.decode), batches
+        at_once += batches[last + 1].decode  # no admission round came in between: the very next step
     assert at_once >= 1, batches
-    assert not any(dec and "one" in rids for dec, rids, _ in batches)
+    assert not any(b.decode and "one" in b.rids for b in batches)
+
+
+def test_a_prefill_forward_steps_the_running_requests(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With enable_mixed_chunk (the default) each prefill forward also carries a decode
+    step of the running requests: from its first token to its last, a stream is in every
+    batch, where with separate forwards it waits out each chunk of another's prompt. The
+    chunk leaves room for the decode rows. Greedy outputs are those of separate forwards,
+    with the overlap loop and without."""
+    model = tiny_model_dir(tmp_path_factory.mktemp("mixed"), "llama", vocab=128, seed=5)
+    rng = random.Random(3)
+    reqs = [("a", [rng.randrange(1, 120) for _ in range(6)], 12),
+            ("b", [rng.randrange(1, 120) for _ in range(6)], 9),
+            ("long", [rng.randrange(1, 120) for _ in range(100)], 4)]
+    kw: dict[str, Any] = {"chunked_prefill_size": 32, "max_total_tokens": 2048}
+
+    def gaps(batches: list[Launched], rid: str) -> int:
+        """Batches launched between the one with the request's last prompt token and its
+        last decode step that lack it."""
+        first = next(i for i, b in enumerate(batches) if not b.decode and any(
+            r == rid and not p for r, p in zip(b.rids[: b.decode_from], b.partial)))
+        last = max(i for i, b in enumerate(batches) if rid in b.rids[b.decode_from:])
+        return sum(rid not in batches[i].rids for i in range(first, last))
+
+    ref, separate = _drive(model, reqs, overlap=False, enable_mixed_chunk=False, **kw)
+    assert all(b.decode or b.decode_from == len(b.rids) for b in separate)
+    assert gaps(separate, "a") > 0 and gaps(separate, "b") > 0  # long's chunks ran without them
+    for overlap in (False, True):
+        out, batches = _drive(model, reqs, overlap=overlap, **kw)
+        assert out == ref
+        assert any(not b.decode and 0 < b.decode_from < len(b.rids) for b in batches), batches
+        assert gaps(batches, "a") == 0 and gaps(batches, "b") == 0, batches
+        assert all(b.tokens <= 32 for b in batches), batches
+        assert sum(b.tokens for b in batches) == sum(b.tokens for b in separate)

@@ -435,7 +435,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # The positions a launched decode step writes per request: one, or a speculative step's rows.
         rows = (Counter(id(r) for r in launched.reqs) if launched is not None and launched.draft_index is not None
                 else pending)
-        decoding = launched is not None and launched.is_decode
+        # The requests the launched batch steps: a decode step's, or a mixed batch's decode entries.
+        stepping = {id(r) for r in launched.reqs[launched.decode_start:]} if launched is not None else set()
         for r in live:
             if r.inflight != pending[id(r)]:
                 raise fail("token/KV alignment", f"{r}: inflight {r.inflight}, in the launched batch {pending[id(r)]}")
@@ -445,7 +446,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 # Joined at its last chunk's launch, that prefill in flight: all its prompt's KV
                 # written and its first token still to come.
                 expect = (r.seq_len if r in s.prefill.prefilling
-                          else r.seq_len - 1 + (rows[id(r)] if decoding else 0))
+                          else r.seq_len - 1 + (rows[id(r)] if id(r) in stepping else 0))
                 if r.kv_len != expect:
                     raise fail("token/KV alignment", f"running {r}: kv_len {r.kv_len}, expected {expect}")
             elif r in s.prefill.waiting:

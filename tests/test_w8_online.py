@@ -186,3 +186,17 @@ def test_stream_gaps_engine_level(null_model_dir: str, tmp_path: Path, capsys: p
         for k in ("ttft", "first_gap", "later_gap"):
             assert r[f"{k}_p50"] is not None and 0 <= r[f"{k}_p50"] <= r[f"{k}_p99"], (k, r)
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("RESULT stream_gaps ")
+
+
+def test_stream_gaps_text_prompts(default_config_dir: str, tmp_path: Path) -> None:
+    """--text runs each variant again with the prompts as text, which the engine tokenizes:
+    those rows are marked and every request streams whole."""
+    from benchmarks import stream_gaps
+
+    out = tmp_path / "gaps.json"
+    assert stream_gaps.main(["--model", default_config_dir, "--load-format", "null", "--tokenizer", default_config_dir,
+                             "--text", "--concurrency", "2", "--requests", "4", "--max-new", "4",
+                             "--prompt-len", "5,30", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["inputs"], r["requests"]) for r in rows] == [("ids", 4), ("text", 4)]
+    assert all(r["out_tok_s"] > 0 and r["first_gap_p50"] is not None for r in rows)

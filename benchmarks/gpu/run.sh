@@ -409,10 +409,12 @@ for step in "$@"; do
     # time per prompt length, and the kernels of one prefill (what a lone request's TTFT costs).
     prefillcost) run 200 python3 -m benchmarks.prefill_cost ;;
     # Stream gaps inside the engine, no HTTP (benchmarks/stream_gaps.py): TTFT, each request's
-    # first gap and its later ones at concurrency 1, 4 and 16, for the default engine, the loop
-    # without overlap and prefill without the piecewise graphs; with .lt, W8's tokenizer set-up.
-    streamgaps) run 300 python3 -m benchmarks.stream_gaps $([ -d .lt ] && echo --tokenizer .lt) \
-                  --variants '[{}, {"disable_overlap_schedule": true}, {"piecewise_cuda_graph_max_tokens": 0}]' \
+    # first gap and its later ones at concurrency 1, 4 and 16, for the default engine and with
+    # prefills and decode steps as separate forwards (GAPS_VARIANTS: other engine options, a JSON
+    # list); with .lt, W8's tokenizer set-up.
+    streamgaps) gaps_default='[{}, {"enable_mixed_chunk": false}]'
+                run 300 python3 -m benchmarks.stream_gaps $([ -d .lt ] && echo --tokenizer .lt --text) \
+                  --variants "${GAPS_VARIANTS:-$gaps_default}" \
                   --json "$results/stream_gaps.json" ;;
     spec)
       if smollm2_gguf; then

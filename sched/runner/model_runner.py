@@ -461,7 +461,8 @@ class ModelRunner:
         # Decode inputs are the tokens the previous step sampled, still on the device.
         input_ids = self.sampling.next_token[p.rows] if p.input_ids is None else p.input_ids
         if p.batch.device_inputs:  # entries whose tokens are on the device (-1 in the host's inputs)
-            input_ids = torch.where(input_ids < 0, self.sampling.next_token[p.rows], input_ids)
+            src = p.rows if p.input_rows is None else p.input_rows
+            input_ids = torch.where(input_ids < 0, self.sampling.next_token[src], input_ids)
         if p.attn.is_decode and self.graphs is not None and self.graphs.can_run(len(p.attn.qo_lens)):
             return self.graphs.replay(p, input_ids)
         self.attn_backend.begin_forward(p.attn)

@@ -46,6 +46,9 @@ class PreparedBatch:
     batch: ScheduleBatch  # what it was prepared from
     rows: torch.Tensor
     input_ids: torch.Tensor | None
+    # A mixed batch's request-table row of each input token: where its inputs read on the
+    # device (-1 in input_ids) come from. None otherwise (a decode batch reads `rows`).
+    input_rows: torch.Tensor | None
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     logits_indices: torch.Tensor
@@ -96,7 +99,7 @@ class BatchPreparer:
         ids = None if batch.input_ids is None else self._dev(torch.tensor(batch.input_ids, dtype=torch.int64))
         reqs = batch.reqs
         same = self._sampling[1] if key and self._sampling[0] == key else None
-        sampling = SamplingBatch.from_reqs(reqs, r.vocab_size, dev, r.eos_ids, r.processors, batch.is_decode,
+        sampling = SamplingBatch.from_reqs(reqs, r.vocab_size, dev, r.eos_ids, r.processors, batch.decode_start,
                                            same_as=same, ahead=batch.draft_index)
         self._sampling = (key, sampling if key else None)
         logits_rows = qo_indptr[1:] - 1
@@ -109,7 +112,8 @@ class BatchPreparer:
             r.sampling.ensure_counts()
         reset = None
         if sampling.penalties is not None and not batch.is_decode:
-            pen = [i for i, q in enumerate(reqs) if q.sampling_params.has_penalties]
+            # A prefilled request's counts start again from its outputs (a retracted one's).
+            pen = [i for i, q in enumerate(reqs[: batch.decode_start]) if q.sampling_params.has_penalties]
             pairs = [(batch.rows[i], t) for i in pen for t in reqs[i].output_ids]
             reset = (self._dev(torch.tensor([batch.rows[i] for i in pen], dtype=torch.int64)),
                      self._dev(torch.tensor([q[0] for q in pairs], dtype=torch.int64)),
@@ -124,6 +128,7 @@ class BatchPreparer:
             batch=batch,
             rows=rows_dev,
             input_ids=ids,
+            input_rows=self._input_rows(batch, rows) if batch.device_inputs and not batch.is_decode else None,
             positions=self._dev(batch.positions),
             out_cache_loc=self._dev(batch.out_cache_loc),
             logits_indices=self._dev(logits_rows.to(torch.int64)),
@@ -167,6 +172,10 @@ class BatchPreparer:
             meta.prefix_lens_host = self._host(plens.to(torch.int32))
             meta.prefix_indices = gather_kv_indices(table, rows_dev, zeros, self._dev(plens), int(prefix_indptr[-1]))
         return meta
+
+    def _input_rows(self, batch: ScheduleBatch, rows: torch.Tensor) -> torch.Tensor:
+        """Each input token's request-table row (a mixed batch's)."""
+        return self._dev(rows.repeat_interleave(torch.tensor(batch.qo_lens, dtype=torch.int64)))
 
     def _lora_batch(self, batch: ScheduleBatch, key: tuple) -> LoraBatch:
         """Each row's adapter slot, in blocks; reused for a decode batch of the same requests."""

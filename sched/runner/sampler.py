@@ -58,9 +58,11 @@ class SamplingBatch:
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device, eos_ids: frozenset[int] = frozenset(),
-                  processors: dict[str, CustomLogitProcessor] | None = None, is_decode: bool = False,
+                  processors: dict[str, CustomLogitProcessor] | None = None, decode_from: int | None = None,
                   same_as: SamplingBatch | None = None, ahead: list[int] | None = None) -> SamplingBatch:
-        """same_as: the batch built for the same requests in the same rows (the previous
+        """decode_from: the first of the entries that step a running request (the others
+        are prefills; None: all are).
+        same_as: the batch built for the same requests in the same rows (the previous
         decode step): its per-request tensors are reused, since a request's sampling
         parameters never change; what depends on the tokens generated so far is rebuilt.
         ahead: each entry's output position past its request's next (a speculative step's
@@ -73,7 +75,8 @@ class SamplingBatch:
         # Tokens generated before this one. Under overlap a decode row's one in-flight batch
         # will add a token; a prefill row's in-flight batches (earlier chunks, or batches
         # made stale by a retraction) never do.
-        done = [len(r.output_ids) + (r.inflight if is_decode else 0) for r in reqs]
+        start = len(reqs) if decode_from is None else decode_from
+        done = [len(r.output_ids) + (r.inflight if i >= start else 0) for i, r in enumerate(reqs)]
         if ahead is not None:
             done = [d + j for d, j in zip(done, ahead)]
         for i, (p, k) in enumerate(zip(ps, done)):
