@@ -29,7 +29,6 @@ from typing import Any
 from benchmarks.common import dummy_model_dir, machine, table, with_architecture
 from benchmarks.w8_online import percentiles
 
-
 Prompt = list[int] | str  # ids, or text the engine tokenizes
 
 
