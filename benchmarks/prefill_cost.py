@@ -8,9 +8,12 @@ busy time (CUDA events around the step). Wall far above GPU busy means the prefi
 bound by the host queueing kernels one by one, not by the GPU. Each length runs eagerly
 and through the piecewise CUDA graphs (sgl.sched.runner.prefill_graph; lengths past
 their largest count, 2,048 by default, run eagerly in both). Then the kernels of one
-prefill by GPU time and their count, per variant.
+prefill by GPU time and their count, per variant. `--decode-rows N` puts N running
+requests (each `--decode-kv` tokens of KV) in every prefill's forward, as a mixed batch
+(enable_mixed_chunk) carries them.
 
     python -m benchmarks.prefill_cost [--lens 100,400,1000,4000] [--reps 20] [--model DIR]
+        [--decode-rows 0] [--decode-kv 1500]
 """
 
 from __future__ import annotations
@@ -28,22 +31,47 @@ from sgl.sched.req import Req
 from sgl.sched.runner.model_runner import ModelRunner
 
 
-def prefill(runner: ModelRunner, n: int) -> tuple[float, float, float]:
-    """One request's prefill of n tokens, its KV freed after; (prepare, launch, wall) seconds."""
+def running(runner: ModelRunner, rows: int, kv: int) -> list[Req]:
+    """`rows` requests that decode, each with `kv` tokens of KV written."""
+    reqs = []
+    for i in range(rows):
+        r = Req(f"d{i}", [(5 * j + i) % 1000 + 10 for j in range(kv)], SamplingParams(temperature=0), False)
+        r.req_pool_idx = runner.req_to_token_pool.alloc()
+        slots = runner.allocator.alloc(kv)
+        assert slots is not None and r.req_pool_idx is not None
+        runner.req_to_token_pool.write(r.req_pool_idx, 0, slots)
+        r.kv_len = kv
+        reqs.append(r)
+    return reqs
+
+
+def prefill(runner: ModelRunner, n: int, decoding: list[Req] | None = None) -> tuple[float, float, float]:
+    """One request's prefill of n tokens (with a decode step of `decoding`: a mixed batch),
+    the KV it wrote freed after; (prepare, launch, wall) seconds."""
     r = Req("p", [(7 * i + 3) % 1000 + 10 for i in range(n)], SamplingParams(temperature=0, max_new_tokens=1), False)
     r.req_pool_idx = runner.req_to_token_pool.alloc()
     r.extend_len = n
+    pool = runner.req_to_token_pool
     out = runner.allocator.alloc(n)
+    step = runner.allocator.alloc(len(decoding)) if decoding else None
     assert out is not None and r.req_pool_idx is not None
     t0 = time.perf_counter()
-    p = runner.prepare(ScheduleBatch.extend([r], out, runner.req_to_token_pool))
+    batch = ScheduleBatch.extend([r], out, pool)
+    if decoding:
+        assert step is not None
+        batch = ScheduleBatch.mixed(batch, ScheduleBatch.decode(decoding, step, pool))
+    p = runner.prepare(batch)
     t1 = time.perf_counter()
     launched = runner.launch(p)
     t2 = time.perf_counter()
     launched.result()
     t3 = time.perf_counter()
     runner.allocator.free(out)
-    runner.req_to_token_pool.free(r.req_pool_idx)
+    pool.free(r.req_pool_idx)
+    if decoding:
+        runner.allocator.free(step)
+        for d in decoding:
+            d.kv_len -= 1  # the same context next time
     return t1 - t0, t2 - t1, t3 - t0
 
 
@@ -52,28 +80,33 @@ def main() -> None:
     ap.add_argument("--lens", default="100,400,1000,4000")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--model", default=None, help="a model folder (default: Qwen3-0.6B, dummy weights)")
+    ap.add_argument("--decode-rows", type=int, default=0, help="running requests in each prefill's forward")
+    ap.add_argument("--decode-kv", type=int, default=1500, help="each running request's KV tokens")
     a = ap.parse_args()
     lens = [int(x) for x in a.lens.split(",")]
     cuda = torch.cuda.is_available()
     rows = []
     for variant, pieces in (("eager", 0), ("pieces", ServerArgs().piecewise_cuda_graph_max_tokens)):
-        args = ServerArgs(load_format="dummy", max_total_tokens=4 * max(lens) + 64, max_running_requests=8,
+        kv_total = 4 * max(lens) + 64 + a.decode_rows * (a.decode_kv + 1)
+        args = ServerArgs(load_format="dummy", max_total_tokens=kv_total, max_running_requests=8 + a.decode_rows,
                           random_seed=0, skip_tokenizer_init=True, chunked_prefill_size=max(lens),
                           piecewise_cuda_graph_max_tokens=pieces)
         runner = ModelRunner(args, a.model or dummy_model_dir())
+        decoding = running(runner, a.decode_rows, a.decode_kv)
         for n in lens:
             for _ in range(3):
-                prefill(runner, n)
+                prefill(runner, n, decoding)
             busy0 = runner.gpu_timeline.busy_s
-            times = [prefill(runner, n) for _ in range(a.reps)]
+            times = [prefill(runner, n, decoding) for _ in range(a.reps)]
             med = [sorted(col)[len(col) // 2] * 1e3 for col in zip(*times)]
             gpu = (runner.gpu_timeline.busy_s - busy0) / a.reps * 1e3 if cuda else float("nan")
-            rows.append({"variant": variant, "tokens": n, "prepare ms": med[0], "launch ms": med[1],
+            rows.append({"variant": variant, "tokens": n, "decode rows": a.decode_rows, "prepare ms": med[0],
+                         "launch ms": med[1],
                          "wall ms": med[2], "GPU busy ms": gpu})
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         n = lens[len(lens) // 2]
         with torch.profiler.profile(activities=acts) as prof:
-            prefill(runner, n)
+            prefill(runner, n, decoding)
         key = "cuda_time_total" if cuda else "cpu_time_total"
         events = prof.key_averages()
         kernels = sum(e.count for e in events if cuda and e.device_type == torch.autograd.DeviceType.CUDA)

@@ -79,7 +79,7 @@ class PriorityMachine(SchedulerMachine):
         self.cfg = cfg
         args = ServerArgs.from_kwargs(model_path=self.MODEL, device="cpu", skip_tokenizer_init=True,
                                       context_length=CONTEXT, random_seed=0,
-                                      disable_overlap_schedule=not self.OVERLAP, **cfg)
+                                      disable_overlap_schedule=not self.OVERLAP, enable_mixed_chunk=self.MIXED, **cfg)
         self.recv, self.send = QueueReceiver(), ListSender()
         self.s = Scheduler(args, self.MODEL, self.recv, self.send, clock=lambda: self.now)
 
@@ -162,15 +162,16 @@ class PriorityMachine(SchedulerMachine):
                                                   f"was admitted: {got.get(id(w))}")
 
 
-def priority_machine(model: str, overlap: bool) -> type[PriorityMachine]:
+def priority_machine(model: str, overlap: bool, mixed: bool = False) -> type[PriorityMachine]:
     REFERENCES.setdefault(model, Reference(model))
-    name = f"PriorityMachine{'Overlap' if overlap else 'Plain'}"
-    return type(name, (PriorityMachine,), {"OVERLAP": overlap, "MODEL": model})
+    name = f"PriorityMachine{'Overlap' if overlap else 'Plain'}{'Mixed' if mixed else ''}"
+    return type(name, (PriorityMachine,), {"OVERLAP": overlap, "MODEL": model, "MIXED": mixed})
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_priority_deadline_machine(model_dir: str, overlap: bool) -> None:
-    run_state_machine_as_test(priority_machine(model_dir, overlap), settings=machine_settings())
+@pytest.mark.parametrize("overlap, mixed", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "overlap", "mixed"])
+def test_priority_deadline_machine(model_dir: str, overlap: bool, mixed: bool) -> None:
+    run_state_machine_as_test(priority_machine(model_dir, overlap, mixed), settings=machine_settings())
 
 
 # ---- scheduler-level cases ----

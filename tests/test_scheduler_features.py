@@ -220,7 +220,7 @@ def test_overlap_decodes_a_prefilled_request_in_the_next_step(tmp_path_factory: 
 
 
 def test_a_prefill_forward_steps_the_running_requests(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """With enable_mixed_chunk (the default) each prefill forward also carries a decode
+    """With enable_mixed_chunk each prefill forward also carries a decode
     step of the running requests: from its first token to its last, a stream is in every
     batch, where with separate forwards it waits out each chunk of another's prompt. The
     chunk leaves room for the decode rows. Greedy outputs are those of separate forwards,
@@ -240,11 +240,11 @@ def test_a_prefill_forward_steps_the_running_requests(tmp_path_factory: pytest.T
         last = max(i for i, b in enumerate(batches) if rid in b.rids[b.decode_from:])
         return sum(rid not in batches[i].rids for i in range(first, last))
 
-    ref, separate = _drive(model, reqs, overlap=False, enable_mixed_chunk=False, **kw)
+    ref, separate = _drive(model, reqs, overlap=False, **kw)
     assert all(b.decode or b.decode_from == len(b.rids) for b in separate)
     assert gaps(separate, "a") > 0 and gaps(separate, "b") > 0  # long's chunks ran without them
     for overlap in (False, True):
-        out, batches = _drive(model, reqs, overlap=overlap, **kw)
+        out, batches = _drive(model, reqs, overlap=overlap, enable_mixed_chunk=True, **kw)
         assert out == ref
         assert any(not b.decode and 0 < b.decode_from < len(b.rids) for b in batches), batches
         assert gaps(batches, "a") == 0 and gaps(batches, "b") == 0, batches

@@ -226,6 +226,7 @@ configs = st.fixed_dictionaries({
 
 class SchedulerMachine(RuleBasedStateMachine):
     OVERLAP = False
+    MIXED = False  # enable_mixed_chunk: prefill forwards step the running requests too
     SPECULATIVE = ""  # "NGRAM" or "STANDALONE" steps (sgl.sched.speculative), their requests serial
     MODEL = ""
 
@@ -252,7 +253,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.SPECULATIVE == "STANDALONE":
             spec["speculative_draft_model_path"] = self.MODEL
         self.s, self.recv, self.send = make_scheduler(self.MODEL, disable_overlap_schedule=not self.OVERLAP,
-                                                      **spec, **cfg)
+                                                      enable_mixed_chunk=self.MIXED, **spec, **cfg)
 
     # ---- rules ----
 
@@ -564,10 +565,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             raise fail("idle KV", f"violations {info['invariant_violations']}, rows free {pool.available_size()}")
 
 
-def machine(model: str, overlap: bool, speculative: str = "") -> type[SchedulerMachine]:
+def machine(model: str, overlap: bool, speculative: str = "", mixed: bool = False) -> type[SchedulerMachine]:
     REFERENCES.setdefault(model, Reference(model))
-    name = f"SchedulerMachine{'Overlap' if overlap else 'Plain'}{speculative.title()}"
-    return type(name, (SchedulerMachine,), {"OVERLAP": overlap, "MODEL": model, "SPECULATIVE": speculative})
+    name = f"SchedulerMachine{'Overlap' if overlap else 'Plain'}{speculative.title()}{'Mixed' if mixed else ''}"
+    return type(name, (SchedulerMachine,), {"OVERLAP": overlap, "MODEL": model, "SPECULATIVE": speculative,
+                                            "MIXED": mixed})
 
 
 @pytest.fixture(scope="module")
@@ -599,14 +601,15 @@ def _report(label: str, before: Counter[str], t0: float) -> None:
 
 
 @_soak
-@pytest.mark.parametrize("overlap, speculative", [(False, ""), (True, ""), (True, "NGRAM"), (True, "STANDALONE")],
-                         ids=["plain", "overlap", "ngram", "draft"])
-def test_scheduler_state_machine(model_dir: str, overlap: bool, speculative: str) -> None:
+@pytest.mark.parametrize("overlap, speculative, mixed", [(False, "", False), (True, "", False), (True, "", True),
+                                                         (True, "NGRAM", False), (True, "STANDALONE", False)],
+                         ids=["plain", "overlap", "mixed", "ngram", "draft"])
+def test_scheduler_state_machine(model_dir: str, overlap: bool, speculative: str, mixed: bool) -> None:
     before, t0 = STATS.copy(), time.perf_counter()
     try:
-        run_state_machine_as_test(machine(model_dir, overlap, speculative), settings=machine_settings())
+        run_state_machine_as_test(machine(model_dir, overlap, speculative, mixed), settings=machine_settings())
     finally:
-        _report(f"overlap={overlap} speculative={speculative} profile={PROFILE_NAME}", before, t0)
+        _report(f"overlap={overlap} speculative={speculative} mixed={mixed} profile={PROFILE_NAME}", before, t0)
 
 
 # ---- planted bugs ----

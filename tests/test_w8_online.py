@@ -200,3 +200,18 @@ def test_stream_gaps_text_prompts(default_config_dir: str, tmp_path: Path) -> No
     rows = json.loads(out.read_text())["rows"]
     assert [(r["inputs"], r["requests"]) for r in rows] == [("ids", 4), ("text", 4)]
     assert all(r["out_tok_s"] > 0 and r["first_gap_p50"] is not None for r in rows)
+
+
+def test_tokenizer_turns(default_config_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/tokenizer_turns.py: encodes beside a busy loop at each switch interval,
+    and the process's own interval is given back afterwards."""
+    import sys
+
+    from benchmarks import tokenizer_turns
+
+    before = sys.getswitchinterval()
+    assert tokenizer_turns.main(["--tokenizer", default_config_dir, "--words", "50", "--seconds", "0.2",
+                                 "--intervals", "5,0.2"]) == 0
+    assert sys.getswitchinterval() == before
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith(("5.0 ", "0.2 "))]
+    assert len(rows) == 2 and all(int(r[1]) > 0 and float(r[2]) > 0 for r in rows)

@@ -228,11 +228,12 @@ for step in "$@"; do
     # W8, online serving (benchmarks/w8_online.py): `sgl serve` on the Qwen3-0.6B architecture
     # (dummy bf16), Poisson rates and a concurrency sweep over HTTP with streaming, then stopped.
     # With .lt brought along the server has the default model's tokenizer and both workloads
-    # run (w2, chat); without it, --skip-tokenizer-init and w2 alone. W8_ARGS replaces the sweep;
+    # run (w2, chat); without it, --skip-tokenizer-init and w2 alone. W8_SERVER_ARGS adds server
+    # options (e.g. --enable-mixed-chunk). W8_ARGS replaces the sweep;
     # the JSON and PNG plots go to the output folder.
     w8) w8_model
         run 540 python3 -m benchmarks.w8_online --label sgl --url http://127.0.0.1:30000 --procs 4 \
-          --launch "python3 -m sgl.launch_server $dir --load-format dummy $tok --host 127.0.0.1 --port 30000 --random-seed 0" \
+          --launch "python3 -m sgl.launch_server $dir --load-format dummy $tok --host 127.0.0.1 --port 30000 --random-seed 0 ${W8_SERVER_ARGS:-}" \
           --workloads "$wl" --json "$results/w8_sgl.json" --plots "$results" \
           ${W8_ARGS:---requests 64 --saturation-requests 256 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64} ;;
     # vllmw8: the same sweep through the vLLM peer's OpenAI server (its parts unpacked in /tmp, as
@@ -407,15 +408,15 @@ for step in "$@"; do
     speccost) run 240 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} ;;
     # prefillcost: one request's prefill alone (benchmarks/prefill_cost.py): host, wall and GPU
     # time per prompt length, and the kernels of one prefill (what a lone request's TTFT costs).
-    prefillcost) run 200 python3 -m benchmarks.prefill_cost ;;
+    prefillcost) run 200 python3 -m benchmarks.prefill_cost ${PREFILL_ARGS:-} ;;
     # Stream gaps inside the engine, no HTTP (benchmarks/stream_gaps.py): TTFT, each request's
     # first gap and its later ones at concurrency 1, 4 and 16, for the default engine and with
-    # prefills and decode steps as separate forwards (GAPS_VARIANTS: other engine options, a JSON
-    # list); with .lt, W8's tokenizer set-up.
-    streamgaps) gaps_default='[{}, {"enable_mixed_chunk": false}]'
+    # mixed batches (GAPS_VARIANTS: other engine options, a JSON list; GAPS_ARGS: more options);
+    # with .lt, W8's tokenizer set-up.
+    streamgaps) gaps_default='[{}, {"enable_mixed_chunk": true}]'
                 run 300 python3 -m benchmarks.stream_gaps $([ -d .lt ] && echo --tokenizer .lt --text) \
                   --variants "${GAPS_VARIANTS:-$gaps_default}" \
-                  --json "$results/stream_gaps.json" ;;
+                  --json "$results/stream_gaps.json" ${GAPS_ARGS:-} ;;
     spec)
       if smollm2_gguf; then
         for mode in off on; do

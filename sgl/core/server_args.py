@@ -122,8 +122,10 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # the scheduler fight for the same cores: W4 and W5 both ran slower with it).
     disable_overlap_schedule: bool | None = None
     # A prefill batch's forward also steps the running requests (one token each), as vLLM's
-    # scheduler always does: a stream's next token never waits behind another's prompt.
-    enable_mixed_chunk: bool = True
+    # scheduler always does: a stream's next token never waits behind another's prompt. Off
+    # by default (as in SGLang): the decode rows go through the prefill attention kernels,
+    # which on an H200 cost more than their own decode step (benchmarks/RESULTS.md 2026-12-04).
+    enable_mixed_chunk: bool = False
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     skip_tokenizer_init: bool = False
     # Threads of the tokenizer's process (the detokenizer's) that encode prompts and render

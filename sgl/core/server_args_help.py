@@ -78,8 +78,8 @@ FIELD_HELP: dict[str, str] = {
     "pooling": "how embeddings pool the prompt's final hidden states: last (token), mean, or auto (as the "
                "model's sentence-transformers files say; last without them)",
     "disable_overlap_schedule": "run the scheduler and the forward in turn (default: overlapped on CUDA only)",
-    "enable_mixed_chunk": "a prefill's forward also takes the running requests' next tokens (default: on); "
-                          "off: prefills and decode steps run as separate forwards",
+    "enable_mixed_chunk": "a prefill's forward also takes the running requests' next tokens (default: off, "
+                          "prefills and decode steps run as separate forwards)",
     "attention_backend": "attention kernels: torch (reference) or flashinfer; auto: flashinfer on CUDA",
     "skip_tokenizer_init": "load no tokenizer: requests send and receive token ids only",
     "tokenizer_threads": "threads of the tokenizer's process (the detokenizer's) that encode prompts and render "

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 FLUSH_S = 2.0  # the most a normal exit waits for queued frames to leave
-SCHEDULER_SWITCH_INTERVAL_S = 0.0002  # the GIL's turns in a scheduler's process (see main)
+SWITCH_INTERVAL_S = 0.0002  # the GIL's turns in a child whose threads hand work to its loop (see main)
 
 
 def _exit_when_parent_dies(ipc_dir: str | None) -> None:
@@ -87,12 +87,14 @@ def main() -> None:
     threading.Thread(target=_exit_when_parent_dies, args=(cfg.addresses.ipc_dir,), name="parent-watch",
                      daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which shuts us down
-    if cfg.role == "scheduler" and _on_gpu(cfg.server_args.device):
-        # This process is the scheduler's own: its grammar fill thread runs a few lines of
-        # Python between GIL-free native calls, and at the default 5 ms interval each
-        # waited up to that for the scheduler's thread (sgl.sched.runner.grammar_masks).
-        # Not on the CPU, whose forward runs on a thread of its own and would pay the turns.
-        sys.setswitchinterval(SCHEDULER_SWITCH_INTERVAL_S)
+    if cfg.role == "detokenizer" or (cfg.role == "scheduler" and _on_gpu(cfg.server_args.device)):
+        # Threads that run a few lines of Python between GIL-free native calls wait, at the
+        # default 5 ms interval, up to that for the process's busy loop at each line: the
+        # detokenizer's tokenizer threads (a prompt's encode took 12 ms p50 beside a busy
+        # loop, 1.8 ms at this interval: benchmarks/tokenizer_turns.py) and the
+        # scheduler's grammar fill thread (sgl.sched.runner.grammar_masks). Not in a CPU
+        # scheduler, whose forward runs on a thread of its own and would pay the turns.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     def report(status: dict[str, Any]) -> None:
         if status.get("status") == "ready":
