@@ -18,7 +18,7 @@
 #   A/B         old w3old w7old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    prefillcost streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
-#   py-spy      w3spy w3oldspy startupspy grammarspy (py-spy's wheel in .whl/)
+#   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy (py-spy's wheel in .whl/)
 #   real model  model fp8acc smolhf spec (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
 #   vLLM        vllm vllm8b vllmfp8 vllmw8 vllmspec (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
 #   LoRA        lorakernels lora vllmlora (the kernels; multi-LoRA throughput: sgl, then the vLLM peer)
@@ -212,6 +212,12 @@ for step in "$@"; do
     w3rep) run 400 python3 -m benchmarks.w3_shared_prefix --repeat ${W3_REPEAT:-5} ;;
     w3spy) run 200 py-spy record -r 400 --nonblocking --subprocesses --format raw -o "$results/w3spy.txt" -- \
              python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5 ;;
+    # gapsspy: stream_gaps at concurrency 4 with long outputs (where a request's first token and
+    # its second each came ~20 ms late inside the engine), every process's stacks, idle ones too.
+    gapsspy) run 200 py-spy record -r 400 --nonblocking --idle --subprocesses --format raw \
+               -o "$results/gapsspy.txt" -- python3 -m benchmarks.stream_gaps $([ -d .lt ] && echo --tokenizer .lt) \
+               --concurrency 4 --requests 24 \
+               --max-new 400 --json "$results/gapsspy.json" ;;
     w3old|w3oldspy)
       spy=(); [ "$step" = w3oldspy ] && spy=(py-spy record -r 400 --nonblocking --subprocesses --format raw -o "$results/w3spyold.txt" --)
       if old_site benchmarks; then
