@@ -163,6 +163,7 @@ class DecodeManager:
         when there are none or their slots are not free. It never retracts: the youngest
         KV holder may be a request the prefill just admitted, so short of KV they step on
         their own next turn, where retraction may happen."""
+        self.stepping = []
         reqs = self.stepping = self.mixable()
         loc = self.kv.alloc(sum(len(r.rows) for r in reqs)) if reqs else None
         if loc is None:
