@@ -199,7 +199,9 @@ def test_cached_tokens_are_always_reported(oai: openai.OpenAI) -> None:
     """vLLM test_completion.py / test_chat.py with prompt tokens details: usage.prompt_tokens_details.
     cached_tokens on every response (0 included), the repeat of a prompt served from the cache; in a
     stream's final usage too."""
-    prompt = f"{uuid.uuid4().hex} is a fresh prompt that no request sent before, long enough to be cached"
+    # Its first character begins no other test's prompt: a radix match even of one leading
+    # token (a random hex digit shared with an earlier prompt) would make it no longer fresh.
+    prompt = f"¤ {uuid.uuid4().hex} is a fresh prompt that no request sent before, long enough to be cached"
     first = cmpl(oai, prompt=prompt, max_tokens=1).usage
     assert first.prompt_tokens_details is not None and first.prompt_tokens_details.cached_tokens == 0
     again = cmpl(oai, prompt=prompt, max_tokens=1).usage
