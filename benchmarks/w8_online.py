@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import math
@@ -425,6 +426,31 @@ def max_in_flight(recs: list[Record]) -> int:
     return most
 
 
+LONG_GAP_S = 0.010  # a gap between chunks this long counts as a stall (decode steps here take 2-3 ms)
+
+
+def shared_stalls(recs: list[Record]) -> tuple[int, float | None]:
+    """The gaps of LONG_GAP_S or more, and the mean share of the other streams open across
+    such a gap that got no chunk inside it either: near 1, something held every stream at
+    once (a long forward, a blocked loop); near 0, each stall was its own stream's. Chunk
+    times of all client processes compare: perf_counter is the system's monotonic clock."""
+    streams = []
+    for r in recs:
+        if r.error is None and r.ttft is not None:
+            t = [r.sent + r.ttft]
+            for g in r.gaps:
+                t.append(t[-1] + g)
+            streams.append(t)
+    stalls = [(i, a, b) for i, t in enumerate(streams) for a, b in zip(t, t[1:]) if b - a >= LONG_GAP_S]
+    shares = []
+    for i, a, b in stalls:
+        others = [t for j, t in enumerate(streams) if j != i and t[0] < a and t[-1] > b]
+        if others:
+            quiet = sum(bisect.bisect_left(t, b) == bisect.bisect_right(t, a) for t in others)
+            shares.append(quiet / len(others))
+    return len(stalls), round(sum(shares) / len(shares), 3) if shares else None
+
+
 def summarize(workload: str, mode: str, value: float, recs: list[Record], wall: float, cpu: float) -> dict[str, Any]:
     ok = [r for r in recs if r.error is None]
     errors = sorted({r.error for r in recs if r.error is not None})
@@ -446,6 +472,8 @@ def summarize(workload: str, mode: str, value: float, recs: list[Record], wall: 
         "max_in_flight": max_in_flight(recs),
         "first_gap_ms": percentiles([r.gaps[0] for r in ok if r.gaps]),
         "last_gap_ms": percentiles([r.gaps[-1] for r in ok if r.gaps]),
+        # How many gaps were stalls (LONG_GAP_S or more) and how far they were shared.
+        **dict(zip(("long_gaps", "long_gaps_shared"), shared_stalls(ok))),
         "tokens_per_chunk": round(tokens / max(1, sum(r.chunks for r in ok)), 3),
         "tokens_from": "usage" if all(r.from_usage for r in recs) else "chunks",
         "client_cpu_us_per_chunk": round(cpu / max(1, chunks) * 1e6, 1),

@@ -215,3 +215,23 @@ def test_tokenizer_turns(default_config_dir: str, capsys: pytest.CaptureFixture[
     assert sys.getswitchinterval() == before
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith(("5.0 ", "0.2 "))]
     assert len(rows) == 2 and all(int(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+
+
+def test_shared_stalls_tell_a_server_stall_from_a_stream_s_own() -> None:
+    """Three streams of chunks every 2 ms: a 30 ms gap in all three at once is shared by
+    every other open stream; a 20 ms gap in one stream alone by none."""
+    from benchmarks.w8_online import Record, shared_stalls
+
+    def stream(times_ms: list[float]) -> Record:
+        t = [x / 1e3 for x in times_ms]
+        return Record(0, sent=0.0, ttft=t[0], gaps=[b - a for a, b in zip(t, t[1:])])
+
+    steady = [float(x) for x in range(0, 200, 2)]
+    held = [x if x < 100 else x + 30 for x in steady]  # everyone waits 30 ms at 100 ms
+    assert shared_stalls([stream(held), stream(held), stream(held)]) == (3, 1.0)
+    alone = [x if x < 50 else x + 20 for x in steady]  # one stream waits 20 ms at 50 ms
+    assert shared_stalls([stream(alone), stream(steady), stream(steady)]) == (1, 0.0)
+    assert shared_stalls([stream(steady)]) == (0, None)
+    failed = stream(held)
+    failed.error = "boom"
+    assert shared_stalls([failed]) == (0, None)
