@@ -88,8 +88,9 @@ def main() -> None:
     rows = []
     for variant, pieces in (("eager", 0), ("pieces", ServerArgs().piecewise_cuda_graph_max_tokens)):
         kv_total = 4 * max(lens) + 64 + a.decode_rows * (a.decode_kv + 1)
+        # The chunk (which bounds the pieces) holds the longest prompt with its decode rows.
         args = ServerArgs(load_format="dummy", max_total_tokens=kv_total, max_running_requests=8 + a.decode_rows,
-                          random_seed=0, skip_tokenizer_init=True, chunked_prefill_size=max(lens),
+                          random_seed=0, skip_tokenizer_init=True, chunked_prefill_size=max(lens) + a.decode_rows,
                           piecewise_cuda_graph_max_tokens=pieces)
         runner = ModelRunner(args, a.model or dummy_model_dir())
         decoding = running(runner, a.decode_rows, a.decode_kv)

@@ -158,13 +158,13 @@ class DecodeManager:
             return []
         return reqs
 
-    def mixed_step(self) -> ScheduleBatch | None:
-        """The decode step of `mixable` requests that a prefill's forward carries, or None
-        when there are none or their slots are not free. It never retracts: the youngest
-        KV holder may be a request the prefill just admitted, so short of KV they step on
-        their own next turn, where retraction may happen."""
-        self.stepping = []
-        reqs = self.stepping = self.mixable()
+    def mixed_step(self, mixable: list[Req]) -> ScheduleBatch | None:
+        """The decode step that a prefill's forward carries: of the `mixable` requests (taken
+        before the admission round) those still running (a preemption retracts some), or
+        None when there are none or their slots are not free. It never retracts: the
+        youngest KV holder may be a request the prefill just admitted, so short of KV they
+        step on their own next turn, where retraction may happen."""
+        reqs = self.stepping = [r for r in mixable if r.running]
         loc = self.kv.alloc(sum(len(r.rows) for r in reqs)) if reqs else None
         if loc is None:
             return None

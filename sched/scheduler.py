@@ -236,12 +236,13 @@ class Scheduler:
         builders: tuple[PrefillManager | DecodeManager, ...] = (self.prefill,)
         try:
             mix = self.args.enable_mixed_chunk and self.prefill.busy and self.decode.running
-            rows = len(self.decode.mixable()) if mix else 0
+            mixable = self.decode.mixable() if mix else []
             batch = self.prefill.schedule(self.decode.running, self.rids, self.decode.new_token_ratio,
-                                          admit=self.control.admits, preemption=self.decode, decode_rows=rows)
-            if batch is not None and rows:
+                                          admit=self.control.admits, preemption=self.decode,
+                                          decode_rows=len(mixable))
+            if batch is not None and mixable:
                 builders = (self.prefill, self.decode)
-                if (step := self.decode.mixed_step()) is not None:
+                if (step := self.decode.mixed_step(mixable)) is not None:
                     batch = ScheduleBatch.mixed(batch, step)
             elif batch is None and self.decode.running:
                 builders = (self.decode,)

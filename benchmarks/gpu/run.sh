@@ -413,7 +413,8 @@ for step in "$@"; do
     # the default model's config with dummy weights (.lt), at concurrency 1 and 8.
     speccost) run 240 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} ;;
     # prefillcost: one request's prefill alone (benchmarks/prefill_cost.py): host, wall and GPU
-    # time per prompt length, and the kernels of one prefill (what a lone request's TTFT costs).
+    # time per prompt length, and the kernels of one prefill (what a lone request's TTFT costs);
+    # PREFILL_ARGS="--decode-rows N" puts N running requests in each prefill's forward.
     prefillcost) run 200 python3 -m benchmarks.prefill_cost ${PREFILL_ARGS:-} ;;
     # Stream gaps inside the engine, no HTTP (benchmarks/stream_gaps.py): TTFT, each request's
     # first gap and its later ones at concurrency 1, 4 and 16, for the default engine and with
