@@ -18,7 +18,7 @@
 #   A/B         old w3old w7old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    prefillcost streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
-#   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy (py-spy's wheel in .whl/)
+#   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy w8spy (py-spy's wheel in .whl/)
 #   real model  model fp8acc smolhf spec (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
 #   vLLM        vllm vllm8b vllmfp8 vllmw8 vllmspec (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
 #   LoRA        lorakernels lora vllmlora (the kernels; multi-LoRA throughput: sgl, then the vLLM peer)
@@ -237,8 +237,10 @@ for step in "$@"; do
     # run (w2, chat); without it, --skip-tokenizer-init and w2 alone. W8_SERVER_ARGS adds server
     # options (e.g. --enable-mixed-chunk). W8_ARGS replaces the sweep;
     # the JSON and PNG plots go to the output folder.
-    w8) w8_model
-        run 540 python3 -m benchmarks.w8_online --label sgl --url http://127.0.0.1:30000 --procs 4 \
+    # w8spy: the same under py-spy (every process of the server and the client, idle ones too).
+    w8|w8spy) w8_model
+        spy=(); [ "$step" = w8spy ] && spy=(py-spy record -r 500 --nonblocking --idle --subprocesses --format raw -o "$results/w8spy.txt" --)
+        run 540 "${spy[@]}" python3 -m benchmarks.w8_online --label sgl --url http://127.0.0.1:30000 --procs 4 \
           --launch "python3 -m sgl.launch_server $dir --load-format dummy $tok --host 127.0.0.1 --port 30000 --random-seed 0 ${W8_SERVER_ARGS:-}" \
           --workloads "$wl" --json "$results/w8_sgl.json" --plots "$results" \
           ${W8_ARGS:---requests 64 --saturation-requests 256 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64} ;;
