@@ -10,10 +10,11 @@ and through the piecewise CUDA graphs (sgl.sched.runner.prefill_graph; lengths p
 their largest count, 2,048 by default, run eagerly in both). Then the kernels of one
 prefill by GPU time and their count, per variant. `--decode-rows N` puts N running
 requests (each `--decode-kv` tokens of KV) in every prefill's forward, as a mixed batch
-(enable_mixed_chunk) carries them.
+(enable_mixed_chunk) carries them. `--prefix P` gives each request P tokens of KV already
+written before its N new ones, as a prefix cache hit does (a chat's shared system prompt).
 
     python -m benchmarks.prefill_cost [--lens 100,400,1000,4000] [--reps 20] [--model DIR]
-        [--decode-rows 0] [--decode-kv 1500]
+        [--decode-rows 0] [--decode-kv 1500] [--prefix 0]
 """
 
 from __future__ import annotations
@@ -45,13 +46,21 @@ def running(runner: ModelRunner, rows: int, kv: int) -> list[Req]:
     return reqs
 
 
-def prefill(runner: ModelRunner, n: int, decoding: list[Req] | None = None) -> tuple[float, float, float]:
-    """One request's prefill of n tokens (with a decode step of `decoding`: a mixed batch),
-    the KV it wrote freed after; (prepare, launch, wall) seconds."""
-    r = Req("p", [(7 * i + 3) % 1000 + 10 for i in range(n)], SamplingParams(temperature=0, max_new_tokens=1), False)
+def prefill(runner: ModelRunner, n: int, decoding: list[Req] | None = None,
+            prefix: torch.Tensor | None = None) -> tuple[float, float, float]:
+    """One request's prefill of n tokens (with a decode step of `decoding`: a mixed batch;
+    over the cached KV slots `prefix`, if given), the KV it wrote freed after; (prepare,
+    launch, wall) seconds."""
+    p = 0 if prefix is None else prefix.numel()
+    r = Req("p", [(7 * i + 3) % 1000 + 10 for i in range(p + n)], SamplingParams(temperature=0, max_new_tokens=1),
+            False)
     r.req_pool_idx = runner.req_to_token_pool.alloc()
-    r.extend_len = n
     pool = runner.req_to_token_pool
+    assert r.req_pool_idx is not None
+    if prefix is not None:
+        pool.write(r.req_pool_idx, 0, prefix)
+        r.kv_len = p
+    r.extend_len = n
     out = runner.allocator.alloc(n)
     step = runner.allocator.alloc(len(decoding)) if decoding else None
     assert out is not None and r.req_pool_idx is not None
@@ -82,32 +91,35 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model folder (default: Qwen3-0.6B, dummy weights)")
     ap.add_argument("--decode-rows", type=int, default=0, help="running requests in each prefill's forward")
     ap.add_argument("--decode-kv", type=int, default=1500, help="each running request's KV tokens")
+    ap.add_argument("--prefix", type=int, default=0, help="cached KV tokens before each prompt's new ones")
     a = ap.parse_args()
     lens = [int(x) for x in a.lens.split(",")]
     cuda = torch.cuda.is_available()
     rows = []
     for variant, pieces in (("eager", 0), ("pieces", ServerArgs().piecewise_cuda_graph_max_tokens)):
-        kv_total = 4 * max(lens) + 64 + a.decode_rows * (a.decode_kv + 1)
+        kv_total = 4 * max(lens) + 64 + a.decode_rows * (a.decode_kv + 1) + a.prefix
         # The chunk (which bounds the pieces) holds the longest prompt with its decode rows.
         args = ServerArgs(load_format="dummy", max_total_tokens=kv_total, max_running_requests=8 + a.decode_rows,
                           random_seed=0, skip_tokenizer_init=True, chunked_prefill_size=max(lens) + a.decode_rows,
                           piecewise_cuda_graph_max_tokens=pieces)
         runner = ModelRunner(args, a.model or dummy_model_dir())
         decoding = running(runner, a.decode_rows, a.decode_kv)
+        prefix = runner.allocator.alloc(a.prefix) if a.prefix else None
         for n in lens:
             for _ in range(3):
-                prefill(runner, n, decoding)
+                prefill(runner, n, decoding, prefix)
             busy0 = runner.gpu_timeline.busy_s
-            times = [prefill(runner, n, decoding) for _ in range(a.reps)]
+            times = [prefill(runner, n, decoding, prefix) for _ in range(a.reps)]
             med = [sorted(col)[len(col) // 2] * 1e3 for col in zip(*times)]
             gpu = (runner.gpu_timeline.busy_s - busy0) / a.reps * 1e3 if cuda else float("nan")
-            rows.append({"variant": variant, "tokens": n, "decode rows": a.decode_rows, "prepare ms": med[0],
+            rows.append({"variant": variant, "tokens": n, "cached prefix": a.prefix, "decode rows": a.decode_rows,
+                         "prepare ms": med[0],
                          "launch ms": med[1],
                          "wall ms": med[2], "GPU busy ms": gpu})
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         n = lens[len(lens) // 2]
         with torch.profiler.profile(activities=acts) as prof:
-            prefill(runner, n, decoding)
+            prefill(runner, n, decoding, prefix)
         key = "cuda_time_total" if cuda else "cpu_time_total"
         events = prof.key_averages()
         kernels = sum(e.count for e in events if cuda and e.device_type == torch.autograd.DeviceType.CUDA)
