@@ -433,7 +433,11 @@ def shared_stalls(recs: list[Record]) -> tuple[int, float | None]:
     """The gaps of LONG_GAP_S or more, and the mean share of the other streams open across
     such a gap that got no chunk inside it either: near 1, something held every stream at
     once (a long forward, a blocked loop); near 0, each stall was its own stream's. Chunk
-    times of all client processes compare: perf_counter is the system's monotonic clock."""
+    times of all client processes compare: perf_counter is the system's monotonic clock.
+    The chunks of one step reach the streams a little apart (the server writes them one by
+    one, each client reads its own), so another stream counts as held when it got no chunk
+    in the middle half of the gap: its own gap around the same hold starts or ends a
+    moment off."""
     streams = []
     for r in recs:
         if r.error is None and r.ttft is not None:
@@ -446,7 +450,8 @@ def shared_stalls(recs: list[Record]) -> tuple[int, float | None]:
     for i, a, b in stalls:
         others = [t for j, t in enumerate(streams) if j != i and t[0] < a and t[-1] > b]
         if others:
-            quiet = sum(bisect.bisect_left(t, b) == bisect.bisect_right(t, a) for t in others)
+            m = (b - a) / 4
+            quiet = sum(bisect.bisect_left(t, b - m) == bisect.bisect_right(t, a + m) for t in others)
             shares.append(quiet / len(others))
     return len(stalls), round(sum(shares) / len(shares), 3) if shares else None
 

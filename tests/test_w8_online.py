@@ -219,7 +219,8 @@ def test_tokenizer_turns(default_config_dir: str, capsys: pytest.CaptureFixture[
 
 def test_shared_stalls_tell_a_server_stall_from_a_stream_s_own() -> None:
     """Three streams of chunks every 2 ms: a 30 ms gap in all three at once is shared by
-    every other open stream; a 20 ms gap in one stream alone by none."""
+    every other open stream, also when each stream's chunks come a little apart from the
+    others'; a 20 ms gap in one stream alone by none."""
     from benchmarks.w8_online import Record, shared_stalls
 
     def stream(times_ms: list[float]) -> Record:
@@ -229,6 +230,8 @@ def test_shared_stalls_tell_a_server_stall_from_a_stream_s_own() -> None:
     steady = [float(x) for x in range(0, 200, 2)]
     held = [x if x < 100 else x + 30 for x in steady]  # everyone waits 30 ms at 100 ms
     assert shared_stalls([stream(held), stream(held), stream(held)]) == (3, 1.0)
+    apart = [[x + d for x in held] for d in (0.0, 0.6, 1.3)]  # one step's chunks reach each stream later
+    assert shared_stalls([stream(t) for t in apart]) == (3, 1.0)
     alone = [x if x < 50 else x + 20 for x in steady]  # one stream waits 20 ms at 50 ms
     assert shared_stalls([stream(alone), stream(steady), stream(steady)]) == (1, 0.0)
     assert shared_stalls([stream(steady)]) == (0, None)
