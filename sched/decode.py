@@ -76,8 +76,11 @@ class DecodeManager:
         # The share of their remaining max_new_tokens that running requests are expected to
         # still need, which prefill admission reserves.
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        # decode_steps counts mixed_steps too: those a prefill's forward carried.
-        self.stats = {"decode_steps": 0, "mixed_steps": 0, "retractions": 0, "preemptions": 0}
+        # A prefill's forward ran while streams were running: the next turn steps them first.
+        self.owed = False
+        # decode_steps counts mixed_steps too: those a prefill's forward carried. owed_steps:
+        # the decode steps taken ahead of a waiting prompt (owes_step).
+        self.stats = {"decode_steps": 0, "mixed_steps": 0, "owed_steps": 0, "retractions": 0, "preemptions": 0}
 
     def add(self, req: Req) -> None:
         """A request whose prompt is done (or launched: `join`) runs; adding one that runs is a no-op."""
@@ -105,6 +108,20 @@ class DecodeManager:
             if not (partial or r.beam is not None or r.serial or r.grammar is not None
                     or r.trie is not None or r.prefill_only or r.pooled is not None):
                 self.add(r)
+
+    def prefilled(self, batch: ScheduleBatch) -> None:
+        """A prefill batch was built: if it steps no running request while some stream
+        (a request whose tokens are sent as they come), the next turn owes them a step."""
+        self.owed = batch.decode_from is None and any(r.stream for r in self.running)
+
+    def owes_step(self) -> bool:
+        """Whether the next turn is a decode step even with prompts waiting. A stream then
+        waits out one prefill forward between two tokens, never a run of them: prompts that
+        arrive a few milliseconds apart would otherwise each take a forward of their own
+        while every stream, and the first of them, waited. Requests that are not streamed
+        only care about their end, so for them admission goes first (the most tokens a
+        second); at most one decode step is taken ahead of a prompt."""
+        return self.owed
 
     def can_step(self, r: Req) -> bool:
         """Whether a running request takes part in the next decode step. Under overlap a
@@ -142,6 +159,7 @@ class DecodeManager:
             self._retract_youngest()  # one holder fewer each time: the loop ends
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.stats["decode_steps"] += 1
+        self.owed = False
         return ScheduleBatch.decode(reqs, loc, self.kv.pool, props, host_inputs=any(r.stale_input for r in reqs),
                                     catch_up=work)
 

@@ -228,13 +228,19 @@ class Scheduler:
         return [first, *self.recv.recv_all_nowait()] if first is not None else []
 
     def _schedule(self) -> ScheduleBatch | None:
-        """The next batch: an admission round (with enable_mixed_chunk, its forward steps the
-        running requests too), else a decode step of the running requests. If building it
-        raises, the requests it was taking in are aborted."""
+        """The next batch: a decode step that a prefill left owed to the running streams
+        (DecodeManager.owes_step), else an admission round (with enable_mixed_chunk, its
+        forward steps the running requests too), else a decode step of the running
+        requests. If building it raises, the requests it was taking in are aborted."""
         if self.control.frozen:
             return None
-        builders: tuple[PrefillManager | DecodeManager, ...] = (self.prefill,)
+        builders: tuple[PrefillManager | DecodeManager, ...] = (self.decode,)
         try:
+            if self.decode.owes_step() and self.prefill.busy:
+                if (batch := self.decode.schedule()) is not None:
+                    self.decode.stats["owed_steps"] += 1
+                    return batch
+            builders = (self.prefill,)
             mix = self.args.enable_mixed_chunk and self.prefill.busy and self.decode.running
             mixable = self.decode.mixable() if mix else []
             batch = self.prefill.schedule(self.decode.running, self.rids, self.decode.new_token_ratio,
@@ -244,7 +250,9 @@ class Scheduler:
                 builders = (self.prefill, self.decode)
                 if (step := self.decode.mixed_step(mixable)) is not None:
                     batch = ScheduleBatch.mixed(batch, step)
-            elif batch is None and self.decode.running:
+            if batch is not None:
+                self.decode.prefilled(batch)
+            elif self.decode.running:
                 builders = (self.decode,)
                 batch = self.decode.schedule()
             return batch

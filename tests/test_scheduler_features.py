@@ -156,9 +156,10 @@ class Launched(NamedTuple):
     tokens: int
 
 
-def _drive(model: str, reqs: list[tuple[str, list[int], int]], overlap: bool,
-           **kw: Any) -> tuple[dict[str, list[int]], list[Launched]]:
-    """Each request's output ids and the batches in launch order."""
+def _drive(model: str, reqs: list[tuple[str, list[int], int]], overlap: bool, stream: bool = False,
+           arrive: list[int] | None = None, **kw: Any) -> tuple[dict[str, list[int]], list[Launched]]:
+    """Each request's output ids and the batches in launch order. `arrive`: the turn each
+    request is sent before (all before the first by default); `stream`: sent as streams."""
     from sgl.core.protocol import BatchTokenIDOutput, GenerateReqInput
     from sgl.sched.scheduler import Scheduler
     from tests.fake_channels import ListSender, QueueReceiver
@@ -178,12 +179,15 @@ def _drive(model: str, reqs: list[tuple[str, list[int], int]], overlap: bool,
         return b
 
     s._schedule = recording  # type: ignore[method-assign]
-    for rid, ids, n in reqs:
-        recv.q.append(GenerateReqInput(rid, ids, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)))
+    when = arrive or [0] * len(reqs)
     out: dict[str, list[int]] = {rid: [] for rid, _, _ in reqs}
-    for _ in range(200):
+    for turn in range(200):
+        for (rid, ids, n), t in zip(reqs, when):
+            if t == turn:
+                recv.q.append(GenerateReqInput(rid, ids, SamplingParams(temperature=0, max_new_tokens=n,
+                                                                        ignore_eos=True), stream=stream))
         s.step()
-        if s.idle:
+        if s.idle and turn >= max(when):
             break
     assert s.idle
     s.close()
@@ -217,6 +221,38 @@ def test_overlap_decodes_a_prefilled_request_in_the_next_step(tmp_path_factory: 
         at_once += batches[last + 1].decode  # no admission round came in between: the very next step
     assert at_once >= 1, batches
     assert not any(b.decode and "one" in b.rids for b in batches)
+
+
+def test_a_stream_waits_out_one_prefill_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Prompts arriving one per turn while a stream decodes: each would take a forward of
+    its own ahead of every decode step. A streamed request instead gets a decode step
+    after each prefill forward (never two prefills in a row while it runs), with the
+    overlap loop and without; requests that are not streamed keep admission first. The
+    outputs are the same either way (greedy)."""
+    model = tiny_model_dir(tmp_path_factory.mktemp("owed"), "llama", vocab=128, seed=7)
+    rng = random.Random(5)
+    reqs = [("s", [rng.randrange(1, 120) for _ in range(5)], 30)]
+    reqs += [(f"p{i}", [rng.randrange(1, 120) for _ in range(8)], 3) for i in range(5)]
+    arrive = [0, 3, 4, 5, 6, 7]
+
+    def prefills_in_a_row(batches: list[Launched]) -> int:
+        """The longest run of prefill batches launched while "s" was running."""
+        first = next(i for i, b in enumerate(batches) if b.decode and "s" in b.rids)
+        last = max(i for i, b in enumerate(batches) if b.decode and "s" in b.rids)
+        run = best = 0
+        for b in batches[first:last]:
+            run = 0 if b.decode else run + 1
+            best = max(best, run)
+        return best
+
+    ref = None
+    for overlap in (False, True):
+        out, streamed = _drive(model, reqs, overlap, stream=True, arrive=arrive)
+        plain_out, plain = _drive(model, reqs, overlap, arrive=arrive)
+        assert out == plain_out and (ref is None or out == ref)
+        ref = out
+        assert prefills_in_a_row(streamed) == 1, streamed
+        assert prefills_in_a_row(plain) > 1, plain  # the case the rule is for does arise
 
 
 def test_a_prefill_forward_steps_the_running_requests(tmp_path_factory: pytest.TempPathFactory) -> None:
