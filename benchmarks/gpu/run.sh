@@ -15,7 +15,7 @@
 #   set-up      jit tests beamtests cpuinfo parts
 #   control     control control8b (memory release and resume, weight updates)
 #   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 w8 tp startup looplag priority
-#   A/B         old w3old w7old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
+#   A/B         old w3old w7old w8old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    prefillcost streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy w8spy (py-spy's wheel in .whl/)
@@ -244,6 +244,17 @@ for step in "$@"; do
           --launch "python3 -m sgl.launch_server $dir --load-format dummy $tok --host 127.0.0.1 --port 30000 --random-seed 0 ${W8_SERVER_ARGS:-}" \
           --workloads "$wl" --json "$results/w8_sgl.json" --plots "$results" \
           ${W8_ARGS:---requests 64 --saturation-requests 256 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64} ;;
+    # w8old: the same sweep through the checkout in .old/ (see `old`), label sgl-old, into
+    # w8_sgl_old.json: an A/B beside w8 on one host (plot them with w8_online --plot).
+    w8old)
+      w8_model
+      if old_site .old/benchmarks; then
+        (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
+          && run 540 python3 -m benchmarks.w8_online --label sgl-old --url http://127.0.0.1:30000 --procs 4 \
+            --launch "python3 -m sgl.launch_server $dir --load-format dummy $tok --host 127.0.0.1 --port 30000 --random-seed 0 ${W8_SERVER_ARGS:-}" \
+            --workloads "$wl" --json "$results/w8_sgl_old.json" \
+            ${W8_ARGS:---requests 64 --saturation-requests 256 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64})
+      fi ;;
     # vllmw8: the same sweep through the vLLM peer's OpenAI server (its parts unpacked in /tmp, as
     # for `vllm`; the wheels of .whl/ for what its bundle lacks), same model folder, tokenizer and
     # W8_ARGS, label vllm; w8_vllm.json, and w8_*.png of both engines when w8_sgl.json is there
