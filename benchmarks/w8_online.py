@@ -27,7 +27,10 @@ mean inter-token time, (e2e - ttft) / (tokens - 1), over requests; e2e. Also the
 open at once (`max_in_flight`), the achieved
 request rate and output tokens/s (first send to last end), each request's first and last gap
 apart (where in a stream its slow gaps fall), failures (a failed request is
-recorded, never fatal) and the client's own CPU time per chunk.
+recorded, never fatal) and the client's own CPU time per chunk. With `--launch` (Linux), the
+server's too: each of its processes' CPU seconds per wall second over the point and per
+token (`server_cpu`, busiest first), which shows the process that caps a saturated server
+(an HTTP front end's loop, a scheduler's, a detokenizer's).
 
 The client is httpx streaming the server-sent events by hand: the openai client goes
 through the same httpx transport and then builds a pydantic object per chunk, which at
@@ -373,6 +376,52 @@ def split_point(n: int, procs: int, workers: int | None) -> tuple[list[list[int]
     return [list(range(p, n, procs)) for p in range(procs)], share_workers
 
 
+class ServerCpu:
+    """CPU time of a launched server's processes (its session: the server and every child
+    it started), read from /proc; nothing where /proc is missing. Each `take` returns the
+    CPU seconds each process used since the last one, keyed by pid, with its command line."""
+
+    def __init__(self, session: int) -> None:
+        self.session = session
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last: dict[int, float] = {}
+        self.take()
+
+    def _now(self) -> dict[int, tuple[float, str]]:
+        out: dict[int, tuple[float, str]] = {}
+        try:
+            pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+        except OSError:
+            return out
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    stat = f.read().decode()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue  # gone meanwhile
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, session, ...
+            if int(fields[3]) == self.session:
+                out[pid] = ((int(fields[11]) + int(fields[12])) / self.tick, cmd)
+        return out
+
+    def take(self) -> dict[int, tuple[float, str]]:
+        now = self._now()
+        used = {pid: (cpu - self.last.get(pid, 0.0), cmd) for pid, (cpu, cmd) in now.items()}
+        self.last = {pid: cpu for pid, (cpu, _) in now.items()}
+        return used
+
+
+def server_cpu(used: dict[int, tuple[float, str]], wall: float, tokens: int) -> list[dict[str, Any]]:
+    """A point's server processes by CPU load (CPU seconds per wall second), busiest first;
+    those below 1% are left out."""
+    rows = [{"pid": pid, "cmd": cmd[:100], "load": round(cpu / wall, 3),
+             "us_per_token": round(cpu / max(1, tokens) * 1e6, 1)}
+            for pid, (cpu, cmd) in used.items() if wall > 0 and cpu / wall >= 0.01]
+    return sorted(rows, key=lambda r: -r["load"])
+
+
 def run_point(url: str, api_key: str | None, model: str, reqs: list[Request], sends: list[float] | None,
               workers: int, procs: int, timeout: float) -> tuple[list[Record], float, float]:
     """All of one point's requests, over `procs` client processes; returns the records (in
@@ -500,7 +549,9 @@ def row(p: dict[str, Any]) -> dict[str, object]:
             "E2E p50/p99 s": "/".join("-" if p["e2e_ms"][q] is None else f"{p['e2e_ms'][q] / 1e3:.2f}"
                                      for q in ("p50", "p99")),
             "tok/chunk": p["tokens_per_chunk"],
-            "client cpu": f"{p['client_cpu_load'] or 0:.0%} ({p['client_cpu_us_per_chunk']:.0f} us/chunk)"}
+            "client cpu": f"{p['client_cpu_load'] or 0:.0%} ({p['client_cpu_us_per_chunk']:.0f} us/chunk)",
+            **({"server cpu (busiest first)": " ".join(f"{r['load']:.0%}" for r in p["server_cpu"][:4])}
+               if p.get("server_cpu") else {})}
 
 
 def result_line(label: str, points: list[dict[str, Any]]) -> str:
@@ -596,7 +647,7 @@ def point_values(spec: str) -> list[float]:
     return [float(v) for v in spec.split(",") if v.strip() and v.strip().lower() != "none"]
 
 
-def sweep(a: argparse.Namespace, model: str) -> list[dict[str, Any]]:
+def sweep(a: argparse.Namespace, model: str, server: ServerCpu | None = None) -> list[dict[str, Any]]:
     points: list[dict[str, Any]] = []
     plan = [("rate", v) for v in point_values(a.rates)] + [("concurrency", v) for v in point_values(a.concurrency)]
     for w in a.workloads.split(","):
@@ -612,9 +663,14 @@ def sweep(a: argparse.Namespace, model: str) -> list[dict[str, Any]]:
             n = a.saturation_requests if mode == "rate" and math.isinf(v) and a.saturation_requests else a.requests
             reqs = make_requests(w, n, k + 1, a.seed, a.temperature, a.output_cap)
             sends = arrivals(len(reqs), v, a.seed * 7919 + k) if mode == "rate" else None
+            if server is not None:
+                server.take()
+            t = time.perf_counter()
             recs, wall, cpu = run_point(a.url, a.api_key, model, reqs, sends, int(v) if sends is None else 0,
                                         a.procs, a.request_timeout)
             p = summarize(w, mode, v, recs, wall, cpu)
+            if server is not None:  # over the point's whole time, its clients' start-up included
+                p["server_cpu"] = server_cpu(server.take(), time.perf_counter() - t, p["out_tokens"])
             points.append(p)
             rows.append(row(p))
             print(f"{w} {rows[-1]['point']}: {p['ok']}/{p['requests']} ok, {p['out_tok_s']} tok/s, TTFT p50 "
@@ -669,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.model and proc is not None:
             wait_ready(a.url, proc, a.api_key, a.launch_timeout)
         t0 = time.perf_counter()
-        points = sweep(a, model)
+        points = sweep(a, model, ServerCpu(proc.pid) if proc is not None and os.path.isdir("/proc") else None)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)  # the server stops its own children

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -238,3 +242,30 @@ def test_shared_stalls_tell_a_server_stall_from_a_stream_s_own() -> None:
     failed = stream(held)
     failed.error = "boom"
     assert shared_stalls([failed]) == (0, None)
+
+
+def test_server_cpu_counts_each_process_of_the_session(tmp_path: Path) -> None:
+    """ServerCpu reads the CPU time of every process in a launched server's session (the
+    server and the children it started), and nothing of this process's: a busy parent and
+    its busy child both show a load near one, over the same wall time."""
+    from benchmarks.w8_online import ServerCpu, server_cpu
+
+    busy = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 3.0: pass\n"
+    (tmp_path / "child.py").write_text(busy)
+    (tmp_path / "parent.py").write_text(
+        "import subprocess, sys\n"
+        f"c = subprocess.Popen([sys.executable, {str(tmp_path / 'child.py')!r}])\n" + busy + "c.wait()\n")
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], start_new_session=True)
+    try:
+        cpu = ServerCpu(proc.pid)
+        time.sleep(0.8)  # both started and busy
+        cpu.take()
+        t = time.perf_counter()
+        time.sleep(1.0)
+        rows = server_cpu(cpu.take(), time.perf_counter() - t, tokens=1000)
+    finally:
+        proc.wait(30)
+    assert len(rows) == 2, rows
+    assert all(r["pid"] != os.getpid() for r in rows)
+    assert all(0.3 < r["load"] < 1.3 for r in rows), rows  # two cores: both may run at once
+    assert any("child.py" in r["cmd"] for r in rows) and any("parent.py" in r["cmd"] for r in rows)
