@@ -81,9 +81,9 @@ class ReqToTokenPool:
         self._lo[rows] = self.max_context
         dev = self.mirror.device
         if bool((n == 1).all()):  # one slot per row (a decode step): no ranges to expand
-            values = self.req_to_token[rows, lo]
-            r, lo, values = (to_device(t, dev) for t in (rows, lo, values))
-            self.mirror[r, lo] = values
+            values = self.req_to_token[rows, lo].to(torch.int64)
+            r, lo, values = to_device(torch.stack((rows, lo, values)), dev)  # one copy, not three
+            self.mirror[r, lo] = values.to(torch.int32)
             return
         total = int(n.sum())
         values = gather_kv_indices(self.req_to_token, rows, lo, n, total)

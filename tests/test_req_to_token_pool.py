@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sgl.cache.host_copy import Uploads
 from sgl.cache.req_to_token_pool import ReqToTokenPool, gather_kv_indices
 
 ROWS, WIDTH = 5, 24
@@ -55,3 +56,26 @@ def test_gather_kv_indices_concatenates_row_ranges() -> None:
     rows, starts, lens = torch.tensor([2, 0, 3]), torch.tensor([1, 0, 7]), torch.tensor([3, 0, 2])
     got = gather_kv_indices(table, rows, starts, lens, 5)
     assert got.tolist() == [21, 22, 23, 37, 38]
+
+
+_TENSOR = st.tuples(st.sampled_from([torch.int64, torch.int32, torch.float32]),
+                    st.lists(st.integers(0, 4), min_size=0, max_size=2))
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@settings(max_examples=100, deadline=None)
+@given(specs=st.lists(_TENSOR, min_size=1, max_size=7), seed=st.integers(0, 2**16))
+def test_uploads_give_each_tensor_back_on_the_device(device: str, specs: list[tuple], seed: int) -> None:
+    """Uploads: host tensors of mixed dtypes and shapes (empty ones too), sent in one copy
+    per dtype, come back equal, in their shape and dtype, on the device, each starting
+    16-byte aligned."""
+    g = torch.Generator().manual_seed(seed)
+    hosts = [(torch.randint(-1000, 1000, tuple(shape), generator=g)).to(dtype) for dtype, shape in specs]
+    up = Uploads(torch.device(device))
+    places = [up.add(t) for t in hosts]
+    up.send()
+    for t, i in zip(hosts, places):
+        d = up.get(i)
+        assert d.device.type == device and d.dtype == t.dtype and d.shape == t.shape
+        assert torch.equal(d.cpu(), t)
+        assert d.data_ptr() % Uploads.ALIGN_BYTES == 0  # where a tensor of its own would start

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sgl.cache.host_copy import pinned, to_device
+from sgl.cache.host_copy import Uploads, pinned, to_device
 from sgl.cache.req_to_token_pool import gather_kv_indices
 from sgl.kernels.attention import AttnMetadata, CascadeMeta
 from sgl.kernels.lora import LoraBatch
@@ -84,29 +84,34 @@ class BatchPreparer:
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
         r = self.runner
         dev = r.device
+        reqs = batch.reqs
         rows = torch.tensor(batch.rows, dtype=torch.int64)
         kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
         r.req_to_token_pool.sync()
-        rows_dev, kv_lens_dev = self._dev(rows), self._dev(kv_lens)
-        key = (tuple(batch.rows), tuple(q.rid for q in batch.reqs), tuple(batch.epochs)) if batch.is_decode else ()
+        logits_rows = torch.tensor(list(accumulate(batch.qo_lens)), dtype=torch.int64) - 1
+        sample_rows = None
+        lp = None
+        if any(q.return_logprob for q in reqs):
+            logits_rows, sample_rows, lp = self._logprob_plan(batch, indptr_of(batch.qo_lens))
+        # The batch's own tensors go in one copy (the attention metadata's in another).
+        up = Uploads(dev)
+        at = [up.add(t) for t in (rows, kv_lens, batch.positions, batch.out_cache_loc, logits_rows)]
+        at_ids = None if batch.input_ids is None else up.add(torch.tensor(batch.input_ids, dtype=torch.int64))
+        at_sample = None if sample_rows is None else up.add(sample_rows)
+        mixed_inputs = batch.device_inputs and not batch.is_decode
+        at_inputs = up.add(rows.repeat_interleave(torch.tensor(batch.qo_lens))) if mixed_inputs else None
+        up.send()
+        rows_dev, kv_lens_dev, positions, out_cache_loc, logits_indices = (up.get(i) for i in at)
+        key = (tuple(batch.rows), tuple(q.rid for q in reqs), tuple(batch.epochs)) if batch.is_decode else ()
         # The shared prefix matters to cascade attention and to a backend's choice of decode kernel.
         wanted = r.cascade or len(r.attn_backend.decode_kernels(len(batch.rows))) > 1
         shared = self._shared_len(batch, key, rows, kv_lens) if key and len(batch.rows) > 1 and wanted else 0
         cascade = self._cascade(batch, shared, key, rows_dev, kv_lens, kv_lens_dev) if shared and r.cascade else None
         meta = self.attention(batch.is_decode, batch.qo_lens, batch.kv_lens, rows_dev, kv_lens_dev, cascade, shared)
-        qo_indptr = meta.qo_indptr_host
-        assert qo_indptr is not None
-        ids = None if batch.input_ids is None else self._dev(torch.tensor(batch.input_ids, dtype=torch.int64))
-        reqs = batch.reqs
         same = self._sampling[1] if key and self._sampling[0] == key else None
         sampling = SamplingBatch.from_reqs(reqs, r.vocab_size, dev, r.eos_ids, r.processors, batch.decode_start,
                                            same_as=same, ahead=batch.draft_index)
         self._sampling = (key, sampling if key else None)
-        logits_rows = qo_indptr[1:] - 1
-        sample_rows = None
-        lp = None
-        if any(q.return_logprob for q in reqs):
-            logits_rows, sample_rows, lp = self._logprob_plan(batch, qo_indptr)
         pooled = batch.pooled_entries if not batch.is_decode else None
         if sampling.penalties is not None:
             r.sampling.ensure_counts()
@@ -127,12 +132,12 @@ class BatchPreparer:
             grammar=grammar_rows(batch, dev) if any(q.grammar is not None for q in reqs) else None,
             batch=batch,
             rows=rows_dev,
-            input_ids=ids,
-            input_rows=self._input_rows(batch, rows) if batch.device_inputs and not batch.is_decode else None,
-            positions=self._dev(batch.positions),
-            out_cache_loc=self._dev(batch.out_cache_loc),
-            logits_indices=self._dev(logits_rows.to(torch.int64)),
-            sample_rows=None if sample_rows is None else self._dev(sample_rows),
+            input_ids=None if at_ids is None else up.get(at_ids),
+            input_rows=None if at_inputs is None else up.get(at_inputs),  # each input token's row
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            logits_indices=logits_indices,
+            sample_rows=None if at_sample is None else up.get(at_sample),
             attn=meta,
             sampling=sampling,
             logprobs=lp,
@@ -150,11 +155,18 @@ class BatchPreparer:
         table = self.runner.req_to_token_pool.mirror
         qo_indptr = self._host(indptr_of(qo_lens))
         kv_indptr = self._host(indptr_of(kv_lens))
+        prefix_lens = [k - q for k, q in zip(kv_lens, qo_lens)]
+        prefix = not is_decode and any(prefix_lens)
+        up = Uploads(self.runner.device)
+        at = [up.add(qo_indptr), up.add(kv_indptr)]
+        plens = torch.tensor(prefix_lens, dtype=torch.int64) if prefix else None
+        at_plens = None if plens is None else up.add(plens)
+        up.send()
         zeros = torch.zeros_like(rows_dev)
         meta = AttnMetadata(
             is_decode=is_decode,
-            qo_indptr=self._dev(qo_indptr),
-            kv_indptr=self._dev(kv_indptr),
+            qo_indptr=up.get(at[0]),
+            kv_indptr=up.get(at[1]),
             kv_indices=(gather_kv_indices(table, rows_dev, zeros, kv_lens_dev, int(kv_indptr[-1]))
                         if cascade is None else torch.empty(0, dtype=torch.int32, device=self.runner.device)),
             qo_lens=qo_lens,
@@ -164,18 +176,12 @@ class BatchPreparer:
             cascade=cascade,
             shared_len=shared,
         )
-        prefix_lens = [k - q for k, q in zip(kv_lens, qo_lens)]
-        if not is_decode and any(prefix_lens):
+        if plens is not None and at_plens is not None:
             prefix_indptr = self._host(indptr_of(prefix_lens))
-            plens = torch.tensor(prefix_lens, dtype=torch.int64)
             meta.prefix_indptr_host = prefix_indptr
             meta.prefix_lens_host = self._host(plens.to(torch.int32))
-            meta.prefix_indices = gather_kv_indices(table, rows_dev, zeros, self._dev(plens), int(prefix_indptr[-1]))
+            meta.prefix_indices = gather_kv_indices(table, rows_dev, zeros, up.get(at_plens), int(prefix_indptr[-1]))
         return meta
-
-    def _input_rows(self, batch: ScheduleBatch, rows: torch.Tensor) -> torch.Tensor:
-        """Each input token's request-table row (a mixed batch's)."""
-        return self._dev(rows.repeat_interleave(torch.tensor(batch.qo_lens, dtype=torch.int64)))
 
     def _lora_batch(self, batch: ScheduleBatch, key: tuple) -> LoraBatch:
         """Each row's adapter slot, in blocks; reused for a decode batch of the same requests."""
