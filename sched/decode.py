@@ -79,7 +79,7 @@ class DecodeManager:
         # A prefill's forward ran while streams were running: the next turn steps them first.
         self.owed = False
         # decode_steps counts mixed_steps too: those a prefill's forward carried. owed_steps:
-        # the decode steps taken ahead of a waiting prompt (owes_step).
+        # the decode steps taken ahead of a waiting prompt (owed_step).
         self.stats = {"decode_steps": 0, "mixed_steps": 0, "owed_steps": 0, "retractions": 0, "preemptions": 0}
 
     def add(self, req: Req) -> None:
@@ -114,14 +114,20 @@ class DecodeManager:
         (a request whose tokens are sent as they come), the next turn owes them a step."""
         self.owed = batch.decode_from is None and any(r.stream for r in self.running)
 
-    def owes_step(self) -> bool:
-        """Whether the next turn is a decode step even with prompts waiting. A stream then
-        waits out one prefill forward between two tokens, never a run of them: prompts that
-        arrive a few milliseconds apart would otherwise each take a forward of their own
-        while every stream, and the first of them, waited. Requests that are not streamed
-        only care about their end, so for them admission goes first (the most tokens a
-        second); at most one decode step is taken ahead of a prompt."""
-        return self.owed
+    def owed_step(self) -> ScheduleBatch | None:
+        """The decode step a prefill left owed to the running streams, taken even with
+        prompts waiting; None when none is owed or none can step. A stream so waits out one
+        prefill forward between two tokens, never a run of them: prompts that arrive a few
+        milliseconds apart would otherwise each take a forward of their own while every
+        stream, and the first of them, waited. Requests that are not streamed only care
+        about their end, so for them admission goes first (the most tokens a second); at
+        most one decode step is taken ahead of a prompt."""
+        if not self.owed:
+            return None
+        batch = self.schedule()
+        if batch is not None:
+            self.stats["owed_steps"] += 1
+        return batch
 
     def can_step(self, r: Req) -> bool:
         """Whether a running request takes part in the next decode step. Under overlap a

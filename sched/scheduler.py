@@ -229,17 +229,15 @@ class Scheduler:
 
     def _schedule(self) -> ScheduleBatch | None:
         """The next batch: a decode step that a prefill left owed to the running streams
-        (DecodeManager.owes_step), else an admission round (with enable_mixed_chunk, its
+        (DecodeManager.owed_step), else an admission round (with enable_mixed_chunk, its
         forward steps the running requests too), else a decode step of the running
         requests. If building it raises, the requests it was taking in are aborted."""
         if self.control.frozen:
             return None
         builders: tuple[PrefillManager | DecodeManager, ...] = (self.decode,)
         try:
-            if self.decode.owes_step() and self.prefill.busy:
-                if (batch := self.decode.schedule()) is not None:
-                    self.decode.stats["owed_steps"] += 1
-                    return batch
+            if self.prefill.busy and (batch := self.decode.owed_step()) is not None:
+                return batch
             builders = (self.prefill,)
             mix = self.args.enable_mixed_chunk and self.prefill.busy and self.decode.running
             mixable = self.decode.mixable() if mix else []
