@@ -63,7 +63,7 @@ def prefill(runner: ModelRunner, n: int, decoding: list[Req] | None = None,
     r.extend_len = n
     out = runner.allocator.alloc(n)
     step = runner.allocator.alloc(len(decoding)) if decoding else None
-    assert out is not None and r.req_pool_idx is not None
+    assert out is not None
     t0 = time.perf_counter()
     batch = ScheduleBatch.extend([r], out, pool)
     if decoding:

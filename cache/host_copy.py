@@ -37,18 +37,17 @@ class Uploads:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._parts: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._parts: dict[torch.dtype, list[torch.Tensor]] = {}  # per dtype: the tensors, flat, and their padding
         self._places: list[tuple[torch.dtype, int, torch.Size]] = []
         self._out: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
 
     def add(self, t: torch.Tensor) -> int:
         parts = self._parts.setdefault(t.dtype, [])
         self._places.append((t.dtype, len(parts), t.shape))
-        flat = t.reshape(-1)
+        parts.append(t.reshape(-1))
         step = max(1, self.ALIGN_BYTES // t.element_size())
-        if flat.numel() % step:
-            flat = torch.cat((flat, flat.new_zeros(step - flat.numel() % step)))
-        parts.append(flat)
+        if t.numel() % step:
+            parts.append(t.new_zeros(step - t.numel() % step))  # the next tensor starts aligned
         return len(self._places) - 1
 
     def send(self) -> None:
@@ -58,4 +57,4 @@ class Uploads:
 
     def get(self, place: int) -> torch.Tensor:
         dtype, k, shape = self._places[place]
-        return self._out[dtype][k][: shape.numel()].view(shape)
+        return self._out[dtype][k].view(shape)

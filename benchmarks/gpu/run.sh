@@ -136,9 +136,11 @@ smollm2_gguf() {
     return 1
   fi
 }
-# w8_model: the model folder of steps w8 and vllmw8 ($dir), the tokenizer flag ($tok) and the
+# w8_model: the model folder of the W8 steps ($dir), the tokenizer flag ($tok) and the
 # workloads ($wl): the Qwen3-0.6B architecture (dummy weights) with the default model's
-# tokenizer when .lt is brought along, both workloads; else no tokenizer and w2 alone.
+# tokenizer when .lt is brought along, both workloads; else no tokenizer and w2 alone. Also
+# sgl's server command ($sgl_server, with W8_SERVER_ARGS) and the sweep ($w8_sweep: W8_ARGS,
+# else the full one).
 w8_model() {
   dir=$(python3 -c "from benchmarks.common import dummy_model_dir as d; print(d())")
   tok=--skip-tokenizer-init; wl=w2
@@ -146,6 +148,8 @@ w8_model() {
     dir=$(python3 -c "from benchmarks.common import with_architecture as w; print(w('.lt', 'qwen3-0.6b'))")
     tok=; wl=w2,chat
   fi
+  sgl_server="python3 -m sgl.launch_server $dir --load-format dummy $tok --host 127.0.0.1 --port 30000 --random-seed 0 ${W8_SERVER_ARGS:-}"
+  w8_sweep=${W8_ARGS:---requests 64 --saturation-requests 256 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64}
 }
 # vllm_env: the vLLM peer unpacked (its parts in /tmp, ../shared/peers/vllm/README.md): unpack.sh's
 # exports put its site first on PYTHONPATH, before /tmp/site (the wheels of .whl/), so vLLM's
@@ -241,9 +245,7 @@ for step in "$@"; do
     w8|w8spy) w8_model
         spy=(); [ "$step" = w8spy ] && spy=(py-spy record -r 500 --nonblocking --idle --subprocesses --format raw -o "$results/w8spy.txt" --)
         run 540 "${spy[@]}" python3 -m benchmarks.w8_online --label sgl --url http://127.0.0.1:30000 --procs 4 \
-          --launch "python3 -m sgl.launch_server $dir --load-format dummy $tok --host 127.0.0.1 --port 30000 --random-seed 0 ${W8_SERVER_ARGS:-}" \
-          --workloads "$wl" --json "$results/w8_sgl.json" --plots "$results" \
-          ${W8_ARGS:---requests 64 --saturation-requests 256 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64} ;;
+          --launch "$sgl_server" --workloads "$wl" --json "$results/w8_sgl.json" --plots "$results" $w8_sweep ;;
     # w8old: the same sweep through the checkout in .old/ (see `old`), label sgl-old, into
     # w8_sgl_old.json: an A/B beside w8 on one host (plot them with w8_online --plot).
     w8old)
@@ -251,9 +253,7 @@ for step in "$@"; do
       if old_site .old/benchmarks; then
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
           && run 540 python3 -m benchmarks.w8_online --label sgl-old --url http://127.0.0.1:30000 --procs 4 \
-            --launch "python3 -m sgl.launch_server $dir --load-format dummy $tok --host 127.0.0.1 --port 30000 --random-seed 0 ${W8_SERVER_ARGS:-}" \
-            --workloads "$wl" --json "$results/w8_sgl_old.json" \
-            ${W8_ARGS:---requests 64 --saturation-requests 256 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64})
+            --launch "$sgl_server" --workloads "$wl" --json "$results/w8_sgl_old.json" $w8_sweep)
       fi ;;
     # vllmw8: the same sweep through the vLLM peer's OpenAI server (its parts unpacked in /tmp, as
     # for `vllm`; the wheels of .whl/ for what its bundle lacks), same model folder, tokenizer and
@@ -265,7 +265,7 @@ for step in "$@"; do
          --launch "python3 -m vllm.entrypoints.openai.api_server --model $dir --load-format dummy --dtype bfloat16 \
                    --seed 0 --host 127.0.0.1 --port 30001 --disable-uvicorn-access-log $tok" \
          --launch-timeout 300 --workloads "$wl" --json "$results/w8_vllm.json" \
-         ${W8_ARGS:---requests 64 --saturation-requests 256 --rates 4,8,16,32,64,inf --concurrency 1,4,16,64})
+         $w8_sweep)
       if [ -f "$results/w8_vllm.json" ]; then
         if [ -f "$results/w8_sgl.json" ]; then
           python3 -m benchmarks.w8_online --plot "$results/w8_sgl.json" "$results/w8_vllm.json" --labels sgl,vllm \

@@ -88,11 +88,12 @@ class BatchPreparer:
         rows = torch.tensor(batch.rows, dtype=torch.int64)
         kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int64)
         r.req_to_token_pool.sync()
-        logits_rows = torch.tensor(list(accumulate(batch.qo_lens)), dtype=torch.int64) - 1
+        qo_indptr = indptr_of(batch.qo_lens)
+        logits_rows = (qo_indptr[1:] - 1).to(torch.int64)
         sample_rows = None
         lp = None
         if any(q.return_logprob for q in reqs):
-            logits_rows, sample_rows, lp = self._logprob_plan(batch, indptr_of(batch.qo_lens))
+            logits_rows, sample_rows, lp = self._logprob_plan(batch, qo_indptr)
         # The batch's own tensors go in one copy (the attention metadata's in another).
         up = Uploads(dev)
         at = [up.add(t) for t in (rows, kv_lens, batch.positions, batch.out_cache_loc, logits_rows)]
