@@ -398,7 +398,8 @@ class ServerCpu:
                 with open(f"/proc/{pid}/stat", "rb") as f:
                     stat = f.read().decode()
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                    argv = f.read().decode(errors="replace").rstrip("\0").split("\0")
+                cmd = " ".join([os.path.basename(argv[0]), *argv[1:]])  # the interpreter's path says little
             except OSError:
                 continue  # gone meanwhile
             fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, session, ...
@@ -416,7 +417,7 @@ class ServerCpu:
 def server_cpu(used: dict[int, tuple[float, str]], wall: float, tokens: int) -> list[dict[str, Any]]:
     """A point's server processes by CPU load (CPU seconds per wall second), busiest first;
     those below 1% are left out."""
-    rows = [{"pid": pid, "cmd": cmd[:100], "load": round(cpu / wall, 3),
+    rows = [{"pid": pid, "cmd": cmd[:200], "load": round(cpu / wall, 3),
              "us_per_token": round(cpu / max(1, tokens) * 1e6, 1)}
             for pid, (cpu, cmd) in used.items() if wall > 0 and cpu / wall >= 0.01]
     return sorted(rows, key=lambda r: -r["load"])
