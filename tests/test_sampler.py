@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sgl.core.sampling_params import SamplingParams
 from sgl.sched.req import Req
@@ -85,6 +87,32 @@ def test_seeded_rows_ignore_the_rest_of_the_batch() -> None:
     mixed = run([*_reqs(3, temperature=2.0), Req("seeded", [1], SamplingParams(seed=7), False), *_reqs(2)])
     assert alone == mixed
     assert len(set(alone)) > 1  # it did sample
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab=st.sampled_from([2, 7, 151_936]), data=st.data())
+def test_a_draw_never_takes_a_token_of_probability_zero(vocab: int, data: st.DataObject) -> None:
+    """Whatever the support (a lone first or last id, scattered ids, ids at the edges of
+    a vocabulary as large as Qwen's) and whatever the uniforms, every drawn id has p > 0,
+    and a row's draw with a seed is the same on its own as beside others."""
+    rows = data.draw(st.integers(1, 6))
+    ids = st.integers(0, vocab - 1)
+    supports = [data.draw(st.one_of(st.sets(ids, min_size=1, max_size=5), st.just({0}), st.just({vocab - 1})))
+                for _ in range(rows)]
+    logits = torch.full((rows, vocab), -math.inf)
+    for i, allowed in enumerate(supports):
+        for t in allowed:
+            logits[i, t] = data.draw(st.floats(-30, 30))
+    reqs = [Req(str(i), [1], SamplingParams(temperature=data.draw(st.sampled_from([0.3, 1.0, 4.0])),
+                                             seed=data.draw(st.one_of(st.none(), st.integers(0, 99)))), False)
+            for i in range(rows)]
+    sb = SamplingBatch.from_reqs(reqs, vocab, torch.device("cpu"))
+    got = sample(logits.clone(), sb, torch.Generator().manual_seed(data.draw(st.integers(0, 2**32))))
+    assert all(int(t) in allowed for t, allowed in zip(got, supports)), (got, supports)
+    for i, r in enumerate(reqs):
+        if r.sampling_params.seed is not None:
+            alone = SamplingBatch.from_reqs([r], vocab, torch.device("cpu"))
+            assert int(sample(logits[i:i + 1].clone(), alone, torch.Generator())[0]) == int(got[i])
 
 
 def _reference(logits: torch.Tensor, reqs: list[Req], eos: set[int]) -> torch.Tensor:

@@ -5,11 +5,13 @@ logit_bias (a sparse add), penalties (from each row's output-token counts),
 the min_new_tokens mask (EOS and stop ids to -inf), custom logit processors
 (one batched call per processor), then greedy rows take the argmax and sampled
 rows apply temperature, top-k and top-p (kernels/sampling.py: FlashInfer's
-renormalisation kernels on a GPU, a sort otherwise) and min-p, and draw by the
-exponential race (argmax p / E, E ~ Exp(1)), which samples exactly from p and
-ignores p's scale. A request with a seed draws the noise of its k-th output
-token from a generator seeded by (seed, k): its tokens depend neither on what
-else is in the batch nor on chunked prefill, prefix-cache hits or retraction.
+renormalisation kernels on a GPU, a sort otherwise) and min-p, and draw by
+inverting each row's cumulative sum at one uniform number: exact for p, blind to
+p's scale, and one random number a row (an exponential race needs one per
+vocabulary entry: on a CPU, ten times the cost of the softmax and the sum). A request
+with a seed draws the uniform of its k-th output token from a generator seeded by
+(seed, k): its tokens depend neither on what else is in the batch nor on chunked
+prefill, prefix-cache hits or retraction.
 On a GPU a batch with no such row and no min-p draws by fused kernels instead
 (sgl.kernels.sampling.FusedDraw: the same distribution, one read of each row, on
 the engine's own Philox stream).
@@ -215,8 +217,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator 
     """logits: [B, V], already through process_logits -> [B] int64 token ids. The argmax
     runs in the logits' own dtype (upcasting is exact, so it picks the same token);
     sampling in float32: by `fused` (one pass over the logits, the engine's stream)
-    when given, unless a row has a seed of its own or min_p; else by the exponential
-    race on `global_gen`. `bitmask`: the ids a grammar allows each row, applied in the
+    when given, unless a row has a seed of its own or min_p; else by the inverse
+    cumulative sum at uniforms from `global_gen`. `bitmask`: the ids a grammar allows each row, applied in the
     draw (only where fused_takes(sb) and fused.one_pass; else the caller masks the logits)."""
     if sb.all_greedy and bitmask is None:
         return logits.argmax(dim=-1)
@@ -230,11 +232,13 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator 
     probs = top_k_top_p(probs, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
     if sb.need_min_p:
         probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    noise = torch.empty_like(probs)
-    noise.exponential_(generator=global_gen)
+    u = torch.rand((probs.shape[0], 1), dtype=probs.dtype, device=probs.device, generator=global_gen)
     for i, g in enumerate(sb.generators if sb.seeded else ()):
         if g is not None:
-            row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=probs.device)
-            noise[i] = row.exponential_(generator=g)
-    sampled = (probs / noise).argmax(dim=-1)
+            u[i] = torch.rand(1, dtype=probs.dtype, device=probs.device, generator=g)
+    cdf = probs.cumsum(dim=-1)
+    # 1 - u lies in (0, 1], so the target lies in (0, total]: the first entry whose sum
+    # reaches it has p > 0 (a zero adds nothing to the sum, so it never reaches first).
+    # The clamp keeps a row of NaNs (a processor that banned everything) in range.
+    sampled = torch.searchsorted(cdf, (1.0 - u) * cdf[:, -1:]).squeeze(1).clamp_(max=probs.shape[-1] - 1)
     return torch.where(sb.greedy, logits.argmax(dim=-1), sampled) if sb.any_greedy else sampled
