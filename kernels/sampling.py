@@ -3,17 +3,17 @@ it: FlashInfer's renormalisation kernels (no sort) for CUDA tensors when FlashIn
 is installed, a sort in pure torch otherwise (CPU, and the reference the tests
 compare with). And `FusedDraw`: one draw per row that reads a [B, V] row once
 (unfiltered: sgl's Gumbel-max kernel, greedy rows included; filtered probabilities:
-FlashInfer's inverse CDF), where the sampler's own exponential race makes four passes
-over it; their Philox stream is one per batch, so rows with a seed of their own keep
-the sampler's race.
+FlashInfer's inverse CDF), where the sampler's own draw (softmax, then a cumulative
+sum) makes more passes over it; their Philox stream is one per batch, so rows with a
+seed of their own keep the sampler's draw.
 
 Semantics, both paths: order a row by descending probability; a token stays when
 its rank is < top_k and the mass strictly before it is < top_p, both measured on
 the row as given (top-p is not re-measured on the top-k survivors). The first token
 always stays; top_k >= V or top_p >= 1.0 leaves a row whole. The result is
 proportional to the kept probabilities and zero elsewhere: the torch path leaves
-it unnormalised, FlashInfer's normalises it (a draw by argmax p / E is blind to the
-scale).
+it unnormalised, FlashInfer's normalises it (the sampler's inverse CDF is blind to
+the scale).
 
 Where the two paths differ (tests/test_gpu.py checks the rest):
 - Ties at the boundary. FlashInfer keeps every token equal to the k-th largest
@@ -27,7 +27,8 @@ Where the two paths differ (tests/test_gpu.py checks the rest):
 - FlashInfer's top-k kernel splits a long row over several CTAs that add their
   partial sums atomically, so the normalising constant (only the scale) may differ
   in the last bit from run to run; which tokens stay does not (a seeded draw could
-  change only where two tokens' p / E agree to within that rounding)."""
+  change only where its uniform falls within that rounding of a boundary between two
+  tokens' cumulative sums)."""
 
 from __future__ import annotations
 
