@@ -14,13 +14,13 @@
 # Steps (each is one case below; the comment beside it says what it measures):
 #   set-up      jit tests beamtests cpuinfo parts
 #   control     control control8b (memory release and resume, weight updates)
-#   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w6 w8 tp startup looplag priority
+#   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w7fp8 w6 w8 tp startup looplag priority
 #   A/B         old w3old w7old w8old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    prefillcost streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy w8spy (py-spy's wheel in .whl/)
 #   real model  model fp8acc smolhf spec (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
-#   vLLM        vllm vllm8b vllmfp8 vllmw8 vllmspec (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
+#   vLLM        vllm vllm8b vllm8bfp8 vllmfp8 vllmw8 vllmspec (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
 #   LoRA        lorakernels lora vllmlora (the kernels; multi-LoRA throughput: sgl, then the vLLM peer)
 #
 # Notes on the host:
@@ -228,8 +228,10 @@ for step in "$@"; do
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
           && run 200 "${spy[@]}" python3 -m benchmarks.w3_shared_prefix --variants cascade --repeat 5)
       fi ;;
-    # W7: W1 and W2 on the Qwen3-8B architecture; w7old on the checkout in .old/ (see `old`).
+    # W7: W1 and W2 on the Qwen3-8B architecture; w7old on the checkout in .old/ (see `old`);
+    # w7fp8 with FP8 weights (quantization="fp8"), vllm8bfp8 vLLM's FP8 weights on the same inputs.
     w7) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf ;;
+    w7fp8) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf --variant '{"quantization": "fp8"}' ;;
     w7old)
       if old_site .old/benchmarks; then
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
@@ -312,6 +314,9 @@ for step in "$@"; do
     vllm8b) cp benchmarks/configs/qwen3-8b.json /tmp/qwen3-8b.json
             run 540 bash .peer/vllm/kit/unpack.sh .peer/vllm -- --config /tmp/qwen3-8b.json --workloads W1,W2 \
               --timeout 520 --json "$results/vllm8b.json" ;;
+    vllm8bfp8) cp benchmarks/configs/qwen3-8b.json /tmp/qwen3-8b.json
+               run 540 bash .peer/vllm/kit/unpack.sh .peer/vllm -- --config /tmp/qwen3-8b.json --workloads W1,W2 \
+                 --timeout 520 --llm-kwargs '{"quantization": "fp8"}' --json "$results/vllm8bfp8.json" ;;
     # Multi-LoRA (benchmarks/lora_gpu.py): W1's shape, requests round-robin over 0 (LoRA off), 1, 8
     # and 32 random rank-16 adapters on every projection, an engine per variant in turn. The
     # adapters are written first into /tmp (benchmarks/lora_adapters.py; kept while the host

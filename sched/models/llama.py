@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl.kernels.fp8_linear import FP8
 from sgl.kernels.layers import RopeTables, add_rms_norm, apply_rope, rms_norm, rope_tables, silu_and_mul
 from sgl.kernels.lora import LoraBatch
 from sgl.kernels.norm_rope_store import available as fused_available
@@ -343,16 +344,39 @@ class LlamaForCausalLM(nn.Module):
             if self.tp.size > 1:
                 tensor = self._rank_part(name, target, shard, tensor)
             if shard is None:
-                dst = param.data
+                lo, hi = 0, param.shape[0] if param.dim() else 0
             else:
                 layer = cast(DecoderLayer, self.model.layers[int(parts[2])])
                 lo, hi = self._shard_range(target.split(".")[-2], shard, layer)
-                dst = param.data[lo:hi]
+            dst = param.data if shard is None else param.data[lo:hi]
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            if param.dtype == FP8:  # an FP8 projection's weight: quantized as it lands
+                cast(Linear, self.get_submodule(target.rpartition(".")[0])).load_rows(lo, hi, tensor)
+            else:
+                dst.copy_(tensor)
             loaded.add(target if shard is None else f"{target}#{shard}")
         return loaded
+
+    def projections(self) -> Iterator[Linear]:
+        """The decoder layers' linear layers (not the LM head)."""
+        for layer in self.decoder_layers:
+            yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+    def quantize_fp8(self) -> None:
+        """Hold every projection's weight in FP8 (sgl.kernels.fp8_linear), before its
+        weights load: `load_weights` quantizes them as they arrive, and any later update
+        the same way. Embeddings, norms and the LM head stay in the model's dtype."""
+        for proj in self.projections():
+            proj.to_fp8()
+
+    def weight_values(self, param: str) -> torch.Tensor:
+        """Our parameter `param`'s values in the model's dtype (an FP8 weight dequantized)."""
+        owner, _, leaf = param.rpartition(".")
+        module = self.get_submodule(owner)
+        if isinstance(module, Linear) and leaf == "weight":
+            return module.weight_values()
+        return cast(torch.Tensor, getattr(module, leaf)).data
 
     def _rank_part(self, name: str, target: str, shard: int | None, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full Hugging Face tensor `name` that fills `target`:
@@ -382,11 +406,9 @@ class LlamaForCausalLM(nn.Module):
         -> (A [r, in], B [out, r] scaled), full: under tensor parallelism this rank keeps its
         part, as `load_weights` does); every projection it leaves out is zero. Queued on the
         device in order with the forwards (call it between them)."""
-        for layer in cast(list[DecoderLayer], list(self.model.layers)):
-            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                         layer.mlp.down_proj):
-                if proj.lora is not None:
-                    proj.lora.clear(slot)
+        for proj in self.projections():
+            if proj.lora is not None:
+                proj.lora.clear(slot)
         for (i, module), (a, b) in weights.items():
             layer = cast(DecoderLayer, self.model.layers[i])
             fused, part = self._FUSED.get(module, (module, 0))

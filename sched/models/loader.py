@@ -68,9 +68,11 @@ def load_model(
     seed: int = 0,
     tp: TPGroup = TPGroup(),
     lora: LoraSpec | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, AnyConfig]:
     """The model (eval mode, on `device`, in `dtype`; this rank's shard under `tp`; with
-    `lora`, empty LoRA slots in its projections) and its config."""
+    `lora`, empty LoRA slots in its projections; with quantization "fp8", its projections'
+    weights quantized to FP8 as they load) and its config."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     if model_path is None:
@@ -91,6 +93,10 @@ def load_model(
 
     cls = model_class(getattr(config, "architectures", None))
     model = cls(config, dtype=dtype, device=device, tp=tp, lora=lora)
+    if quantization == "fp8":
+        model.quantize_fp8()
+    elif quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r}; choose fp8 or leave it unset")
     if load_format == "dummy":
         _init_dummy(model, seed)
     elif gguf_ckpt is not None:

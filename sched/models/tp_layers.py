@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl.kernels.fp8_linear import ALIGN, FP8, fp8_linear, quantize_rows
 from sgl.kernels.lora import LoraBatch
 from sgl.sched.models.lora_layers import LoraWeights
 from sgl.sched.models.parallel import TPGroup
@@ -46,7 +47,9 @@ class Linear(nn.Module):
     is this rank's shard of the input, the partial products are summed over the ranks,
     and the bias (whole on every rank) is added once, after the sum. With `lora`, a
     forward given a LoraBatch adds each row's adapter delta (before the sum, so a
-    row-parallel layer's delta is summed with it: no collective of its own)."""
+    row-parallel layer's delta is summed with it: no collective of its own). After
+    `to_fp8` W is held in FP8 with a scale per output row (`weight_scale`), and weights
+    reach it through `load_rows`, which quantizes them."""
 
     def __init__(
         self,
@@ -67,16 +70,47 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
+        self.dtype = dtype  # of its input and output, whatever W's
+        self.register_buffer("weight_scale", None, persistent=False)  # [out_features] float32 once FP8
+
+    def to_fp8(self) -> None:
+        """Hold W in FP8 from now on (its values are lost: load them after). On a GPU both
+        of W's dimensions must be multiples of 16 (FP8 GEMMs); ValueError otherwise."""
+        n, k = self.weight.shape
+        dev = self.weight.device
+        if dev.type == "cuda" and (n % ALIGN or k % ALIGN):
+            raise ValueError(f"quantization='fp8': a projection of shape ({n}, {k}) on this rank; FP8 GEMMs "
+                             f"need both dimensions in multiples of {ALIGN}: leave quantization unset")
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=dev), requires_grad=False)
+        self.weight_scale = torch.ones(n, dtype=torch.float32, device=dev)
+
+    def load_rows(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """W[lo:hi] = values (quantized with their rows' scales when W is FP8)."""
+        if self.weight_scale is None:
+            self.weight.data[lo:hi].copy_(values)
+            return
+        q, scale = quantize_rows(values.to(self.weight.device))
+        self.weight.data[lo:hi].copy_(q)
+        self.weight_scale[lo:hi].copy_(scale.view(-1))
+
+    def weight_values(self) -> torch.Tensor:
+        """W in the layer's dtype (dequantized when FP8)."""
+        if self.weight_scale is None:
+            return self.weight.data
+        return (self.weight.data.float() * self.weight_scale[:, None]).to(self.dtype)
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        if self.reduce is None:
-            y = F.linear(x, self.weight, self.bias)
-            if lora is not None and self.lora is not None:
-                self.lora.add_delta(x, y, lora)
-            return y
-        y = F.linear(x, self.weight)
+        bias = self.bias if self.reduce is None else None  # row-parallel: added once, after the sum
+        if self.weight_scale is None:
+            y = F.linear(x, self.weight, bias)
+        else:
+            y = fp8_linear(x, self.weight, self.weight_scale, self.dtype)
+            if bias is not None:
+                y = y + bias
         if lora is not None and self.lora is not None:
             self.lora.add_delta(x, y, lora)
+        if self.reduce is None:
+            return y
         y = self.reduce.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

@@ -28,6 +28,7 @@ from sgl.core.logit_processor import resolve
 from sgl.core.protocol import MEMORY_TAGS
 from sgl.core.server_args import ServerArgs
 from sgl.kernels.attention import AttentionBackend
+from sgl.kernels.fp8_linear import fp8_supported
 from sgl.kernels.lora import use_triton as lora_triton_on
 from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.sched.batch import ScheduleBatch
@@ -150,6 +151,7 @@ class ModelRunner:
         self.chunked_prefill_size = chunked_prefill_size(args, self.device)
         m = self.model
         self.kv_dtype = _KV_DTYPES.get(args.kv_cache_dtype, self.dtype)
+        self.quantization = args.quantization  # of the weights: None or "fp8"
         # STANDALONE speculation's draft model: loaded before the KV pools, which share the
         # memory left with its own pool (the same slots: its bytes per token count too).
         t0 = time.perf_counter()
@@ -337,12 +339,19 @@ class ModelRunner:
             from sgl.sched.models.loader import hf_config
             from sgl.sched.models.null import NullModel
 
+            if args.quantization is not None:
+                raise ValueError(f"quantization={args.quantization!r} quantizes a model's weights, and "
+                                 "load_format='null' runs the null model, which has none: leave quantization unset")
+
             config = hf_config(Path(model_path), args.trust_remote_code)
             return NullModel(config.vocab_size, self.device), config
         from sgl.sched.models.loader import load_model
 
+        if args.quantization is not None and (why := fp8_supported(self.device)) is not None:
+            raise ValueError(why)
         model, config = load_model(model_path, args.load_format, self.dtype, self.device,
-                                   seed=args.random_seed or 0, tp=self.tp, lora=self.lora_spec)
+                                   seed=args.random_seed or 0, tp=self.tp, lora=self.lora_spec,
+                                   quantization=args.quantization)
         return model, config  # in eval mode already
 
     def _load_draft(self, args: ServerArgs) -> CausalLM | None:
@@ -438,7 +447,8 @@ class ModelRunner:
     def info(self) -> dict[str, Any]:
         """The runner's part of the scheduler's server info."""
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "decode_attention": self.decode_attention,
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "quantization": self.quantization,
+                "decode_attention": self.decode_attention,
                 "vocab_size": self.vocab_size, "context_length": self.context_length,
                 "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
                 "eos_token_ids": sorted(self.eos_ids), "cascade_steps": self.preparer.cascade_steps,

@@ -195,7 +195,7 @@ class WeightManager:
         if target is None:
             raise ValueError(f"name={name!r}: no such weight{_close(name, self.targets())}")
         with torch.no_grad():
-            part = dict(model.named_parameters())[target.param].data
+            part = model.weight_values(target.param)
             if target.rows is not None:
                 part = part[target.rows[0]:target.rows[1]]
             full = self._gather(name, target, part) if self.tp.size > 1 else part

@@ -155,6 +155,10 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # halves the bytes a decode step reads against bf16 and doubles the tokens that fit;
     # stored unscaled (values past the type's range are clamped to it).
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # Weights: "fp8" (SGLang's and vLLM's name) quantizes the decoder layers' projections
+    # to FP8 as they load, a scale per output channel, activations per token at each call
+    # (sgl.kernels.fp8_linear); embeddings, norms and the LM head stay in the model's dtype.
+    quantization: Literal["fp8"] | None = None
     max_top_logprobs_num: int = 20  # the most top logprobs a request may ask for per token (OpenAI's bound)
     # Names (registered) or dotted paths (pkg.mod:Class) of logit processors requests may use.
     custom_logit_processors: list[str] = []

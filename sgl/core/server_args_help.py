@@ -94,6 +94,8 @@ FIELD_HELP: dict[str, str] = {
                                 "triton where Triton is installed",
     "kv_cache_dtype": "the KV cache's element type: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (half the "
                       "bytes of bf16: twice the tokens, faster decode; unscaled, so slightly less exact)",
+    "quantization": "fp8: the decoder's projection weights in FP8 (half their bytes; a scale per output "
+                    "channel, activations scaled per token), quantized as they load; GPUs of compute capability 8.9+",
     "enable_cascade_attention": "read a decode batch's shared prefix once per step (default: on with flashinfer)",
     "max_top_logprobs_num": "the most top logprobs a request may ask for per token",
     "custom_logit_processors": "logit processors requests may use: registered names or pkg.mod:Class paths",

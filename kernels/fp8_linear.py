@@ -1,0 +1,56 @@
+"""FP8 (e4m3) linear layers, `quantization="fp8"`: each weight quantized once, per output
+channel, as it is loaded; each activation per token at every call; the product by
+`torch._scaled_mm` with both scales (row-wise scaling, accumulated in float32). Half a
+bf16 weight's bytes, so a memory-bound decode step reads half as much, and FP8 tensor
+cores for the rest.
+
+Why by hand: torch has the GEMM on CPUs and on GPUs of compute capability 8.9+ (the
+same op in both places, so the CPU tests check what a GPU runs); what remains is the
+scaling, three elementwise ops. Per channel and per token (not per tensor) because one
+outlier row then costs only its own precision.
+
+It decides nothing about which layers are quantized (the model does) and holds no state."""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+# A row of zeros gets this scale: its values quantize to 0 and dequantize to 0.
+_TINY = 1e-12
+# torch._scaled_mm on a GPU needs both dimensions of the weight in multiples of 16.
+ALIGN = 16
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype) -> (q [M, K] FP8, scale [M, 1] float32), x ~ q * scale,
+    each row scaled so its largest magnitude maps to FP8's largest value."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., K] @ (weight [N, K] FP8 * weight_scale [N, 1]).T in `out_dtype`, x quantized
+    per row first. On a GPU the product comes out in bf16 (row-wise scaling gives no
+    other type there) and is cast to `out_dtype` if that differs."""
+    n = weight.shape[0]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        return x.new_empty((*lead, n), dtype=out_dtype)
+    q, s = quantize_rows(x2)
+    mm_dtype = torch.bfloat16 if x.is_cuda else out_dtype
+    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, n), out_dtype=mm_dtype)
+    return (y if mm_dtype == out_dtype else y.to(out_dtype)).view(*lead, n)
+
+
+def fp8_supported(device: torch.device) -> str | None:
+    """None where FP8 weights run on `device`, else why not (a sentence for an error)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        return (f"quantization='fp8' needs FP8 tensor cores (compute capability 8.9+, e.g. L4, H100, H200); "
+                f"{torch.cuda.get_device_name(device)} has {major}.{minor}: leave quantization unset")
+    return None
