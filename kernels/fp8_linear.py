@@ -6,12 +6,17 @@ cores for the rest.
 
 Why by hand: torch has the GEMM on CPUs and on GPUs of compute capability 8.9+ (the
 same op in both places, so the CPU tests check what a GPU runs); what remains is the
-scaling, three elementwise ops. Per channel and per token (not per tensor) because one
-outlier row then costs only its own precision.
+per-token scaling. In torch ops that is seven launches a projection (four a layer, 36
+layers at 8B: a thousand tiny kernels a decode step), so on a GPU one Triton kernel
+does it, bit for bit as the torch ops do. Per channel and per token (not per tensor)
+because one outlier row then costs only its own precision.
 
 It decides nothing about which layers are quantized (the model does) and holds no state."""
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import torch
 
@@ -25,10 +30,62 @@ ALIGN = 16
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype) -> (q [M, K] FP8, scale [M, 1] float32), x ~ q * scale,
-    each row scaled so its largest magnitude maps to FP8's largest value."""
+    each row scaled so its largest magnitude maps to FP8's largest value: one Triton
+    launch on a GPU that has it, `quantize_rows_torch` elsewhere (the same bits)."""
+    if x.is_cuda and x.stride(-1) == 1 and _triton_runs(x.device):
+        return _quantize_rows_triton(x)
+    return quantize_rows_torch(x)
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` in torch ops: the definition the Triton kernel follows."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@functools.cache
+def _triton_runs(device: torch.device) -> bool:
+    from sgl.kernels.triton_decode import handles
+
+    return handles(device, FP8)
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, fp8_max, tiny, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_x
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, k, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)))
+        # IEEE divisions (div_rn), as torch's: the same scale and the same quotients to round.
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), tiny), fp8_max)
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, k, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            live = cols < k
+            x = tl.load(x_row + cols, mask=live, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+            tl.store(q_ptr + row * stride_q + cols, q.to(tl.float8e4nv), mask=live)
+
+    return quantize_rows_kernel
+
+
+def _quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = min(4096, 1 << max(k - 1, 1).bit_length())
+        _kernel()[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, _TINY, BLOCK=block,
+                        num_warps=8 if block >= 2048 else 4)
+    return q, scale
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

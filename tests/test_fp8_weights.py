@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import sgl
-from sgl.kernels.fp8_linear import FP8, fp8_linear, quantize_rows
+from sgl.kernels.fp8_linear import FP8, fp8_linear, quantize_rows, quantize_rows_torch
 from tests.conftest import assert_kv_balanced, tiny_model_dir
 
 VOCAB = 512
@@ -175,6 +175,26 @@ def test_gpu_product_is_the_dequantized_product(m: int, k: int, n: int, out_dtyp
     dequantized = (qx.double() * sx.double()) @ (qw.cpu().double() * sw.cpu().double()).T
     mass = x.double().abs() @ w.double().abs().T
     assert ((y.cpu().double() - dequantized).abs() <= 2**-7 * mass).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k", [(1, 1), (3, 100), (64, 4096), (5, 12288), (300, 1000), (2, 5000)])
+def test_gpu_triton_quantization_is_the_torch_definition(m: int, k: int, dtype: torch.dtype) -> None:
+    """The one-launch kernel gives the torch ops' bits: the scales and every FP8 byte, for
+    rows shorter and longer than its block, zero rows, subnormal and out-of-range values."""
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-6, 4, m)[:, None]
+    x[0, 0] = 1e30 if dtype == torch.float32 else 6e4
+    if m > 2:
+        x[1] = 0
+    x = x.to(dtype).cuda()
+    q, s = quantize_rows(x)
+    q_ref, s_ref = quantize_rows_torch(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(q_ref.cpu().view(torch.uint8), quantize_rows_torch(x.cpu())[0].view(torch.uint8))
 
 
 @pytest.fixture(scope="module")
