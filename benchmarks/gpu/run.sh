@@ -17,7 +17,7 @@
 #   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w7fp8 w6 w8 tp startup looplag priority
 #   A/B         old w3old w7old w8old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
-#   profiles    prefillcost streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
+#   profiles    fp8gemm prefillcost streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy w8spy (py-spy's wheel in .whl/)
 #   real model  model fp8acc smolhf spec (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
 #   vLLM        vllm vllm8b vllm8bfp8 vllmfp8 vllmw8 vllmspec (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
@@ -232,6 +232,7 @@ for step in "$@"; do
     # w7fp8 with FP8 weights (quantization="fp8"), vllm8bfp8 vLLM's FP8 weights on the same inputs.
     w7) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf ;;
     w7fp8) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf --variant '{"quantization": "fp8"}' ;;
+    fp8gemm) run 120 python3 -m benchmarks.fp8_gemm ;;  # the 8B projections alone: FP8 against bf16, by token count
     w7old)
       if old_site .old/benchmarks; then
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \

@@ -1,0 +1,99 @@
+"""FP8 weights' projections alone (kernels/fp8_linear.py) against bf16's, at an architecture's
+shapes and the token counts of decode batches and prefill chunks: microseconds per call
+of the bf16 GEMM, of the FP8 path whole (the activations' quantization, then the scaled
+GEMM) and of each of its two parts, and the 16-bit weight read's time at the GPU's
+bandwidth. On a GPU each figure is the time of 20 calls captured in a CUDA graph (as the
+engine replays decode), so launch gaps do not count; on a CPU (a check that it runs) wall
+time.
+
+    python -m benchmarks.fp8_gemm [--config qwen3-8b] [--tokens 1,16,64,128,256,2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import machine, table
+from sgl.kernels.fp8_linear import fp8_linear, quantize_rows
+
+REPS = 20
+HBM_TB_S = 4.8  # an H200's
+
+
+def projections(config: dict) -> list[tuple[str, int, int]]:
+    """(name, in features K, out features N) of one decoder layer's four projections."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    d = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    return [("qkv", hidden, q + 2 * kv), ("o", q, hidden), ("gate_up", hidden, 2 * inter), ("down", inter, hidden)]
+
+
+def time_us(fn: Callable[[], object], device: torch.device) -> float:
+    """Microseconds per call: REPS calls in one CUDA graph on a GPU, wall time on a CPU."""
+    if device.type != "cuda":
+        fn()
+        t = time.perf_counter()
+        for _ in range(REPS):
+            fn()
+        return (time.perf_counter() - t) / REPS * 1e6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    graph.replay()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    graph.replay()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) / REPS * 1e3
+
+
+def row(name: str, k: int, n: int, m: int, device: torch.device, dtype: torch.dtype) -> dict:
+    g = torch.Generator(device=device).manual_seed(k * n + m)
+    x = torch.randn(m, k, generator=g, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=device) * 0.02).to(dtype)
+    qw, sw = quantize_rows(w)
+    sw = sw.view(-1)
+    qx, sx = quantize_rows(x)
+    mm_dtype = torch.bfloat16 if device.type == "cuda" else dtype
+    bf16 = time_us(lambda: F.linear(x, w), device)
+    fp8 = time_us(lambda: fp8_linear(x, qw, sw, dtype), device)
+    return {"proj": name, "K x N": f"{k} x {n}", "tokens": m, "unquantized us": round(bf16, 1), "fp8 us": round(fp8, 1),
+            "quantize us": round(time_us(lambda: quantize_rows(x), device), 1),
+            "scaled_mm us": round(time_us(lambda: torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.view(1, n),
+                                                                    out_dtype=mm_dtype), device), 1),
+            "unquantized / fp8": round(bf16 / fp8, 2),
+            "16-bit weight read us": round(n * k * 2 / (HBM_TB_S * 1e6), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="qwen3-8b", help="an architecture of benchmarks/configs")
+    ap.add_argument("--tokens", default="1,16,64,128,256,2048")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    config = json.loads((Path(__file__).parent / "configs" / f"{args.config}.json").read_text())
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = [row(name, k, n, m, device, dtype) for name, k, n in projections(config)
+            for m in map(int, args.tokens.split(","))]
+    print(f"FP8 projections against {str(dtype).removeprefix('torch.')}, {args.config}, on {machine()}")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
