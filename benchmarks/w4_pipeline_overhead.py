@@ -3,7 +3,7 @@ concurrent requests x 256 output tokens through tokenizer manager -> scheduler -
 detokenizer over ipc. Reports tokens/s through the pipeline and the scheduler
 process's CPU time per decode step at batch 256.
 
-    python -m benchmarks.w4_pipeline_overhead [--requests 256] [--output 256] [--transport ipc]
+    python -m benchmarks.w4_pipeline_overhead [--requests 256] [--output 256] [--transport ipc] [--temperature 0]
     python -m benchmarks.w4_pipeline_overhead --tcp-security curve,hmac [--repeat 3]   # the cost of CURVE
     python -m benchmarks.w4_pipeline_overhead --frame-cost                            # per frame, no engine
 
@@ -37,7 +37,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def run(model_dir: str, a: argparse.Namespace, overlap: bool, security: str = "") -> dict[str, object]:
-    params = {"temperature": 0, "max_new_tokens": a.output, "ignore_eos": True}
+    params = {"temperature": a.temperature, "max_new_tokens": a.output, "ignore_eos": True}
     prompts = random_prompts(a.requests, a.input, 49152, seed=1)
     keys = {"transport_key": secrets.token_hex(32)} if security == "hmac" else {}
     async with sgl.AsyncEngine(model_dir, transport="tcp" if security else a.transport, load_format="null", **keys,
@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--input", type=int, default=32)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--transport", default="ipc")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (W4); above 0 the sampler draws too")
     ap.add_argument("--tcp-security", default="", help="comma list of curve, hmac: tcp once per mode")
     ap.add_argument("--model-path", default=None, help="a model folder (config and tokenizer suffice: null weights)")
     ap.add_argument("--repeat", type=int, default=1, help="--tcp-security: rounds, modes interleaved")
@@ -130,7 +131,8 @@ def main() -> None:
             f"{m}_{lp}_tok_s={v:.0f}" for (m, lp), v in best.items()))
         return
     rows = [asyncio.run(run(model_dir, a, overlap)) for overlap in (True, False)]
-    print(f"W4 on {machine()}: null model, {a.requests} x {a.output} out, transport {a.transport}")
+    print(f"W4 on {machine()}: null model, {a.requests} x {a.output} out, transport {a.transport}, "
+          f"temperature {a.temperature:g}")
     print(table(rows))
     o = rows[0]
     print(f"RESULT name=W4 tok_s={o['tok/s']:.0f} sched_ms_per_step={o['sched ms/step']:.2f} "
