@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import sgl
+from benchmarks.kv_dtype_accuracy import PROMPTS, top1_along
 from sgl.kernels.fp8_linear import FP8, fp8_linear, quantize_rows, quantize_rows_torch
 from tests.conftest import assert_kv_balanced, tiny_model_dir
 
@@ -128,23 +129,13 @@ def test_greedy_predictions_agree_with_float32_on_the_default_model() -> None:
     """SmolLM2-135M, real weights, float32 activations: along float32's greedy continuations
     (48 tokens of four prompts) the FP8 model's top prediction is the same token at 85% of
     the positions or more (89.6% measured; bfloat16 compute against float32 gives 98%)."""
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-               "The three laws of thermodynamics are"]
+    prompts = PROMPTS[:4]
     with sgl.Engine(transport="inproc", dtype="float32", max_total_tokens=2048) as e:
-        ids = [e.tokenizer.encode(p) for p in prompts]
-        outs = e.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 48})
-    agree = total = 0
+        outs = e.generate(prompts, {**GREEDY, "max_new_tokens": 48})
     with sgl.Engine(transport="inproc", dtype="float32", max_total_tokens=2048, quantization="fp8") as e:
-        for prompt, out in zip(ids, outs):
-            seq = prompt + out["output_ids"]
-            got = e.generate(input_ids=seq, sampling_params={"temperature": 0, "max_new_tokens": 1},
-                             return_logprob=True, logprob_start_len=len(prompt) - 1, top_logprobs_num=1)
-            tops = [row[0][1] for row in got["meta_info"]["input_top_logprobs"][1:]]  # row j + 1 predicts output j
-            assert len(tops) == len(out["output_ids"])
-            agree += sum(a == b for a, b in zip(tops, out["output_ids"]))
-            total += len(tops)
+        share = top1_along(e, prompts, outs)
         assert_kv_balanced(e.get_server_info())
-    assert agree / total >= 0.85, (agree, total)
+    assert share >= 0.85, share
 
 
 def test_settings_that_cannot_hold_are_refused_by_name(null_model_dir: str) -> None:
