@@ -2,9 +2,9 @@
 the same scaled GEMM a GPU does: the product equals the dequantized operands' product and
 stays within FP8's rounding of the exact one; an engine's projection weights are the
 checkpoint's quantized per output row (fused q/k/v and gate/up too) at start-up and after
-an update, and survive a memory release; on the default model's real weights its greedy
-predictions mostly agree with float32's; and the settings that cannot hold are refused by
-name. The GPU run (CUDA graphs, bf16) is in test_gpu.py."""
+an update, and survive a memory release; LoRA adapters add to the FP8 product; on the
+default model's real weights its greedy predictions mostly agree with float32's; and the
+settings that cannot hold are refused by name. The GPU run (CUDA graphs, bf16) is in test_gpu.py."""
 
 from __future__ import annotations
 
@@ -122,6 +122,22 @@ def test_tensor_parallel_ranks_quantize_their_own_parts(checkpoints: dict[int, s
             got = torch.tensor(e.get_weights_by_name(name, truncate_size=full.numel()))
             assert torch.equal(got, want.flatten()), name
         assert len(e.generate(input_ids=IDS, sampling_params=GREEDY)[0]["output_ids"]) == GREEDY["max_new_tokens"]
+        assert_kv_balanced(e.get_server_info())
+
+
+def test_lora_adapters_run_on_fp8_projections(checkpoints: dict[int, str], tmp_path: Path) -> None:
+    """An adapter's delta is added to the FP8 product: requests without one generate what
+    the FP8 engine without LoRA does, and requests with one generate something else."""
+    from tests.test_lora import SPECS, make_adapter
+
+    adapter = make_adapter(checkpoints[0], tmp_path / "all8", *SPECS["all8"], seed=3)
+    with _engine(checkpoints[0], quantization="fp8") as plain:
+        want = [o["output_ids"] for o in plain.generate(input_ids=IDS, sampling_params=GREEDY)]
+    with _engine(checkpoints[0], quantization="fp8", lora_paths=[f"all8={adapter}"]) as e:
+        outs = e.generate(input_ids=IDS * 2, sampling_params=GREEDY, lora_path=[None, None, "all8", "all8"])
+        got = [o["output_ids"] for o in outs]
+        assert got[:2] == want
+        assert got[2] != want[0] and got[3] != want[1]
         assert_kv_balanced(e.get_server_info())
 
 
