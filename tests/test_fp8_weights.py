@@ -8,6 +8,7 @@ settings that cannot hold are refused by name. The GPU run (CUDA graphs, bf16) i
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import sgl
 from benchmarks.kv_dtype_accuracy import PROMPTS, top1_along
@@ -228,3 +229,96 @@ def test_gpu_fp8_cuda_graphs_equal_eager(gpu_model_dir: str) -> None:
     """FP8 projections under CUDA graphs (decode and piecewise prefill) replay what the
     eager forward computes, token for token."""
     assert _gpu_greedy(gpu_model_dir, cuda_graph_max_bs=8) == _gpu_greedy(gpu_model_dir, disable_cuda_graph=True)
+
+
+# ---- checkpoints stored in FP8 (sgl.sched.models.fp8_checkpoint) ----
+
+def _fp8_checkpoint(src: str, out: Path, block: tuple[int, int] | None, drop: str | None = None) -> tuple[str, str]:
+    """`src` with its projections stored in FP8, as Qwen's releases (a scale per block) or
+    AutoFP8's (one per tensor, and a static input scale) store them, in out/fp8; and in
+    out/plain a float32 twin holding the values those FP8 weights stand for. `drop`: a
+    tensor left out of the FP8 one."""
+    tensors = load_file(str(Path(src) / "model.safetensors"))
+    config = json.loads((Path(src) / "config.json").read_text())
+    stored: dict[str, torch.Tensor] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if ".layers." not in name or not name.endswith("proj.weight"):
+            stored[name] = plain[name] = t
+            continue
+        if block is None:
+            scale = t.abs().max() / 448
+            stored[name + "_scale"], stored[name.replace(".weight", ".input_scale")] = scale, torch.tensor(0.5)
+            full = scale
+        else:
+            bn, bk = block
+            n, k = t.shape
+            scale = torch.zeros(-(-n // bn), -(-k // bk))
+            for i in range(scale.shape[0]):
+                for j in range(scale.shape[1]):
+                    scale[i, j] = t[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].abs().max() / 448
+            stored[name + "_scale_inv"] = scale
+            full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        stored[name] = (t / full).clamp(-448, 448).to(FP8)
+        plain[name] = stored[name].float() * full
+    dirs = {}
+    for kind, values in (("fp8", stored), ("plain", plain)):
+        d = out / kind
+        d.mkdir(parents=True)
+        cfg = dict(config)
+        if kind == "fp8":
+            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          **({"weight_block_size": list(block)} if block else {})}
+        (d / "config.json").write_text(json.dumps(cfg))
+        save_file({k: v.contiguous() for k, v in values.items() if k != drop}, str(d / "model.safetensors"))
+        dirs[kind] = str(d)
+    return dirs["fp8"], dirs["plain"]
+
+
+@pytest.mark.parametrize("block", [(48, 32), None], ids=["blocks", "per-tensor"])
+def test_an_fp8_checkpoint_runs_as_the_model_its_values_make(checkpoints: dict[int, str], tmp_path: Path,
+                                                             block: tuple[int, int] | None) -> None:
+    """A checkpoint stored in FP8 (scales per block, partial blocks included, or per
+    tensor) starts with FP8 weights unasked, and is the model that a float32 checkpoint of
+    the same values gives with quantization="fp8": the same weights and the same tokens."""
+    fp8_dir, plain_dir = _fp8_checkpoint(checkpoints[0], tmp_path, block)
+    with _engine(plain_dir, quantization="fp8") as e:
+        want = [o["output_ids"] for o in e.generate(input_ids=IDS, sampling_params=GREEDY)]
+        weights = e.get_weights_by_name("model.layers.1.self_attn.k_proj.weight", truncate_size=4096)
+    with _engine(fp8_dir) as e:
+        assert e.get_server_info()["quantization"] == "fp8"
+        assert e.get_weights_by_name("model.layers.1.self_attn.k_proj.weight", truncate_size=4096) == weights
+        assert [o["output_ids"] for o in e.generate(input_ids=IDS, sampling_params=GREEDY)] == want
+
+
+def test_updates_from_fp8_checkpoints_and_a_broken_one(checkpoints: dict[int, str], tmp_path: Path) -> None:
+    """update_weights_from_disk reads an FP8 checkpoint as start-up does; one whose weight
+    lost its scale is refused by that weight's name before anything is copied."""
+    fp8_dir, _ = _fp8_checkpoint(checkpoints[1], tmp_path / "good", (32, 32))
+    broken, _ = _fp8_checkpoint(checkpoints[1], tmp_path / "broken", (32, 32),
+                                drop="model.layers.0.mlp.down_proj.weight_scale_inv")
+    with _engine(fp8_dir) as fresh:
+        want = [o["output_ids"] for o in fresh.generate(input_ids=IDS, sampling_params=GREEDY)]
+    with _engine(checkpoints[0], quantization="fp8") as e:
+        e.update_weights_from_disk(fp8_dir)
+        assert [o["output_ids"] for o in e.generate(input_ids=IDS, sampling_params=GREEDY)] == want
+        with pytest.raises(ValueError, match=r"without a scale.*layers\.0\.mlp\.down_proj\.weight"):
+            e.update_weights_from_disk(broken)
+        assert [o["output_ids"] for o in e.generate(input_ids=IDS, sampling_params=GREEDY)] == want
+
+
+def test_a_scale_before_its_weight_and_other_quantizations() -> None:
+    """The stream pairs a weight with its scale whichever comes first; a checkpoint
+    quantized another way is refused by its quant_method."""
+    from types import SimpleNamespace
+
+    from sgl.sched.models.fp8_checkpoint import Fp8Checkpoint
+
+    q = torch.tensor([[1.0, -2.0], [0.5, 4.0]]).to(FP8)
+    scale = torch.tensor([[2.0]])
+    ck = Fp8Checkpoint((2, 2))
+    first = dict(ck.dequantized([("a.weight_scale_inv", scale), ("a.weight", q), ("b", torch.ones(1))]))
+    assert torch.equal(first["a.weight"], q.float() * 2) and set(first) == {"a.weight", "b"}
+    with pytest.raises(ValueError, match="quant_method='awq'"):
+        Fp8Checkpoint.of(SimpleNamespace(quantization_config={"quant_method": "awq"}))
+    assert Fp8Checkpoint.of(SimpleNamespace()) is None

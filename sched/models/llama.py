@@ -260,6 +260,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim: int = attn.head_dim
         self.vocab_size: int = config.vocab_size  # the full vocab, as the logits are
         self.dtype = dtype
+        self.quantization: str | None = None  # of the projections' weights (quantize_fp8: "fp8")
         # Mistral v0.1 attends within a window; up to the window that equals full attention.
         window = getattr(config, "sliding_window", None) if not layer_types else None
         self.context_len: int = min(config.max_position_embeddings, window or config.max_position_embeddings)
@@ -369,6 +370,7 @@ class LlamaForCausalLM(nn.Module):
         the same way. Embeddings, norms and the LM head stay in the model's dtype."""
         for proj in self.projections():
             proj.to_fp8()
+        self.quantization = "fp8"
 
     def weight_values(self, param: str) -> torch.Tensor:
         """Our parameter `param`'s values in the model's dtype (an FP8 weight dequantized)."""

@@ -1,5 +1,6 @@
 """Builds a model and fills its weights: from a Hugging Face directory (config.json
-+ safetensors, one file or sharded), from a GGUF file (dequantized, llama.cpp
++ safetensors, one file or sharded; FP8 ones through sgl.sched.models.fp8_checkpoint,
+run with FP8 weights where the device can), from a GGUF file (dequantized, llama.cpp
 names mapped to Hugging Face's, llama.cpp's Q/K rotary permutation undone), or
 with seeded random weights ("dummy"). Under tensor parallelism every format is read
 whole and the model keeps this rank's shard, so each rank holds a part of exactly
@@ -21,6 +22,8 @@ import numpy as np
 import torch
 
 from sgl.core.progress import progress_bar
+from sgl.kernels.fp8_linear import fp8_supported
+from sgl.sched.models.fp8_checkpoint import Fp8Checkpoint
 from sgl.sched.models.llama import LlamaForCausalLM
 from sgl.sched.models.lora_layers import LoraSpec
 from sgl.sched.models.model_config import AnyConfig, model_config, read_model_config
@@ -92,6 +95,9 @@ def load_model(
     config = gguf_ckpt.config if gguf_ckpt is not None else hf_config(path)
 
     cls = model_class(getattr(config, "architectures", None))
+    fp8_ckpt = Fp8Checkpoint.of(config) if gguf_ckpt is None else None
+    if fp8_ckpt is not None and quantization is None and fp8_supported(device) is None:
+        quantization = "fp8"  # stored in FP8: run it so where the GPU can (elsewhere in `dtype`)
     model = cls(config, dtype=dtype, device=device, tp=tp, lora=lora)
     if quantization == "fp8":
         model.quantize_fp8()
@@ -103,7 +109,7 @@ def load_model(
         _fill(model, iter(gguf_ckpt), len(gguf_ckpt), str(gguf_file))
     else:
         files = safetensors_files(path)
-        _fill(model, _iter_safetensors(files), _count_safetensors(files), str(path))
+        _fill(model, _iter_safetensors(files), _count_safetensors(files), str(path), fp8_ckpt)
     model.eval()
     return model, config
 
@@ -145,10 +151,11 @@ def hf_config(path: Path, trust_remote_code: bool = False) -> AnyConfig:
 # ---- filling weights ----
 
 
-def _fill(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], total: int, source: str) -> None:
+def _fill(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], total: int, source: str,
+          fp8_ckpt: Fp8Checkpoint | None = None) -> None:
     bar = progress_bar(weights, total=total, desc="Loading weights", unit="tensor")
     try:
-        loaded = model.load_weights(bar)
+        loaded = model.load_weights(bar if fp8_ckpt is None else fp8_ckpt.dequantized(bar))
     except KeyError as e:
         raise KeyError(f"{e.args[0]} (in {source})") from None
     finally:

@@ -151,7 +151,6 @@ class ModelRunner:
         self.chunked_prefill_size = chunked_prefill_size(args, self.device)
         m = self.model
         self.kv_dtype = _KV_DTYPES.get(args.kv_cache_dtype, self.dtype)
-        self.quantization = args.quantization  # of the weights: None or "fp8"
         # STANDALONE speculation's draft model: loaded before the KV pools, which share the
         # memory left with its own pool (the same slots: its bytes per token count too).
         t0 = time.perf_counter()
@@ -447,8 +446,8 @@ class ModelRunner:
     def info(self) -> dict[str, Any]:
         """The runner's part of the scheduler's server info."""
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "quantization": self.quantization,
-                "decode_attention": self.decode_attention,
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "quantization": getattr(self.model, "quantization", None), "decode_attention": self.decode_attention,
                 "vocab_size": self.vocab_size, "context_length": self.context_length,
                 "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
                 "eos_token_ids": sorted(self.eos_ids), "cascade_steps": self.preparer.cascade_steps,

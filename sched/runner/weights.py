@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from sgl.core.protocol import InitWeightsUpdateGroupReq, SharedTensors, UpdateWeightsFromDistributedReq
 from sgl.sched.models.forward_batch import CausalLM
+from sgl.sched.models.fp8_checkpoint import Fp8Checkpoint
 from sgl.sched.models.null import NullModel
 from sgl.sched.models.parallel import TPGroup
 from sgl.transports.tensors import DTYPES, UpdateGroup, init_update_group, open_shared
@@ -117,10 +118,15 @@ class WeightManager:
             self._check(((_gguf_name(ckpt, t.name, model_path), [int(d) for d in reversed(t.shape)], "float32")
                          for t in ckpt.reader.tensors), f"model_path={model_path!r}", complete=True)
             return self._copy(iter(ckpt))
-        self._same_architecture(hf_config(path), model_path)
+        config = hf_config(path)
+        self._same_architecture(config, model_path)
         files = safetensors_files(path)
-        self._check(_safetensors_header(files), f"model_path={model_path!r}", complete=True)
-        return self._copy(_safetensors_tensors(files))
+        header: Iterable[tuple[str, list[int], str]] = _safetensors_header(files)
+        tensors: Iterable[tuple[str, torch.Tensor]] = _safetensors_tensors(files)
+        if (fp8 := Fp8Checkpoint.of(config)) is not None:  # dequantized as read; the model quantizes its own way
+            header, tensors = fp8.header(header), fp8.dequantized(tensors)
+        self._check(header, f"model_path={model_path!r}", complete=True)
+        return self._copy(tensors)
 
     def from_tensors(self, spec: SharedTensors) -> int:
         """Copy in the tensors of a buffer another process shares (some or all of the
