@@ -345,7 +345,7 @@ class LlamaForCausalLM(nn.Module):
             if self.tp.size > 1:
                 tensor = self._rank_part(name, target, shard, tensor)
             if shard is None:
-                lo, hi = 0, param.shape[0] if param.dim() else 0
+                lo, hi = 0, param.shape[0]
             else:
                 layer = cast(DecoderLayer, self.model.layers[int(parts[2])])
                 lo, hi = self._shard_range(target.split(".")[-2], shard, layer)

@@ -48,7 +48,7 @@ class Linear(nn.Module):
     and the bias (whole on every rank) is added once, after the sum. With `lora`, a
     forward given a LoraBatch adds each row's adapter delta (before the sum, so a
     row-parallel layer's delta is summed with it: no collective of its own). After
-    `to_fp8` W is held in FP8 with a scale per output row (`weight_scale`), and weights
+    `to_fp8` W is held in FP8 with a scale per output row (`weight_scale`), and values
     reach it through `load_rows`, which quantizes them."""
 
     def __init__(
@@ -85,10 +85,8 @@ class Linear(nn.Module):
         self.weight_scale = torch.ones(n, dtype=torch.float32, device=dev)
 
     def load_rows(self, lo: int, hi: int, values: torch.Tensor) -> None:
-        """W[lo:hi] = values (quantized with their rows' scales when W is FP8)."""
-        if self.weight_scale is None:
-            self.weight.data[lo:hi].copy_(values)
-            return
+        """An FP8 W's rows [lo, hi) = values, quantized, with their rows' scales."""
+        assert self.weight_scale is not None, "a weight not in FP8 is copied into as it is"
         q, scale = quantize_rows(values.to(self.weight.device))
         self.weight.data[lo:hi].copy_(q)
         self.weight_scale[lo:hi].copy_(scale.view(-1))
