@@ -275,19 +275,23 @@ def _fp8_checkpoint(src: str, out: Path, block: tuple[int, int] | None, drop: st
     return dirs["fp8"], dirs["plain"]
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
 @pytest.mark.parametrize("block", [(48, 32), None], ids=["blocks", "per-tensor"])
 def test_an_fp8_checkpoint_runs_as_the_model_its_values_make(checkpoints: dict[int, str], tmp_path: Path,
-                                                             block: tuple[int, int] | None) -> None:
+                                                             block: tuple[int, int] | None,
+                                                             quantization: str | None) -> None:
     """A checkpoint stored in FP8 (scales per block, partial blocks included, or per
-    tensor) starts with FP8 weights unasked, and is the model that a float32 checkpoint of
-    the same values gives with quantization="fp8": the same weights and the same tokens."""
+    tensor) is the model that a float32 checkpoint of the same values gives: the same
+    weights and the same tokens, in float32 (a CPU's default: its FP8 GEMM is slow) and
+    with quantization="fp8" (a GPU's default for such a checkpoint, test_gpu_fp8_checkpoint)."""
     fp8_dir, plain_dir = _fp8_checkpoint(checkpoints[0], tmp_path, block)
-    with _engine(plain_dir, quantization="fp8") as e:
+    name = "model.layers.1.self_attn.k_proj.weight"
+    with _engine(plain_dir, quantization=quantization) as e:
         want = [o["output_ids"] for o in e.generate(input_ids=IDS, sampling_params=GREEDY)]
-        weights = e.get_weights_by_name("model.layers.1.self_attn.k_proj.weight", truncate_size=4096)
-    with _engine(fp8_dir) as e:
-        assert e.get_server_info()["quantization"] == "fp8"
-        assert e.get_weights_by_name("model.layers.1.self_attn.k_proj.weight", truncate_size=4096) == weights
+        weights = e.get_weights_by_name(name, truncate_size=4096)
+    with _engine(fp8_dir, quantization=quantization) as e:
+        assert e.get_server_info()["quantization"] == quantization
+        assert e.get_weights_by_name(name, truncate_size=4096) == weights
         assert [o["output_ids"] for o in e.generate(input_ids=IDS, sampling_params=GREEDY)] == want
 
 
@@ -297,7 +301,7 @@ def test_updates_from_fp8_checkpoints_and_a_broken_one(checkpoints: dict[int, st
     fp8_dir, _ = _fp8_checkpoint(checkpoints[1], tmp_path / "good", (32, 32))
     broken, _ = _fp8_checkpoint(checkpoints[1], tmp_path / "broken", (32, 32),
                                 drop="model.layers.0.mlp.down_proj.weight_scale_inv")
-    with _engine(fp8_dir) as fresh:
+    with _engine(fp8_dir, quantization="fp8") as fresh:
         want = [o["output_ids"] for o in fresh.generate(input_ids=IDS, sampling_params=GREEDY)]
     with _engine(checkpoints[0], quantization="fp8") as e:
         e.update_weights_from_disk(fp8_dir)
@@ -322,3 +326,18 @@ def test_a_scale_before_its_weight_and_other_quantizations() -> None:
     with pytest.raises(ValueError, match="quant_method='awq'"):
         Fp8Checkpoint.of(SimpleNamespace(quantization_config={"quant_method": "awq"}))
     assert Fp8Checkpoint.of(SimpleNamespace()) is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp8_checkpoint_runs_with_fp8_weights_unasked(gpu_model_dir: str, tmp_path: Path) -> None:
+    """On a GPU that runs FP8 GEMMs a checkpoint stored in FP8 starts with FP8 weights, and
+    generates what its float32 twin does with quantization="fp8"."""
+    fp8_dir, plain_dir = _fp8_checkpoint(gpu_model_dir, tmp_path, (128, 128))
+    with sgl.Engine(fp8_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
+                    max_total_tokens=4096) as e:
+        assert e.get_server_info()["quantization"] == "fp8"
+        got = [o["output_ids"] for o in e.generate(input_ids=IDS, sampling_params=GREEDY)]
+    with sgl.Engine(plain_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
+                    max_total_tokens=4096, quantization="fp8") as e:
+        assert [o["output_ids"] for o in e.generate(input_ids=IDS, sampling_params=GREEDY)] == got
