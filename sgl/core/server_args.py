@@ -158,6 +158,7 @@ class ServerArgs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Weights: "fp8" (SGLang's and vLLM's name) quantizes the decoder layers' projections
     # to FP8 as they load, a scale per output channel, activations per token at each call
     # (sgl.kernels.fp8_linear); embeddings, norms and the LM head stay in the model's dtype.
+    # None: "fp8" for a checkpoint stored in FP8 on a GPU that runs FP8 GEMMs, else none.
     quantization: Literal["fp8"] | None = None
     max_top_logprobs_num: int = 20  # the most top logprobs a request may ask for per token (OpenAI's bound)
     # Names (registered) or dotted paths (pkg.mod:Class) of logit processors requests may use.
