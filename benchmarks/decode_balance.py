@@ -29,7 +29,7 @@ import time
 import torch
 
 from benchmarks.common import machine, table
-from benchmarks.profile_decode import time_us
+from benchmarks.profile_decode import graph_us, time_us
 
 HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B
 KV_BYTES_PER_TOKEN = 2 * HKV * D * 2  # one layer, K and V, bf16
@@ -58,20 +58,6 @@ def plan_us(backend: object, bs: int, indptr: torch.Tensor, slots: torch.Tensor,
     for _ in range(reps):
         backend.begin_graph_decode(bs, indptr, slots, tc)  # type: ignore[attr-defined]
     return (time.perf_counter() - t0) / reps * 1e6
-
-
-def graph_us(fn: object, reps: int = 20) -> float:
-    """GPU microseconds per call of fn, replayed from a CUDA graph (no launch cost)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()  # type: ignore[operator]
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()  # type: ignore[operator]
-    return time_us(g.replay, reps)
 
 
 def others(row: dict[str, object], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k8: torch.Tensor,

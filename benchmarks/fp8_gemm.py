@@ -2,9 +2,9 @@
 shapes and the token counts of decode batches and prefill chunks: microseconds per call
 of the bf16 GEMM, of the FP8 path whole (the activations' quantization, then the scaled
 GEMM) and of each of its two parts, and the 16-bit weight read's time at the GPU's
-bandwidth. On a GPU each figure is the time of 20 calls captured in a CUDA graph (as the
-engine replays decode), so launch gaps do not count; on a CPU (a check that it runs) wall
-time.
+bandwidth. On a GPU each figure is a call captured in a CUDA graph and replayed 20 times (as
+the engine replays decode), so launch gaps do not count; on a CPU (a check that it runs)
+wall time.
 
     python -m benchmarks.fp8_gemm [--config qwen3-8b] [--tokens 1,16,64,128,256,2048]
 """
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import machine, table
+from benchmarks.profile_decode import graph_us
 from sgl.kernels.fp8_linear import fp8_linear, quantize_rows
 
 REPS = 20
@@ -36,30 +37,14 @@ def projections(config: dict) -> list[tuple[str, int, int]]:
 
 
 def time_us(fn: Callable[[], object], device: torch.device) -> float:
-    """Microseconds per call: REPS calls in one CUDA graph on a GPU, wall time on a CPU."""
-    if device.type != "cuda":
+    """Microseconds per call: replayed from a CUDA graph on a GPU, wall time on a CPU."""
+    if device.type == "cuda":
+        return graph_us(fn, REPS)
+    fn()
+    t = time.perf_counter()
+    for _ in range(REPS):
         fn()
-        t = time.perf_counter()
-        for _ in range(REPS):
-            fn()
-        return (time.perf_counter() - t) / REPS * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
-    graph.replay()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    graph.replay()
-    e1.record()
-    e1.synchronize()
-    return e0.elapsed_time(e1) / REPS * 1e3
+    return (time.perf_counter() - t) / REPS * 1e6
 
 
 def row(name: str, k: int, n: int, m: int, device: torch.device, dtype: torch.dtype) -> dict:
