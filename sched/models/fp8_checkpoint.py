@@ -57,7 +57,7 @@ class Fp8Checkpoint:
         scaled: set[str] = set()
         for name, shape, dtype in items:
             if name.endswith(_SCALES):
-                scaled.add(name.rsplit(".", 1)[0] + ".weight")
+                scaled.add(_scaled_weight(name))
             elif not name.endswith(".input_scale"):
                 is_fp8 = _FP8_NAMES.get(dtype, dtype) == "float8_e4m3fn"
                 if is_fp8:
@@ -79,7 +79,7 @@ class Fp8Checkpoint:
             if name.endswith(".input_scale"):
                 continue
             if name.endswith(_SCALES):
-                owner = name.rsplit(".", 1)[0] + ".weight"
+                owner = _scaled_weight(name)
                 if owner in weights:
                     yield owner, self._values(owner, weights.pop(owner), t)
                 else:
@@ -112,3 +112,8 @@ class Fp8Checkpoint:
             raise ValueError(f"the scale of {name!r} has shape {tuple(s.shape)}: expected one value, one per row "
                              "or one per block")
         return q.float() * s
+
+
+def _scaled_weight(scale_name: str) -> str:
+    """The weight a scale belongs to: `x.weight_scale_inv` and `x.weight_scale` scale `x.weight`."""
+    return scale_name.rsplit(".", 1)[0] + ".weight"

@@ -109,7 +109,7 @@ def load_model(
         _fill(model, iter(gguf_ckpt), len(gguf_ckpt), str(gguf_file))
     else:
         files = safetensors_files(path)
-        _fill(model, _iter_safetensors(files), _count_safetensors(files), str(path), fp8_ckpt)
+        _fill(model, safetensors_tensors(files), _count_safetensors(files), str(path), fp8_ckpt)
     model.eval()
     return model, config
 
@@ -216,7 +216,8 @@ def _count_safetensors(files: list[Path]) -> int:
     return n
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files, by name, in the files' order."""
     from safetensors import safe_open
 
     for f in files:

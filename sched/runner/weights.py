@@ -101,7 +101,13 @@ class WeightManager:
     def from_disk(self, model_path: str, load_format: str | None = None) -> int:
         """Load every weight of a checkpoint of the same architecture (a safetensors
         directory or a .gguf file); returns the tensors loaded."""
-        from sgl.sched.models.loader import GGUFCheckpoint, _gguf_file, hf_config, safetensors_files
+        from sgl.sched.models.loader import (
+            GGUFCheckpoint,
+            _gguf_file,
+            hf_config,
+            safetensors_files,
+            safetensors_tensors,
+        )
 
         self._loaded_model()
         fmt = load_format or (self.load_format if self.load_format in DISK_FORMATS else "auto")
@@ -122,7 +128,7 @@ class WeightManager:
         self._same_architecture(config, model_path)
         files = safetensors_files(path)
         header: Iterable[tuple[str, list[int], str]] = _safetensors_header(files)
-        tensors: Iterable[tuple[str, torch.Tensor]] = _safetensors_tensors(files)
+        tensors: Iterable[tuple[str, torch.Tensor]] = safetensors_tensors(files)
         if (fp8 := Fp8Checkpoint.of(config)) is not None:  # dequantized as read; the model quantizes its own way
             header, tensors = fp8.header(header), fp8.dequantized(tensors)
         self._check(header, f"model_path={model_path!r}", complete=True)
@@ -379,12 +385,3 @@ def _safetensors_header(files: list[Path]) -> Iterator[tuple[str, list[int], str
             for name in fh.keys():
                 s = fh.get_slice(name)
                 yield name, list(s.get_shape()), _SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype())
-
-
-def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                yield name, fh.get_tensor(name)
