@@ -7,7 +7,8 @@ so its bf16 GEMMs may round differently: tokens are equal until a position where
 decoding's two best logprobs are within bf16 noise, and most requests are equal
 throughout. Weights are random (dummy, bf16) on the default model's config and
 tokenizer (as tests/test_gpu_grammar.py): their greedy text repeats, so proposals are
-taken. KV balances. With a batch-size limit the steps switch between plain overlapped
+taken; the draft's forwards replay its own CUDA graphs, and its proposals, the target's
+tokens, are nearly all taken. KV balances. With a batch-size limit the steps switch between plain overlapped
 ones and speculative ones as requests finish."""
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def test_speculative_steps_under_graphs_and_overlap_equal_plain_greedy(model_dir
     spec, info = _run(model_dir, speculative_algorithm=algorithm, speculative_num_draft_tokens=5,
                       speculative_disable_by_batch_size=limit, **draft)
     assert info["spec_accept_length"] > 1.5
+    if algorithm == "STANDALONE":  # the draft's own graphs (decode, and pieces for its catch-up) ran
+        assert info["spec_draft_graph_forwards"] > 0
+        assert info["spec_accepted_tokens"] > 0.8 * info["spec_proposed_tokens"]
     equal = 0
     for x, y in zip(plain, spec):
         a, b = x["output_ids"], y["output_ids"]

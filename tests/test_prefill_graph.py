@@ -86,3 +86,34 @@ def test_pooled_rows_of_pieces_equal_the_whole_forward(qwen3_dir: str, monkeypat
         pieced = embed()
     for a, b in zip(pieced, plain):
         assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(a, b))
+
+
+def _eager_draft_pieces(runner: ModelRunner) -> None:
+    """In place of ModelRunner._capture_graphs: a draft model's catch-up through its own
+    pieces, eagerly (the target's forwards stay whole)."""
+    assert runner.draft is not None
+    runner.draft.prefill_graphs = PrefillGraphs(runner.draft, PIECE_TOKENS, capture=False)
+
+
+def test_a_draft_models_pieces_propose_what_its_whole_forward_does(qwen3_dir: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """STANDALONE with the target as its own draft: through the draft's pieces (its own
+    buffers, KV pool and attention backend) its greedy proposals are the target's tokens,
+    so nearly all are taken, and the outputs are plain decoding's. A catch-up above the
+    largest piece (the long prompt's) runs whole."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (3, 9, 14, 20, 150)]
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    outs = []
+    for spec in ({}, {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": qwen3_dir,
+                      "speculative_num_draft_tokens": 4}):
+        with monkeypatch.context() as m:
+            m.setattr(ModelRunner, "_capture_graphs", _eager_draft_pieces if spec else lambda runner: None)
+            with sgl.Engine(qwen3_dir, transport="inproc", skip_tokenizer_init=True, max_total_tokens=4096,
+                            chunked_prefill_size=256, disable_overlap_schedule=True, **spec) as e:
+                outs.append([o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)])
+                info = e.get_server_info()
+                assert_kv_balanced(info)
+    assert outs[1] == outs[0]
+    assert info["spec_draft_graph_forwards"] >= 5  # every catch-up but the first
+    assert info["spec_accepted_tokens"] > 0.9 * info["spec_proposed_tokens"] > 50

@@ -12,6 +12,7 @@ import torch
 from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.kernels.attention import AttentionBackend, AttnMetadata
 from sgl.kernels.lora import LoraBatch
+from sgl.sched.models.lora_layers import LoraSpec
 
 
 @dataclass(slots=True)
@@ -56,3 +57,17 @@ class CausalLM(Protocol):
     head_dim: int
 
     def __call__(self, fb: ForwardBatch) -> torch.Tensor: ...
+
+
+class ModelOnDevice(Protocol):
+    """A model with what its forwards run on (the target's model runner, or a speculative
+    draft model): what the CUDA graphs capture and replay (sgl.sched.runner.cuda_graph,
+    sgl.sched.runner.prefill_graph)."""
+
+    model: CausalLM
+    kv_pool: MHATokenToKVPool
+    attn_backend: AttentionBackend
+    device: torch.device
+    dtype: torch.dtype
+    cascade: bool  # decode graphs for cascade attention too
+    lora_spec: LoraSpec | None  # adapters' buffers in the decode graphs

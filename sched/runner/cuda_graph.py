@@ -8,29 +8,27 @@ dropped. Each size is captured once per decode kernel the backend may pick for i
 (FlashInfer: the decode kernel, and from some batch size its tensor-core kernel too,
 chosen per batch by `picks_tensor_cores`), and with cascade attention on once more
 for cascade decode (shared block + per-request suffix + merge). The attention plan
-runs before each replay, outside the graph. Capture happens once, at start-up."""
+runs before each replay, outside the graph. Capture happens once, at start-up. The
+target model has such graphs, and a speculative draft model its own (each a
+ModelOnDevice: its weights, KV pool and attention backend)."""
 
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from sgl.core.progress import progress_bar
 from sgl.kernels.attention import AttnMetadata
 from sgl.kernels.lora import LoraBatch
-from sgl.sched.models.forward_batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from sgl.sched.runner.model_runner import ModelRunner
-    from sgl.sched.runner.prepare import PreparedBatch
+from sgl.sched.models.forward_batch import ForwardBatch, ModelOnDevice
 
 _SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
+    def __init__(self, runner: ModelOnDevice, max_bs: int) -> None:
         backend = runner.attn_backend
         if not hasattr(backend, "init_graph"):
             raise ValueError("CUDA graphs need attention_backend='flashinfer' (or pass disable_cuda_graph=True)")
@@ -78,7 +76,7 @@ class CudaGraphRunner:
                     bar.update()
         torch.cuda.synchronize(dev)
 
-    def _capture(self, runner: ModelRunner, fb: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, runner: ModelOnDevice, fb: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         for _ in range(2):  # warm up: lazy initialisation must not happen inside capture
             runner.model(fb)
         torch.cuda.synchronize(runner.device)
@@ -95,23 +93,25 @@ class CudaGraphRunner:
     def can_run(self, b: int) -> bool:
         return b <= self.sizes[-1]
 
-    def replay(self, p: PreparedBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        b = len(p.attn.qo_lens)
+    def replay(self, attn: AttnMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
+               out_cache_loc: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """The logits of a decode batch (one row per request) of `attn`'s rows."""
+        b = len(attn.qo_lens)
         bs = next(s for s in self.sizes if s >= b)
         self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(p.positions)
-        self.out_cache_loc[:b].copy_(p.out_cache_loc)
-        if p.lora is not None:
-            p.lora.copy_into(self.lora[bs])
+        self.positions[:b].copy_(positions)
+        self.out_cache_loc[:b].copy_(out_cache_loc)
+        if lora is not None:
+            lora.copy_into(self.lora[bs])
         if bs > b:
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()
             self.out_cache_loc[b:bs].zero_()
-        c = p.attn.cascade
+        c = attn.cascade
         if c is None:
-            assert p.attn.kv_indptr_host is not None
-            tc = self.backend.picks_tensor_cores(bs, p.attn.kv_indptr_host, p.attn.shared_len)
-            indptr, indices = _pad(p.attn.kv_indptr_host, p.attn.kv_indices, bs)
+            assert attn.kv_indptr_host is not None
+            tc = self.backend.picks_tensor_cores(bs, attn.kv_indptr_host, attn.shared_len)
+            indptr, indices = _pad(attn.kv_indptr_host, attn.kv_indices, bs)
             self.backend.begin_graph_decode(bs, indptr, indices, tc)
             kind = _kind(tc)
         else:

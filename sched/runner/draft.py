@@ -7,8 +7,11 @@ outputs stay those of plain decoding).
 Per step: one forward over each request's tokens the draft has not seen (through its
 last token), then one decode forward per further proposal, each feeding back the
 token it proposed last; every proposal is the draft's most likely token, fetched to
-the host as the next forward's input and the verify rows' input. The forwards run
-eagerly, on the scheduler's side of the loop, before the step's own forward is queued.
+the host as the next forward's input and the verify rows' input. The forwards run on
+the scheduler's side of the loop, before the step's own forward is queued. On a GPU
+they replay CUDA graphs of the draft's own, as the target's do: its decode forwards
+through decode graphs, its catch-up through the piecewise prefill graphs; a draft
+forward's host work would otherwise outlast its kernels several times over.
 
 It decides nothing: which requests propose, how many tokens and from which position
 the draft catches up come with the batch (ScheduleBatch.drafts). It never allocates
@@ -28,22 +31,48 @@ from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
 from sgl.sched.req import Req
 from sgl.sched.runner.grammar_masks import apply_masks
+from sgl.sched.runner.prefill_graph import PrefillGraphs, supports_pieces
 from sgl.sched.runner.weights import WeightManager
 
 if TYPE_CHECKING:
+    from sgl.sched.runner.cuda_graph import CudaGraphRunner
     from sgl.sched.runner.prepare import BatchPreparer
 
 
 class DraftModel:
+    """The draft, a ModelOnDevice (sgl.sched.models.forward_batch): its weights, KV pool,
+    attention backend and graphs."""
+
+    cascade = False  # a draft's decode batches are small: no cascade attention
+    lora_spec = None  # adapters serve the target alone
+
     def __init__(self, model: CausalLM, weights: WeightManager, kv_pool: MHATokenToKVPool,
-                 backend: AttentionBackend, table: ReqToTokenPool, preparer: BatchPreparer, vocab_size: int) -> None:
+                 backend: AttentionBackend, table: ReqToTokenPool, preparer: BatchPreparer, vocab_size: int,
+                 dtype: torch.dtype) -> None:
         self.model = model
         self.weights = weights  # its memory, released and resumed with the target's
         self.kv_pool = kv_pool
-        self.backend = backend
+        self.attn_backend = backend
+        self.device = kv_pool.device
+        self.dtype = dtype
         self.table = table  # the target's request table
         self.preparer = preparer  # the target's: attention metadata from the table's mirror
         self.vocab_size = vocab_size  # ids it may propose: the target's vocabulary (a draft's may be padded wider)
+        self.graphs: CudaGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        self.graph_forwards = 0  # forwards that replayed graphs (decode or pieces), for server info
+
+    def capture(self, max_bs: int, max_tokens: int | None) -> None:
+        """Capture the draft's decode graphs up to `max_bs` requests and, where its model
+        runs in pieces, its prefill pieces up to `max_tokens` tokens."""
+        from sgl.sched.runner.cuda_graph import CudaGraphRunner
+
+        self.graphs = CudaGraphRunner(self, max_bs)
+        if max_tokens is not None and supports_pieces(self.model):
+            self.prefill_graphs = PrefillGraphs(self, max_tokens)
+
+    def drop_graphs(self) -> None:
+        self.graphs = self.prefill_graphs = None
 
     @torch.inference_mode()
     def propose(self, batch: ScheduleBatch) -> None:
@@ -82,26 +111,35 @@ class DraftModel:
                  qo_lens: list[int], kv_lens: list[int], is_decode: bool) -> torch.Tensor:
         """One forward over request-table rows: each row's qo_lens[i] new tokens (written at
         `slots`) ending at kv_lens[i]; the logits after each row's last, over the target's ids."""
-        dev = self.kv_pool.device
-        p = self.preparer
-        meta = p.attention(is_decode, qo_lens, kv_lens, to_device(torch.tensor(rows, dtype=torch.int64), dev),
-                           to_device(torch.tensor(kv_lens, dtype=torch.int64), dev))
+        dev = self.device
+        rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), dev)
+        meta = self.preparer.attention(is_decode, qo_lens, kv_lens, rows_dev,
+                                       to_device(torch.tensor(kv_lens, dtype=torch.int64), dev))
         assert meta.qo_indptr_host is not None
-        self.backend.begin_forward(meta)
+        ids = to_device(torch.tensor(input_ids, dtype=torch.int64), dev)
+        positions, slots = to_device(positions, dev), to_device(slots.to(torch.int64), dev)
+        if is_decode and self.graphs is not None and self.graphs.can_run(len(rows)):
+            self.graph_forwards += 1
+            return self.graphs.replay(meta, ids, positions, slots)[:, : self.vocab_size]
+        self.attn_backend.begin_forward(meta)
         fb = ForwardBatch(
-            input_ids=to_device(torch.tensor(input_ids, dtype=torch.int64), dev),
-            positions=to_device(positions, dev),
-            out_cache_loc=to_device(slots.to(torch.int64), dev),
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=slots,
             logits_indices=to_device((meta.qo_indptr_host[1:] - 1).to(torch.int64), dev),
             attn=meta,
-            attn_backend=self.backend,
+            attn_backend=self.attn_backend,
             kv_pool=self.kv_pool,
         )
+        if not is_decode and self.prefill_graphs is not None and self.prefill_graphs.can_run(len(input_ids)):
+            self.graph_forwards += 1
+            return self.prefill_graphs.forward(ids, fb)[:, : self.vocab_size]
         return self.model(fb)[:, : self.vocab_size]
 
     def info(self) -> dict[str, int]:
         m = self.model
-        return {"spec_draft_layers": m.num_layers, "spec_draft_vocab_size": m.vocab_size}
+        return {"spec_draft_layers": m.num_layers, "spec_draft_vocab_size": m.vocab_size,
+                "spec_draft_graph_forwards": self.graph_forwards}
 
 
 class DraftGrammars:

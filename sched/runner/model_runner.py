@@ -187,7 +187,7 @@ class ModelRunner:
                                     MHATokenToKVPool(self.max_total_tokens, draft.num_layers, draft.num_kv_heads,
                                                      draft.head_dim, self.kv_dtype, self.device),
                                     self._attention_backend(args, draft), self.req_to_token_pool, self.preparer,
-                                    min(self.vocab_size, draft.vocab_size))
+                                    min(self.vocab_size, draft.vocab_size), self.dtype)
         self.sampling = SamplingState(self.device, self.req_to_token_pool.size, self.vocab_size, self.dtype,
                                       args.random_seed or 0, self.eos_ids, self.processors,
                                       masks=args.grammar_backend != "none")
@@ -198,12 +198,14 @@ class ModelRunner:
         graphed = self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null"
         # The largest batch the CUDA graphs take; None: no graphs.
         self.graph_bs = min(args.cuda_graph_max_bs, self.max_running_requests) if graphed else None
-        # The largest extend batch (in tokens) the piecewise graphs take; None: none. Not with
-        # LoRA adapters (their rows change every batch) nor beyond a prefill chunk.
-        self.prefill_graph_tokens = (min(args.piecewise_cuda_graph_max_tokens,
-                                         self.chunked_prefill_size or args.piecewise_cuda_graph_max_tokens)
-                                     if graphed and args.piecewise_cuda_graph_max_tokens > 0
-                                     and self.lora_spec is None and supports_pieces(self.model) else None)
+        # The largest extend batch (in tokens) the piecewise graphs take; None: none. Never
+        # beyond a prefill chunk; not the target's with LoRA adapters (their rows change every
+        # batch), a draft's all the same (adapters never apply to it).
+        pieces = args.piecewise_cuda_graph_max_tokens
+        self.draft_graph_tokens = (min(pieces, self.chunked_prefill_size or pieces)
+                                   if graphed and pieces > 0 else None)
+        self.prefill_graph_tokens = (self.draft_graph_tokens if self.lora_spec is None and supports_pieces(self.model)
+                                     else None)
         t0 = time.perf_counter()
         self._capture_graphs()
         self.startup["cuda_graphs_s"] = time.perf_counter() - t0
@@ -226,6 +228,14 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self, self.graph_bs)
         if self.prefill_graph_tokens is not None:
             self.prefill_graphs = PrefillGraphs(self, self.prefill_graph_tokens)
+        if self.draft is not None and self.graph_bs is not None:
+            self.draft.capture(self.graph_bs, self.draft_graph_tokens)
+
+    def _drop_graphs(self) -> None:
+        """Drop every CUDA graph (the target's and a draft's): they read the memory a release frees."""
+        self.graphs = self.prefill_graphs = None
+        if self.draft is not None:
+            self.draft.drop_graphs()
 
     # ---- memory release, for a trainer sharing the device ----
 
@@ -268,7 +278,7 @@ class ModelRunner:
                 self._memory_owner(tag)[0].resume()
             raise
         if self.graphs is not None or self.prefill_graphs is not None:
-            self.graphs = self.prefill_graphs = None
+            self._drop_graphs()
             gc.collect()  # the graphs' memory pool goes with its last graph
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -293,7 +303,7 @@ class ModelRunner:
                 self._capture_graphs()
                 self.memory_stats["recapture_s"] = time.perf_counter() - t1
         except BaseException:
-            self.graphs = self.prefill_graphs = None
+            self._drop_graphs()
             for tag in reversed(done):
                 self._memory_owner(tag)[0].release()
             raise
@@ -473,7 +483,7 @@ class ModelRunner:
             src = p.rows if p.input_rows is None else p.input_rows
             input_ids = torch.where(input_ids < 0, self.sampling.next_token[src], input_ids)
         if p.attn.is_decode and self.graphs is not None and self.graphs.can_run(len(p.attn.qo_lens)):
-            return self.graphs.replay(p, input_ids)
+            return self.graphs.replay(p.attn, input_ids, p.positions, p.out_cache_loc, p.lora)
         self.attn_backend.begin_forward(p.attn)
         fb = ForwardBatch(
             input_ids=input_ids,

@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from sgl.core.progress import progress_bar
 from sgl.kernels.attention import AttnMetadata
 from sgl.kernels.layers import RopeTables
-from sgl.sched.models.forward_batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from sgl.sched.runner.model_runner import ModelRunner
+from sgl.sched.models.forward_batch import ForwardBatch, ModelOnDevice
 
 # Captured token counts: fine steps where padding would cost GPU time (a large prefill
 # is GPU-bound), so that no batch pads by more than a third.
@@ -85,7 +82,7 @@ class PrefillGraphs:
     (capture=False runs the same pieces eagerly over the same padded buffers: the CPU
     tests' way to check the padding and the buffers)."""
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, capture: bool = True) -> None:
+    def __init__(self, runner: ModelOnDevice, max_tokens: int, capture: bool = True) -> None:
         m: PieceModel = runner.model  # type: ignore[assignment]
         self.model = m
         self.layers = list(m.decoder_layers)
@@ -146,7 +143,7 @@ class PrefillGraphs:
             fb.pool.pool(hidden[fb.pool.rows])
         return self.model.lm_logits(hidden[fb.logits_indices])
 
-    def _pieces(self, runner: ModelRunner, t: int) -> list[Callable[[], None]]:
+    def _pieces(self, runner: ModelOnDevice, t: int) -> list[Callable[[], None]]:
         """The forward's L + 1 pieces at t tokens, reading and writing the fixed buffers."""
         m, layers = self.model, self.layers
         dev = runner.device
