@@ -29,6 +29,7 @@ from sgl.cache.req_to_token_pool import ReqToTokenPool
 from sgl.kernels.attention import AttentionBackend
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
+from sgl.sched.models.lora_layers import LoraSpec
 from sgl.sched.req import Req
 from sgl.sched.runner.grammar_masks import apply_masks
 from sgl.sched.runner.prefill_graph import PrefillGraphs, supports_pieces
@@ -43,8 +44,8 @@ class DraftModel:
     """The draft, a ModelOnDevice (sgl.sched.models.forward_batch): its weights, KV pool,
     attention backend and graphs."""
 
-    cascade = False  # a draft's decode batches are small: no cascade attention
-    lora_spec = None  # adapters serve the target alone
+    cascade: bool = False  # a draft's decode batches are small: no cascade attention
+    lora_spec: LoraSpec | None = None  # adapters serve the target alone
 
     def __init__(self, model: CausalLM, weights: WeightManager, kv_pool: MHATokenToKVPool,
                  backend: AttentionBackend, table: ReqToTokenPool, preparer: BatchPreparer, vocab_size: int,
