@@ -1,4 +1,5 @@
-"""Host tensors headed for a device, moved without ever waiting for it.
+"""Host tensors headed for a device, and device tensors for the host, moved without
+ever waiting for it.
 
 On CUDA a host tensor is pinned and copied with non_blocking=True: a copy from
 pageable memory would synchronise the stream, and the overlap loop builds batch
@@ -23,6 +24,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def to_host(t: torch.Tensor, non_blocking: bool = True) -> torch.Tensor:
+    """`t` on the host. From CUDA with non_blocking the copy is queued into pinned memory
+    and is valid once the device has passed it (the caller waits on a later event)."""
+    if t.device.type == "cpu":
+        return t
+    if not non_blocking:
+        return t.cpu()
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 class Uploads:

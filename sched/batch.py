@@ -57,9 +57,21 @@ class ScheduleBatch:
     # A draft model's speculative step: its work per request. Until the runner's draft fills
     # them when the batch is prepared, the proposal entries' input_ids are -1.
     drafts: list[DraftInput] | None = None
+    # A draft's proposals made on the device: (entries, host copy), the copy queued with the
+    # step and valid once its results are (take_proposals writes them into input_ids).
+    proposed: tuple[list[int], torch.Tensor] | None = None
     # A mixed batch (prefill chunks whose forward also steps running requests): its entries
     # from this one on are decode entries, one token each. None for any other batch.
     decode_from: int | None = None
+
+    def take_proposals(self) -> None:
+        """Write a draft's proposals into input_ids, once the step's results are on the host."""
+        if self.proposed is not None:
+            assert self.input_ids is not None
+            entries, tokens = self.proposed
+            for e, t in zip(entries, tokens.tolist()):
+                self.input_ids[e] = t
+            self.proposed = None
 
     @property
     def decode_start(self) -> int:

@@ -161,6 +161,7 @@ class ResultProcessor:
         try:
             step.sample()  # a grammar step never sampled (shutting down): now
             res = step.result()
+            batch.take_proposals()  # a draft's, copied before the results were
             if strike is not None:
                 strike(batch, "forward")
         except Exception as e:  # noqa: BLE001 - the forward or sampling failed: that batch's requests end

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl.cache.host_copy import to_host
 from sgl.core.trie import Trie
 from sgl.kernels.trie_mask import trie_advance
 
@@ -49,14 +50,7 @@ class BeamPicks:
     run: torch.Tensor  # [G, W] int64
 
     def to_host(self, non_blocking: bool) -> BeamPicks:
-        def host(t: torch.Tensor) -> torch.Tensor:
-            if t.device.type == "cpu":
-                return t
-            if not non_blocking:
-                return t.cpu()
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-        return BeamPicks(host(self.scores), host(self.source), host(self.token), host(self.run))
+        return BeamPicks(*(to_host(t, non_blocking) for t in (self.scores, self.source, self.token, self.run)))
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl.cache.host_copy import to_device
+from sgl.cache.host_copy import to_device, to_host
 from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.cache.req_to_token_pool import ReqToTokenPool
 from sgl.kernels.attention import AttentionBackend
@@ -76,39 +76,54 @@ class DraftModel:
         self.graphs = self.prefill_graphs = None
 
     @torch.inference_mode()
-    def propose(self, batch: ScheduleBatch) -> None:
-        """Write each drafting request's proposals into the batch's input_ids (their
-        placeholders), catching up on its unseen tokens first."""
-        works, ids = batch.drafts, batch.input_ids
-        assert works is not None and ids is not None
+    def propose(self, batch: ScheduleBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each drafting request's proposals, catching up on its unseen tokens first: as
+        (entries, tokens) on the device for the step's inputs, the host's copy queued into
+        the batch (ScheduleBatch.proposed); or, where a drafting request has a grammar (its
+        matcher takes each pick on the host), written into the batch's input_ids, and None."""
+        works = batch.drafts
+        assert works is not None and batch.input_ids is not None
+        dev = self.device
         table = self.table
         table.sync()
         rows = [batch.rows[w.entry] for w in works]
         ends = [w.start + len(w.tokens) for w in works]  # positions the draft's KV reaches after catching up
         slots = torch.cat([table.req_to_token[row, w.start:end] for row, w, end in zip(rows, works, ends)])
         positions = torch.cat([torch.arange(w.start, end, dtype=torch.int64) for w, end in zip(works, ends)])
-        logits = self._forward(rows, [t for w in works for t in w.tokens], positions, slots,
-                               [len(w.tokens) for w in works], ends, is_decode=False)
+        logits = self._forward(rows, torch.tensor([t for w in works for t in w.tokens], dtype=torch.int64), positions,
+                               slots, [len(w.tokens) for w in works], ends, is_decode=False)
         drafting = [i for i, w in enumerate(works) if w.k]
         guide = DraftGrammars([batch.reqs[works[i].entry] for i in drafting], drafting)
-        last = guide.pick(logits, list(range(len(works))))
+        last = guide.pick(logits, list(range(len(works))))  # each work's latest pick, on the device
+        entries: list[int] = []
+        picks: list[torch.Tensor] = []
         for j in range(1, max((works[i].k for i in drafting), default=0) + 1):
-            for i in drafting:
-                ids[works[i].entry + j] = last[i]  # proposal j: what the draft predicts after position end - 1
+            entries += [works[i].entry + j for i in drafting]  # proposal j: the draft's pick after position end - 1
+            picks.append(_of(last, drafting, len(works), dev))
             drafting = [i for i in drafting if works[i].k > j]
             if not drafting:
                 break
             # Feed proposal j back at its position (ends[i] - 1 + j) to predict proposal j + 1.
             pos = [ends[i] - 1 + j for i in drafting]
             step_rows = [rows[i] for i in drafting]
-            logits = self._forward(step_rows, [last[i] for i in drafting], torch.tensor(pos, dtype=torch.int64),
-                                   table.req_to_token[torch.tensor(step_rows), torch.tensor(pos)].to(torch.int64),
+            at = torch.tensor(pos, dtype=torch.int64)
+            logits = self._forward(step_rows, _of(last, drafting, len(works), dev), at,
+                                   table.req_to_token[torch.tensor(step_rows), at].to(torch.int64),
                                    [1] * len(drafting), [p + 1 for p in pos], is_decode=True)
-            for i, tok in zip(drafting, guide.pick(logits, drafting)):
-                last[i] = tok
+            picked = guide.pick(logits, drafting)  # a new tensor: `picks` keeps the earlier ones
+            last = picked if len(drafting) == len(works) else last.index_put((_index(drafting, dev),), picked)
         guide.rollback()
+        if not entries:
+            return None
+        tokens = torch.cat(picks)
+        if guide.guided:
+            for e, t in zip(entries, tokens.tolist()):
+                batch.input_ids[e] = t
+            return None
+        batch.proposed = (entries, to_host(tokens))
+        return to_device(torch.tensor(entries, dtype=torch.int64), dev), tokens
 
-    def _forward(self, rows: list[int], input_ids: list[int], positions: torch.Tensor, slots: torch.Tensor,
+    def _forward(self, rows: list[int], input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  qo_lens: list[int], kv_lens: list[int], is_decode: bool) -> torch.Tensor:
         """One forward over request-table rows: each row's qo_lens[i] new tokens (written at
         `slots`) ending at kv_lens[i]; the logits after each row's last, over the target's ids."""
@@ -117,7 +132,7 @@ class DraftModel:
         meta = self.preparer.attention(is_decode, qo_lens, kv_lens, rows_dev,
                                        to_device(torch.tensor(kv_lens, dtype=torch.int64), dev))
         assert meta.qo_indptr_host is not None
-        ids = to_device(torch.tensor(input_ids, dtype=torch.int64), dev)
+        ids = to_device(input_ids, dev) if input_ids.device != dev else input_ids
         positions, slots = to_device(positions, dev), to_device(slots.to(torch.int64), dev)
         if is_decode and self.graphs is not None and self.graphs.can_run(len(rows)):
             self.graph_forwards += 1
@@ -132,7 +147,7 @@ class DraftModel:
             attn_backend=self.attn_backend,
             kv_pool=self.kv_pool,
         )
-        if not is_decode and self.prefill_graphs is not None and self.prefill_graphs.can_run(len(input_ids)):
+        if not is_decode and self.prefill_graphs is not None and self.prefill_graphs.can_run(ids.shape[0]):
             self.graph_forwards += 1
             return self.prefill_graphs.forward(ids, fb)[:, : self.vocab_size]
         return self.model(fb)[:, : self.vocab_size]
@@ -155,6 +170,8 @@ class DraftGrammars:
     def __init__(self, reqs: list[Req], works: list[int]) -> None:
         self.matchers: dict[int, tuple[Any, int]] = {}  # work index -> (matcher, tokens it took)
         self.width = 0
+        # The step's grammar rows read their proposals on the host (sgl.sched.runner.grammar_masks).
+        self._guided = any(r.grammar is not None for r in reqs)
         for r, i in zip(reqs, works):
             m = r.grammar
             if m is None or r.grammar_after is not None:
@@ -171,21 +188,28 @@ class DraftGrammars:
             if took:
                 m.rollback(took)
 
-    def pick(self, logits: torch.Tensor, works: list[int]) -> list[int]:
-        """The most likely token of each row (row k: work `works[k]`) its grammar allows;
-        each guided matcher takes its pick."""
+    @property
+    def guided(self) -> bool:
+        """Whether any request's proposals follow its grammar (they are picked on the host)."""
+        return self._guided
+
+    def pick(self, logits: torch.Tensor, works: list[int]) -> torch.Tensor:
+        """The most likely token of each row (row k: work `works[k]`) its grammar allows,
+        on the device; each guided matcher takes its pick (a wait for the device)."""
         guided = [k for k, i in enumerate(works) if i in self.matchers]
-        if guided:
-            mask = torch.full((len(guided), (self.width + 31) // 32), -1, dtype=torch.int32)
-            for row, k in enumerate(guided):
-                m, _ = self.matchers[works[k]]
-                if not m.is_terminated():
-                    m.fill_next_token_bitmask(mask, row)
-            rows = logits[guided].float()
-            apply_masks(rows, mask.to(rows.device), self.width)
-            logits = logits.float()
-            logits[guided] = rows
-        out = logits.argmax(dim=-1).tolist()
+        if not guided:
+            return logits.argmax(dim=-1)
+        mask = torch.full((len(guided), (self.width + 31) // 32), -1, dtype=torch.int32)
+        for row, k in enumerate(guided):
+            m, _ = self.matchers[works[k]]
+            if not m.is_terminated():
+                m.fill_next_token_bitmask(mask, row)
+        rows = logits[guided].float()
+        apply_masks(rows, mask.to(rows.device), self.width)
+        logits = logits.float()
+        logits[guided] = rows
+        picked = logits.argmax(dim=-1)
+        out = picked.tolist()
         for k in guided:
             i = works[k]
             m, took = self.matchers[i]
@@ -195,10 +219,19 @@ class DraftGrammars:
                 del self.matchers[i]
             else:
                 self.matchers[i] = (m, took + 1)
-        return out
+        return picked
 
     def rollback(self) -> None:
         for m, took in self.matchers.values():
             if took:
                 m.rollback(took)
         self.matchers.clear()
+
+
+def _index(works: list[int], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(works, dtype=torch.int64), device)
+
+
+def _of(picks: torch.Tensor, works: list[int], n: int, device: torch.device) -> torch.Tensor:
+    """The picks of `works` among all n."""
+    return picks if len(works) == n else picks[_index(works, device)]

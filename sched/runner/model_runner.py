@@ -409,11 +409,15 @@ class ModelRunner:
         """Host side, at build time: every tensor the forward needs, copied from the
         request state so that the scheduler may change it while the batch runs.
         Nothing here waits for the device (sgl.sched.runner.prepare), except a draft
-        model's proposals (sgl.sched.runner.draft), which fill a speculative step's inputs first."""
+        model's proposals for grammar requests (sgl.sched.runner.draft); a draft's forwards
+        come first, their proposals the step's inputs."""
+        proposals = None
         if batch.drafts:
             assert self.draft is not None
-            self.draft.propose(batch)
-        return self.preparer.prepare(batch)
+            proposals = self.draft.propose(batch)
+        p = self.preparer.prepare(batch)
+        p.proposals = proposals
+        return p
 
     def launch(self, p: PreparedBatch) -> Step:
         """Queue a prepared batch's forward and, unless it has grammar rows, its sampling
@@ -479,6 +483,8 @@ class ModelRunner:
         """Queue one batch's forward: the logits rows it computes, on the device."""
         # Decode inputs are the tokens the previous step sampled, still on the device.
         input_ids = self.sampling.next_token[p.rows] if p.input_ids is None else p.input_ids
+        if p.proposals is not None:
+            input_ids[p.proposals[0]] = p.proposals[1]
         if p.batch.device_inputs:  # entries whose tokens are on the device (-1 in the host's inputs)
             src = p.rows if p.input_rows is None else p.input_rows
             input_ids = torch.where(input_ids < 0, self.sampling.next_token[src], input_ids)

@@ -63,6 +63,8 @@ class PreparedBatch:
     grammar: GrammarRows | None  # grammar rows among the sampled rows (their bitmasks come at sampling)
     pool: PoolRows | None = None  # embedding requests' rows to pool (a prefill with any)
     lora: LoraBatch | None = None  # each row's adapter slot (an engine with LoRA adapters)
+    # A draft's proposals made on the device: (entries, tokens) of input_ids (-1 on the host).
+    proposals: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class BatchPreparer:

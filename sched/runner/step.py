@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sgl.cache.host_copy import to_host
 from sgl.sched.req import Req
 from sgl.sched.runner.beam_select import BeamPicks
 from sgl.sched.runner.grammar_masks import StartedFill
@@ -46,12 +47,7 @@ class StepResult:
         work is done when non_blocking (the caller waits on an event)."""
 
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None or t.device.type == "cpu":
-                return t
-            if not non_blocking:
-                return t.cpu()
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return out.copy_(t, non_blocking=True)
+            return None if t is None else to_host(t, non_blocking)
 
         return StepResult(host(self.next_ids), host(self.token), host(self.top_vals), host(self.top_ids),  # type: ignore[arg-type]
                           host(self.ids_vals), self.errors,
