@@ -1,10 +1,13 @@
 """Where a decode step's time goes with and without speculative decoding: an engine in
 this process serves C concurrent requests whose prompts repeat a passage (so n-gram
 proposals are taken), and the scheduler's counters split the time per decode step into
-the host's building, waiting on the device and processing, with the GPU's busy and idle
-time (from CUDA events) beside them.
+the host's building (a draft model's forwards included), waiting on the device and
+processing, with the GPU's busy and idle time (from CUDA events) beside them. With
+--draft, a draft model (STANDALONE) runs too: given the target's own directory and
+dummy weights, its proposals are the target's, so every one is taken and the step's
+cost is the mechanism's alone.
 
-    python -m benchmarks.spec_step_cost MODEL [--concurrency 1,8] [--load-format dummy]"""
+    python -m benchmarks.spec_step_cost MODEL [--concurrency 1,8] [--load-format dummy] [--draft DIR]"""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import time
 import sgl
 
 KEYS = ("build_s", "wait_s", "process_s", "gpu_decode_busy_s", "gpu_decode_idle_s", "gpu_busy_s", "gpu_idle_s")
+COUNTS = ("spec_draft_graph_forwards",)
 
 
 def prompt_ids(i: int) -> list[int]:
@@ -34,9 +38,11 @@ def run(model: str, concurrency: int, spec: dict[str, object], load_format: str,
     steps = info["decode_steps"] - before["decode_steps"]
     tokens = sum(len(o["output_ids"]) for o in outs)
     per = {k: 1e3 * (info.get(k, 0.0) - before.get(k, 0.0)) / max(steps, 1) for k in KEYS}
-    return (f"c={concurrency} {'NGRAM' if spec else 'plain'}: {wall:.2f} s, {tokens} tokens, {steps} steps, "
+    name = spec.get("speculative_algorithm", "plain")
+    return (f"c={concurrency} {name}: {wall:.2f} s, {tokens} tokens, {steps} steps, "
             f"{1e3 * wall / max(steps, 1):.2f} ms/step, accept {info.get('spec_accept_length')}; per step ms: "
-            + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in per.items()))
+            + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in per.items())
+            + "".join(f", {k} {info[k] - before[k]}" for k in COUNTS if k in info))
 
 
 def main() -> None:
@@ -46,9 +52,15 @@ def main() -> None:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--draft-tokens", type=int, default=5)
+    ap.add_argument("--draft", help="a draft model's directory: STANDALONE runs too")
     a = ap.parse_args()
+    k = a.draft_tokens
+    specs: list[dict[str, object]] = [{}, {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": k}]
+    if a.draft:
+        specs.append({"speculative_algorithm": "STANDALONE", "speculative_num_draft_tokens": k,
+                      "speculative_draft_model_path": a.draft})
     for c in (int(x) for x in a.concurrency.split(",")):
-        for spec in ({}, {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": a.draft_tokens}):
+        for spec in specs:
             print(run(a.model, c, spec, a.load_format, a.new_tokens), flush=True)
 
 

@@ -428,9 +428,10 @@ for step in "$@"; do
     # step: up to SPEC_K - 1 proposed; match windows of 1-12 tokens), each through W8's copy-heavy
     # edit workload at temperature 0 (SPEC_ARGS replaces the sweep: concurrency 1 and 8, 32
     # requests each); w8_spec_sgl_off.json, w8_spec_sgl_on.json, plots in spec/ (with vllmspec's).
-    # speccost: where a decode step's time goes, plain and NGRAM (benchmarks/spec_step_cost.py), on
-    # the default model's config with dummy weights (.lt), at concurrency 1 and 8.
-    speccost) run 240 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} ;;
+    # speccost: where a decode step's time goes, plain, NGRAM and STANDALONE (the draft: the same
+    # model, so its proposals are all taken) (benchmarks/spec_step_cost.py), on the default
+    # model's config with dummy weights (.lt), at concurrency 1 and 8.
+    speccost) run 300 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} --draft .lt ;;
     # prefillcost: one request's prefill alone (benchmarks/prefill_cost.py): host, wall and GPU
     # time per prompt length, and the kernels of one prefill (what a lone request's TTFT costs);
     # PREFILL_ARGS="--decode-rows N" puts N running requests in each prefill's forward.
