@@ -105,8 +105,7 @@ class DecodeManager:
         Requests whose next step needs the host first wait for the results: beams, serial
         requests, grammars and trie constraints, prefill-only ones and embeddings."""
         for r, partial in zip(batch.reqs[: batch.decode_start], batch.partial):
-            if not (partial or r.beam is not None or r.serial or r.grammar is not None
-                    or r.trie is not None or r.prefill_only or r.pooled is not None):
+            if not (partial or r.steered or r.serial or r.prefill_only or r.pooled is not None):
                 self.add(r)
 
     def prefilled(self, batch: ScheduleBatch) -> None:
@@ -178,7 +177,7 @@ class DecodeManager:
         if self.speculating:
             return []
         reqs = [r for r in self.running if self.can_step(r)]
-        if any(r.beam is not None or r.grammar is not None or r.trie is not None for r in reqs):
+        if any(r.steered for r in reqs):
             return []
         return reqs
 

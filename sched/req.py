@@ -213,6 +213,14 @@ class Req:
         return self.beam.rows if self.beam is not None else [self.req_pool_idx]  # type: ignore[list-item]
 
     @property
+    def steered(self) -> bool:
+        """Its steps read host state the step before it leaves: beams (the rows their
+        selection moves), a grammar (its matcher's next mask), a trie (its next node). Such a
+        request never steps in a prefill's forward (a mixed batch), and joins decoding only
+        once its prefill's results are in (sgl.sched.decode)."""
+        return self.beam is not None or self.grammar is not None or self.trie is not None
+
+    @property
     def finished(self) -> bool:
         return self.finished_reason is not None
 
