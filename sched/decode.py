@@ -130,10 +130,14 @@ class DecodeManager:
 
     def can_step(self, r: Req) -> bool:
         """Whether a running request takes part in the next decode step. Under overlap a
-        request whose in-flight tokens will surely end it (length or context) sits out; a
-        speculative step's requests, and one whose device input is stale, step only once
-        their last step is processed (its proposals, its input come from the host)."""
-        if r.to_abort is not None or ((r.serial or self.speculating or r.stale_input) and r.inflight):
+        request whose in-flight tokens will surely end it (length or context) sits out; one
+        whose device input is stale (it proposed in its last step), and one about to propose
+        (Speculator.waits_for_results), step only once their last step is processed."""
+        if r.to_abort is not None:
+            return False
+        if r.inflight and (r.serial or r.stale_input or (
+                self.speculating and self.speculator is not None
+                and self.speculator.waits_for_results(r, self.context_length))):
             return False
         return r.inflight < r.tokens_left(self.context_length)
 

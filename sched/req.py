@@ -56,7 +56,7 @@ class Req:
         "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "processor",
         "detokenize", "prefix_leader", "is_leader", "prompt_done", "logprobs", "beam", "trie", "serial", "grammar",
         "grammar_width", "grammar_seen", "grammar_after", "arrival", "oom_retried", "embed", "pooled", "embedding",
-        "priority", "timeout", "deadline", "lora_name", "lora_id", "lora_slot", "ngram",
+        "priority", "timeout", "deadline", "lora_name", "lora_id", "lora_slot", "spec",
         "stale_input", "draft_len", "running",
     )
 
@@ -117,7 +117,7 @@ class Req:
         self.lora_name = m.lora_path  # its LoRA adapter's name; None: the base model
         self.lora_id = 0  # that adapter's load (sgl.sched.lora), set on acceptance; 0: the base model
         self.lora_slot = -1  # the device slot of its adapter, set at each admission; -1: none
-        self.ngram: Any = None  # its tokens for n-gram proposals (sgl.sched.speculative), from its first proposal
+        self.spec: Any = None  # its speculation's state (sgl.sched.speculative.SpecState), from its first step
         # Its row's last-token buffer on the device is not its last token (a speculative step
         # sampled several rows of its row): its next step takes its input from the host.
         self.stale_input = False

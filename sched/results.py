@@ -265,7 +265,7 @@ class ResultProcessor:
         # with this step's rows; one without may be in a later step already, and has none to free.
         if n > 1:
             self.kv.truncate(req, int(batch.positions[i]) + taken)
-        spec.record(n - 1, taken)
+        spec.record(req, n - 1, taken)
         if reason is not None:
             self.finish(req, reason)
         elif req.stream:

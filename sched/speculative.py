@@ -30,6 +30,15 @@ the proposal. The search runs in C over the tokens packed as 4-byte words
 (bytes.rfind), kept per request and appended to as tokens come: a kept library for
 this exists only as part of other engines (vLLM's numba proposer, SGLang's C++ trie).
 
+Speculating costs the overlap loop's hiding of the host's work: a request with proposals
+steps again only once its step's results are in. So a request proposes only when it is
+likely to gain: while in flight it takes plain rows (overlapped, input on the device)
+unless it has something to propose (NGRAM: a match among its tokens so far; a draft
+always has), in which case it sits out one step and proposes with its tokens up to date;
+and after a verify that kept none of its proposals it takes plain steps for a while
+(BACKOFF_STEPS, doubling with each such verify in a row, up to MAX_BACKOFF_STEPS) before
+it proposes again. Outputs are the same either way: only the proposals change.
+
 Nothing here allocates KV, builds batches or runs the model."""
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ from sgl.core.server_args import ServerArgs
 from sgl.sched.req import Req
 
 _WORD = 4  # bytes per token id in a request's packed ids
+# Plain steps a request takes after a verify that kept none of its proposals, doubling with
+# each such verify in a row, at most MAX_BACKOFF_STEPS.
+BACKOFF_STEPS = 2
+MAX_BACKOFF_STEPS = 32
 
 
 class NgramIndex:
@@ -82,6 +95,26 @@ class NgramIndex:
         return []
 
 
+class SpecState:
+    """One request's speculation: its packed tokens (NGRAM) and its back-off."""
+
+    __slots__ = ("index", "wait", "misses")
+
+    def __init__(self) -> None:
+        self.index = NgramIndex()
+        self.wait = 0  # plain steps to take before it proposes again
+        self.misses = 0  # verifies in a row that kept none of its proposals
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        if not proposed:
+            return
+        if accepted:
+            self.misses = 0
+            return
+        self.misses += 1
+        self.wait = min(BACKOFF_STEPS << (self.misses - 1), MAX_BACKOFF_STEPS)
+
+
 # A draft model's work for one request in a step: (first position, its tokens from there).
 CatchUp = tuple[int, list[int]]
 
@@ -103,7 +136,9 @@ class Speculator:
         self.lo = args.speculative_ngram_min_match_window_size
         self.hi = args.speculative_ngram_max_match_window_size
         self.max_batch = args.speculative_disable_by_batch_size
-        self.stats = {"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
+        # spec_steps: requests' steps with proposals; spec_plain_steps: without (in flight, backing
+        # off, nothing to propose), in speculative batches.
+        self.stats = {"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_plain_steps": 0}
 
     def on_for(self, running: int) -> bool:
         """Whether a decode step of `running` requests speculates."""
@@ -114,6 +149,26 @@ class Speculator:
         p = req.sampling_params
         return (req.beam is None and req.trie is None and not p.has_penalties and not req.processor
                 and req.grammar_after is None)
+
+    @staticmethod
+    def state(req: Req) -> SpecState:
+        st = req.spec
+        if st is None:
+            st = req.spec = SpecState()
+        return st
+
+    def waits_for_results(self, req: Req, context_length: int) -> bool:
+        """Whether a request in flight sits out the next step so that it proposes in the
+        one after, with its tokens on the host up to date; otherwise it takes a plain row."""
+        if not self.eligible(req) or req.tokens_left(context_length) - req.inflight <= 1:
+            return False
+        st = self.state(req)
+        if st.wait:
+            return False
+        if self.drafted:
+            return True
+        st.index.sync(req)
+        return bool(st.index.propose(1, self.lo, self.hi))
 
     def propose(self, reqs: list[Req], context_length: int,
                 max_rows: int | None) -> tuple[list[list[int]], list[CatchUp | None] | None]:
@@ -131,7 +186,9 @@ class Speculator:
         budget = self.catch_up_tokens
         for r in reqs:
             room = min(k, r.tokens_left(context_length) - 1)
-            if room <= 0 or not self.eligible(r):
+            st = self.state(r)
+            if room <= 0 or not self.eligible(r) or st.wait or r.inflight:  # a plain row
+                st.wait = max(0, st.wait - 1)
                 props.append([])
                 work.append(None)
             elif self.drafted:
@@ -142,11 +199,8 @@ class Speculator:
                 props.append([-1] * room if took == need else [])
                 work.append((start, r.ids_between(start, start + took)) if took else None)
             else:
-                index = r.ngram
-                if index is None:
-                    index = r.ngram = NgramIndex()
-                index.sync(r)
-                props.append(index.propose(room, self.lo, self.hi))
+                st.index.sync(r)
+                props.append(st.index.propose(room, self.lo, self.hi))
                 work.append(None)
         return props, work if self.drafted else None
 
@@ -159,9 +213,14 @@ class Speculator:
             a += 1
         return a
 
-    def record(self, proposed: int, taken: int) -> None:
-        """One request's verify: `proposed` tokens, `taken` tokens it kept (proposals and the last sampled one)."""
+    def record(self, req: Req, proposed: int, taken: int) -> None:
+        """One request's step in a speculative batch: `proposed` tokens, `taken` tokens it
+        kept (proposals and the last sampled one)."""
         st = self.stats
+        self.state(req).verified(proposed, taken - 1)
+        if not proposed:
+            st["spec_plain_steps"] += 1
+            return
         st["spec_steps"] += 1
         st["spec_proposed_tokens"] += proposed
         st["spec_accepted_tokens"] += taken - 1

@@ -90,6 +90,48 @@ def test_proposals_fit_the_output_room_and_the_rows() -> None:
     assert spec.propose([penalised], 4096, None) == ([[]], None)
 
 
+def test_a_request_in_flight_sits_out_only_to_propose() -> None:
+    """Under the overlap loop a request in flight takes a plain row (its tokens on the host
+    are a step behind) unless it has something to propose: then it waits for its results.
+    After a verify that kept none of its proposals it takes plain steps, 2 then 4 (doubling
+    while it misses), before it proposes again; a kept proposal ends the back-off. A draft
+    model always has something to propose."""
+    args = sgl.ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    spec = Speculator(args, 2048)
+    matching = Req("m", [1, 2, 3, 4, 1, 2], SamplingParams(max_new_tokens=50), False)
+    fresh = Req("f", [1, 2, 3, 4, 5, 6], SamplingParams(max_new_tokens=50), False)  # no token seen before
+    for r in (matching, fresh):
+        r.inflight = 1
+    assert spec.waits_for_results(matching, 4096) and not spec.waits_for_results(fresh, 4096)
+    assert spec.propose([matching, fresh], 4096, None)[0] == [[], []]  # in flight: plain rows
+    last = Req("l", [1, 2, 3, 4, 1, 2], SamplingParams(max_new_tokens=2), False)
+    last.inflight = 1
+    assert not spec.waits_for_results(last, 4096)  # its in-flight token leaves room for one more: no proposal
+
+    def steps_until_it_proposes() -> int:
+        n = 0
+        while not spec.propose([matching], 4096, None)[0][0]:
+            n += 1
+        return n
+
+    matching.inflight = 0
+    assert steps_until_it_proposes() == 0
+    for wait in (2, 4, 8):
+        spec.record(matching, 4, 1)  # none of 4 kept: the sampled token alone
+        matching.inflight = 1
+        assert not spec.waits_for_results(matching, 4096)  # backing off: plain rows, overlapped
+        matching.inflight = 0
+        assert steps_until_it_proposes() == wait
+    spec.record(matching, 4, 3)  # two kept
+    assert steps_until_it_proposes() == 0
+    spec.record(matching, 4, 1)
+    assert steps_until_it_proposes() == 2  # the back-off starts again from its first length
+    assert spec.info()["spec_steps"] == 5 and spec.info()["spec_accepted_tokens"] == 2
+
+    drafted = Speculator(sgl.ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="d"), 2048)
+    assert drafted.waits_for_results(fresh, 4096)
+
+
 def test_draft_catch_up_stays_within_its_budget() -> None:
     """A draft model's plan: each request catches up on the tokens its draft has not seen
     (from draft_len through its last token) and then proposes; past the step's budget a
@@ -149,7 +191,7 @@ def test_greedy_outputs_and_logprobs_equal_plain_decoding(plain: sgl.Engine, eng
         assert [[t for _, t, _ in row] for row in y["meta_info"]["output_top_logprobs"]] == \
                [[t for _, t, _ in row] for row in x["meta_info"]["output_top_logprobs"]]
     info = engine.get_server_info()
-    steps = info["spec_steps"] - before["spec_steps"]
+    steps = info["spec_steps"] + info["spec_plain_steps"] - before["spec_steps"] - before["spec_plain_steps"]
     gained = sum(len(y["output_ids"]) for y in b) - len(b)  # each request's first token came with its prompt
     assert steps < gained  # fewer request steps than tokens: proposals were taken
     assert info["spec_accept_length"] > 1.4
@@ -159,10 +201,15 @@ def test_greedy_outputs_and_logprobs_equal_plain_decoding(plain: sgl.Engine, eng
 
 
 def test_seeded_samples_equal_plain_decoding(plain: sgl.Engine, engine: sgl.Engine) -> None:
+    """Sampled proposals are often refused, so requests back off and take plain rows, in
+    flight, beside others' proposals in the same steps: a seed's tokens all the same."""
     sps = [{"max_new_tokens": 32, "temperature": t, "top_p": 0.95, "seed": s}
            for s, t in zip(range(4), (0.3, 0.7, 1.0, 0.5))]
+    before = engine.get_server_info()
     a, b = _both(plain, engine, PROMPTS, sps)
     assert [y["output_ids"] for y in b] == [x["output_ids"] for x in a]
+    info = engine.get_server_info()
+    assert info["spec_steps"] > before["spec_steps"] and info["spec_plain_steps"] > before["spec_plain_steps"]
 
 
 FINISHES = [

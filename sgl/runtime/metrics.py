@@ -191,7 +191,7 @@ def _scheduler_families(info: dict[str, Any] | None) -> Iterator[Metric]:
     if info.get("spec_steps") is not None:  # a speculative engine
         yield GaugeMetricFamily("sgl_spec_accept_length", "Tokens a request gains per speculative step, on average.",
                                 info["spec_accept_length"] or 0.0)
-        yield CounterMetricFamily("sgl_spec_steps", "Requests' speculative steps.", info["spec_steps"])
+        yield CounterMetricFamily("sgl_spec_steps", "Requests' steps with proposals.", info["spec_steps"])
         yield CounterMetricFamily("sgl_spec_proposed_tokens", "Tokens proposed to speculative steps.",
                                   info["spec_proposed_tokens"])
         yield CounterMetricFamily("sgl_spec_accepted_tokens", "Proposed tokens the speculative steps accepted.",
