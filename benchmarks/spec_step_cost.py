@@ -5,7 +5,9 @@ the host's building (a draft model's forwards included), waiting on the device a
 processing, with the GPU's busy and idle time (from CUDA events) beside them. With
 --draft, a draft model (STANDALONE) runs too: given the target's own directory and
 dummy weights, its proposals are the target's, so every one is taken and the step's
-cost is the mechanism's alone.
+cost is the mechanism's alone. With --load-format null (a directory from
+sgl.testing.engines.null_model_dir) the prompts hold the null model's own continuations, so
+every proposal is taken and the step costs the host alone.
 
     python -m benchmarks.spec_step_cost MODEL [--concurrency 1,8] [--load-format dummy] [--draft DIR]"""
 
@@ -15,12 +17,18 @@ import argparse
 import time
 
 import sgl
+from sgl.testing.engines import null_continuation
 
 KEYS = ("build_s", "wait_s", "process_s", "gpu_decode_busy_s", "gpu_decode_idle_s", "gpu_busy_s", "gpu_idle_s")
 COUNTS = ("spec_draft_graph_forwards",)
 
 
-def prompt_ids(i: int) -> list[int]:
+def prompt_ids(i: int, null_vocab: int | None) -> list[int]:
+    """A prompt that repeats a passage; for the null model (its vocabulary given), one that
+    holds the null model's own continuation of its last token, so every proposal is taken."""
+    if null_vocab is not None:
+        x = (1000 + 37 * i) % null_vocab
+        return [x, *null_continuation(x, 600, null_vocab), x]
     passage = [1000 + (7 * j + i) % 500 for j in range(120)]
     return [50 + i] + passage * 3
 
@@ -28,11 +36,12 @@ def prompt_ids(i: int) -> list[int]:
 def run(model: str, concurrency: int, spec: dict[str, object], load_format: str, new_tokens: int) -> str:
     with sgl.Engine(model, transport="inproc", load_format=load_format, skip_tokenizer_init=True, random_seed=0,
                     **spec) as e:
+        null = e.get_server_info()["vocab_size"] if load_format == "null" else None
         sp = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-        e.generate(input_ids=[prompt_ids(99)], sampling_params=sp)  # warm-up
+        e.generate(input_ids=[prompt_ids(99, null)], sampling_params=sp)  # warm-up
         before = e.get_server_info()
         t0 = time.perf_counter()
-        outs = e.generate(input_ids=[prompt_ids(i) for i in range(concurrency)], sampling_params=sp)
+        outs = e.generate(input_ids=[prompt_ids(i, null) for i in range(concurrency)], sampling_params=sp)
         wall = time.perf_counter() - t0
         info = e.get_server_info()
     steps = info["decode_steps"] - before["decode_steps"]
