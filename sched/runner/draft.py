@@ -6,9 +6,11 @@ outputs stay those of plain decoding).
 
 Per step: one forward over each request's tokens the draft has not seen (through its
 last token), then one decode forward per further proposal, each feeding back the
-token it proposed last; every proposal is the draft's most likely token, fetched to
-the host as the next forward's input and the verify rows' input. The forwards run on
-the scheduler's side of the loop, before the step's own forward is queued. On a GPU
+token it proposed last; every proposal is the draft's most likely token, kept on the
+device as the next forward's input and the verify rows' input (the host gets its copy
+with the step's results; a grammar's matcher takes each on the host, so a step with
+grammar requests waits for each pick). The forwards run on the scheduler's side of
+the loop, before the step's own forward is queued. On a GPU
 they replay CUDA graphs of the draft's own, as the target's do: its decode forwards
 through decode graphs, its catch-up through the piecewise prefill graphs; a draft
 forward's host work would otherwise outlast its kernels several times over.
