@@ -7,7 +7,9 @@ device, where the forward builds its KV indices: every write goes through `write
 or `write_at`, which remember the changed range of each row, and `sync` copies
 those ranges (read from the host table at sync time, so the last write wins) to
 the mirror, queued on the current stream before the batch that reads them. A
-decode step thus ships one slot per request, not every request's whole context."""
+decode step thus ships one slot per request, not every request's whole context;
+when its `write_at` was the only write since the last sync, its cells go as they
+are, in one copy, with nothing to gather."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class ReqToTokenPool:
         # Per row, the range [lo, hi) written since the last sync; hi == 0: clean.
         self._lo = torch.full((size,), max_context, dtype=torch.int64)
         self._hi = torch.zeros(size, dtype=torch.int64)
+        self._clean = True  # nothing written since the last sync
+        self._lone: torch.Tensor | None = None  # [3, n] (row, position, slot): a write_at, the only write since
         self.clear()
 
     def available_size(self) -> int:
@@ -62,6 +66,7 @@ class ReqToTokenPool:
         self.req_to_token[row, start:end] = slots
         self._lo[row] = min(int(self._lo[row]), start)
         self._hi[row] = max(int(self._hi[row]), end)
+        self._clean, self._lone = False, None
 
     def write_at(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """row[rows[i], positions[i]] = slots[i] (one decode step: a row appears once, or
@@ -69,9 +74,22 @@ class ReqToTokenPool:
         self.req_to_token[rows, positions] = slots.to(torch.int32)
         self._lo.scatter_reduce_(0, rows, positions, reduce="amin")
         self._hi.scatter_reduce_(0, rows, positions + 1, reduce="amax")
+        # Its (row, position) pairs are distinct: no cell of the table is written twice by one call.
+        self._lone = torch.stack((rows, positions, slots.to(torch.int64))) if self._clean else None
+        self._clean = False
 
     def sync(self) -> None:
         """Queue the copy of every range written since the last sync to the mirror."""
+        if self._clean:
+            return
+        lone, self._lone, self._clean = self._lone, None, True
+        dev = self.mirror.device
+        if lone is not None:  # one write_at alone (a decode or speculative step): its cells as they are
+            self._hi[lone[0]] = 0
+            self._lo[lone[0]] = self.max_context
+            r, pos, values = to_device(lone, dev)  # one copy, not three
+            self.mirror[r, pos] = values.to(torch.int32)
+            return
         rows = (self._hi > 0).nonzero().squeeze(1)
         if rows.numel() == 0:
             return
@@ -79,12 +97,6 @@ class ReqToTokenPool:
         n = self._hi[rows] - lo
         self._hi[rows] = 0
         self._lo[rows] = self.max_context
-        dev = self.mirror.device
-        if bool((n == 1).all()):  # one slot per row (a decode step): no ranges to expand
-            values = self.req_to_token[rows, lo].to(torch.int64)
-            r, lo, values = to_device(torch.stack((rows, lo, values)), dev)  # one copy, not three
-            self.mirror[r, lo] = values.to(torch.int32)
-            return
         total = int(n.sum())
         values = gather_kv_indices(self.req_to_token, rows, lo, n, total)
         r, lo, n, values = (to_device(t, dev) for t in (rows, lo, n, values))

@@ -1,7 +1,8 @@
 """The request-to-token table's device mirror: after any sequence of range writes
-and one-slot-per-row decode writes, overlapping and overwriting each other, a sync
-leaves the mirror equal to the host table: a second CPU table, and (marked gpu) a
-CUDA mirror fed by pinned asynchronous copies."""
+and decode writes (one slot per row, or several positions of a row as a speculative
+step writes), overlapping and overwriting each other, a sync leaves the mirror equal to
+the host table, whether a decode write was the only write since the last sync or not:
+a second CPU table, and (marked gpu) a CUDA mirror fed by pinned asynchronous copies."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ _range_write = st.tuples(st.just("write"), st.integers(0, ROWS - 1), st.integers
                          st.lists(st.integers(1, 999), min_size=0, max_size=8))
 _decode_write = st.tuples(st.just("write_at"),
                           st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=ROWS, unique=True),
-                          st.integers(0, WIDTH - 1), st.integers(1, 999))
+                          st.integers(0, WIDTH - 1), st.integers(1, 999), st.integers(1, 4))
 _sync = st.tuples(st.just("sync"))
 
 
@@ -38,10 +39,11 @@ def test_mirror_equals_host_after_every_sync(device: str, ops: list[tuple]) -> N
             _, row, start, values = op
             values = values[: WIDTH - start]
             pool.write(row, start, torch.tensor(values, dtype=torch.int64))
-        elif op[0] == "write_at":
-            _, rows, pos, base = op
-            positions = torch.tensor([(pos + i) % WIDTH for i in range(len(rows))], dtype=torch.int64)
-            pool.write_at(torch.tensor(rows), positions, torch.arange(base, base + len(rows), dtype=torch.int64))
+        elif op[0] == "write_at":  # each row at `per` consecutive positions (wrapping: still distinct cells)
+            _, rows, pos, base, per = op
+            at = [(row, (pos + i + j) % WIDTH) for i, row in enumerate(rows) for j in range(per)]
+            pool.write_at(torch.tensor([r for r, _ in at]), torch.tensor([p for _, p in at], dtype=torch.int64),
+                          torch.arange(base, base + len(at), dtype=torch.int64))
         else:
             pool.sync()
             assert torch.equal(pool.mirror.cpu(), pool.req_to_token)
