@@ -432,6 +432,9 @@ for step in "$@"; do
     # model, so its proposals are all taken) (benchmarks/spec_step_cost.py), on the default
     # model's config with dummy weights (.lt), at concurrency 1 and 8.
     speccost) run 300 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} --draft .lt ;;
+    # tablesync: the request table's host cost per decode and speculative step, its mirror on
+    # the GPU (benchmarks/table_sync.py; seconds).
+    tablesync) run 60 python3 -m benchmarks.table_sync --device cuda ;;
     # prefillcost: one request's prefill alone (benchmarks/prefill_cost.py): host, wall and GPU
     # time per prompt length, and the kernels of one prefill (what a lone request's TTFT costs);
     # PREFILL_ARGS="--decode-rows N" puts N running requests in each prefill's forward.
