@@ -195,7 +195,9 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.prefill_graph_steps = 0  # batches run through the piecewise graphs (server info)
-        graphed = self.device.type == "cuda" and not args.disable_cuda_graph and args.load_format != "null"
+        # The null model never attends: its batches need no KV indices and no attention plan.
+        self.attends = args.load_format != "null"
+        graphed = self.device.type == "cuda" and not args.disable_cuda_graph and self.attends
         # The largest batch the CUDA graphs take; None: no graphs.
         self.graph_bs = min(args.cuda_graph_max_bs, self.max_running_requests) if graphed else None
         # The largest extend batch (in tokens) the piecewise graphs take; None: none. Never
@@ -490,7 +492,8 @@ class ModelRunner:
             input_ids = torch.where(input_ids < 0, self.sampling.next_token[src], input_ids)
         if p.attn.is_decode and self.graphs is not None and self.graphs.can_run(len(p.attn.qo_lens)):
             return self.graphs.replay(p.attn, input_ids, p.positions, p.out_cache_loc, p.lora)
-        self.attn_backend.begin_forward(p.attn)
+        if self.attends:
+            self.attn_backend.begin_forward(p.attn)
         fb = ForwardBatch(
             input_ids=input_ids,
             positions=p.positions,

@@ -156,6 +156,7 @@ class BatchPreparer:
         over `cascade`'s split; an extend's cached prefixes apart. The table's mirror must
         be synced."""
         table = self.runner.req_to_token_pool.mirror
+        gather = gather_kv_indices if self.runner.attends else _no_indices
         qo_indptr = self._host(indptr_of(qo_lens))
         kv_indptr = self._host(indptr_of(kv_lens))
         prefix_lens = [k - q for k, q in zip(kv_lens, qo_lens)]
@@ -170,7 +171,7 @@ class BatchPreparer:
             is_decode=is_decode,
             qo_indptr=up.get(at[0]),
             kv_indptr=up.get(at[1]),
-            kv_indices=(gather_kv_indices(table, rows_dev, zeros, kv_lens_dev, int(kv_indptr[-1]))
+            kv_indices=(gather(table, rows_dev, zeros, kv_lens_dev, int(kv_indptr[-1]))
                         if cascade is None else torch.empty(0, dtype=torch.int32, device=self.runner.device)),
             qo_lens=qo_lens,
             kv_lens=kv_lens,
@@ -183,7 +184,7 @@ class BatchPreparer:
             prefix_indptr = self._host(indptr_of(prefix_lens))
             meta.prefix_indptr_host = prefix_indptr
             meta.prefix_lens_host = self._host(plens.to(torch.int32))
-            meta.prefix_indices = gather_kv_indices(table, rows_dev, zeros, up.get(at_plens), int(prefix_indptr[-1]))
+            meta.prefix_indices = gather(table, rows_dev, zeros, up.get(at_plens), int(prefix_indptr[-1]))
         return meta
 
     def _lora_batch(self, batch: ScheduleBatch, key: tuple) -> LoraBatch:
@@ -265,6 +266,12 @@ class BatchPreparer:
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return to_device(t, self.runner.device)
+
+
+def _no_indices(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                total: int) -> torch.Tensor:
+    """gather_kv_indices' stand-in for a model that never attends (the null model)."""
+    return torch.empty(0, dtype=table.dtype, device=table.device)
 
 
 def indptr_of(lens: list[int]) -> torch.Tensor:
