@@ -59,15 +59,16 @@ MAX_BACKOFF_STEPS = 32
 class NgramIndex:
     """One request's tokens packed as int32 words for the suffix search."""
 
-    __slots__ = ("ids", "buf")
+    __slots__ = ("ids", "buf", "before_last")
 
     def __init__(self) -> None:
         self.ids = array.array("i")
         self.buf = b""
+        self.before_last: set[int] = set()  # the ids that occur before the last token
 
     def sync(self, req: Req) -> None:
         """Take in the request's tokens not seen yet (prompt, then outputs as they come)."""
-        n = len(self.ids)
+        n = old = len(self.ids)
         prompt = req.origin_input_ids
         if n < len(prompt):
             self.ids.extend(prompt[n:])
@@ -77,22 +78,37 @@ class NgramIndex:
             self.ids.extend(out[n - len(prompt):])
         if len(self.buf) != len(self.ids) * _WORD:
             self.buf = self.ids.tobytes()
+            self.before_last.update(self.ids[max(old - 1, 0):-1])  # the old last one, and the new but the last
 
     def propose(self, k: int, lo: int, hi: int) -> list[int]:
         """Up to k tokens: what followed the latest earlier occurrence of the longest
         suffix of lo..hi tokens; [] when none occurred."""
-        ids, buf = self.ids, self.buf
-        total = len(ids)
-        for n in range(min(hi, total - 1), lo - 1, -1):
-            pattern = buf[(total - n) * _WORD:]
-            end = (total - 1) * _WORD  # a match must end before the last token: something follows it
-            at = buf.rfind(pattern, 0, end)
-            while at >= 0 and at % _WORD:  # a match across word boundaries is not one of tokens
-                at = buf.rfind(pattern, 0, at + len(pattern) - 1)
-            if at >= 0:
-                start = at // _WORD + n
-                return ids[start:start + k].tolist()
+        if not self.has_match(lo):
+            return []
+        for n in range(min(hi, len(self.ids) - 1), lo - 1, -1):
+            if (start := self._after_latest(n)) >= 0:
+                return self.ids[start:start + k].tolist()
         return []
+
+    def has_match(self, lo: int) -> bool:
+        """Whether `propose` with windows from lo up has something to give (any longer
+        suffix that occurred earlier ends with the lo-token one): for one token, whether
+        the last occurred before (a set lookup); else one search."""
+        if lo > len(self.ids) - 1:
+            return False
+        if lo == 1:
+            return self.ids[-1] in self.before_last
+        return self._after_latest(lo) >= 0
+
+    def _after_latest(self, n: int) -> int:
+        """The index of the token after the latest earlier occurrence of the last n tokens, or -1."""
+        buf = self.buf
+        pattern = buf[(len(self.ids) - n) * _WORD:]
+        end = (len(self.ids) - 1) * _WORD  # a match must end before the last token: something follows it
+        at = buf.rfind(pattern, 0, end)
+        while at >= 0 and at % _WORD:  # a match across word boundaries is not one of tokens
+            at = buf.rfind(pattern, 0, at + len(pattern) - 1)
+        return at // _WORD + n if at >= 0 else -1
 
 
 class SpecState:
@@ -168,7 +184,7 @@ class Speculator:
         if self.drafted:
             return True
         st.index.sync(req)
-        return bool(st.index.propose(1, self.lo, self.hi))
+        return st.index.has_match(self.lo)
 
     def propose(self, reqs: list[Req], context_length: int,
                 max_rows: int | None) -> tuple[list[list[int]], list[CatchUp | None] | None]:

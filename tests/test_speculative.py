@@ -63,7 +63,9 @@ def test_ngram_proposal_is_the_latest_continuation_of_the_longest_suffix(
     for j in range(len(output) + 1):  # synced as outputs come, one token at a time
         req.output_ids = output[:j]
         index.sync(req)
-        assert index.propose(k, lo, lo + extra) == reference_proposal(req.all_ids, k, lo, lo + extra)
+        want = reference_proposal(req.all_ids, k, lo, lo + extra)
+        assert index.propose(k, lo, lo + extra) == want
+        assert index.has_match(lo) == bool(want)  # the one-search check of whether there is any
 
 
 def test_large_ids_match_only_whole_tokens() -> None:
