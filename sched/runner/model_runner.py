@@ -204,10 +204,9 @@ class ModelRunner:
         # beyond a prefill chunk; not the target's with LoRA adapters (their rows change every
         # batch), a draft's all the same (adapters never apply to it).
         pieces = args.piecewise_cuda_graph_max_tokens
-        self.draft_graph_tokens = (min(pieces, self.chunked_prefill_size or pieces)
-                                   if graphed and pieces > 0 else None)
-        self.prefill_graph_tokens = (self.draft_graph_tokens if self.lora_spec is None and supports_pieces(self.model)
-                                     else None)
+        piece_tokens = min(pieces, self.chunked_prefill_size or pieces) if graphed and pieces > 0 else None
+        self.prefill_graph_tokens = piece_tokens if self.lora_spec is None and supports_pieces(self.model) else None
+        self.draft_graph_tokens = piece_tokens
         t0 = time.perf_counter()
         self._capture_graphs()
         self.startup["cuda_graphs_s"] = time.perf_counter() - t0
@@ -417,9 +416,7 @@ class ModelRunner:
         if batch.drafts:
             assert self.draft is not None
             proposals = self.draft.propose(batch)
-        p = self.preparer.prepare(batch)
-        p.proposals = proposals
-        return p
+        return self.preparer.prepare(batch, proposals)
 
     def launch(self, p: PreparedBatch) -> Step:
         """Queue a prepared batch's forward and, unless it has grammar rows, its sampling

@@ -83,7 +83,9 @@ class BatchPreparer:
         self._lora: tuple[tuple, LoraBatch | None] = ((), None)
         self.cascade_steps = 0  # decode steps that ran cascade attention
 
-    def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
+    def prepare(self, batch: ScheduleBatch,
+                proposals: tuple[torch.Tensor, torch.Tensor] | None = None) -> PreparedBatch:
+        """`proposals`: a draft's, made on the device, for the forward to put in its inputs."""
         r = self.runner
         dev = r.device
         reqs = batch.reqs
@@ -147,6 +149,7 @@ class BatchPreparer:
             counts_reset=reset,
             pool=self._pool_rows(batch, pooled) if pooled else None,
             lora=self._lora_batch(batch, key) if r.lora_spec is not None else None,
+            proposals=proposals,
         )
 
     def attention(self, is_decode: bool, qo_lens: list[int], kv_lens: list[int], rows_dev: torch.Tensor,
