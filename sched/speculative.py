@@ -112,12 +112,12 @@ class NgramIndex:
 
 
 class SpecState:
-    """One request's speculation: its packed tokens (NGRAM) and its back-off."""
+    """One request's speculation: its packed tokens (NGRAM's; None under a draft model) and its back-off."""
 
     __slots__ = ("index", "wait", "misses")
 
-    def __init__(self) -> None:
-        self.index = NgramIndex()
+    def __init__(self, index: NgramIndex | None) -> None:
+        self.index = index
         self.wait = 0  # plain steps to take before it proposes again
         self.misses = 0  # verifies in a row that kept none of its proposals
 
@@ -166,25 +166,27 @@ class Speculator:
         return (req.beam is None and req.trie is None and not p.has_penalties and not req.processor
                 and req.grammar_after is None)
 
-    @staticmethod
-    def state(req: Req) -> SpecState:
+    def state(self, req: Req) -> SpecState:
         st = req.spec
         if st is None:
-            st = req.spec = SpecState()
+            st = req.spec = SpecState(None if self.drafted else NgramIndex())
         return st
+
+    def ngrams(self, req: Req) -> NgramIndex:
+        """NGRAM's packed tokens of `req`, up to date."""
+        index = self.state(req).index
+        assert index is not None, "a draft model's requests keep no n-gram index"
+        index.sync(req)
+        return index
 
     def waits_for_results(self, req: Req, context_length: int) -> bool:
         """Whether a request in flight sits out the next step so that it proposes in the
         one after, with its tokens on the host up to date; otherwise it takes a plain row."""
         if not self.eligible(req) or req.tokens_left(context_length) - req.inflight <= 1:
             return False
-        st = self.state(req)
-        if st.wait:
+        if self.state(req).wait:
             return False
-        if self.drafted:
-            return True
-        st.index.sync(req)
-        return st.index.has_match(self.lo)
+        return self.drafted or self.ngrams(req).has_match(self.lo)
 
     def propose(self, reqs: list[Req], context_length: int,
                 max_rows: int | None) -> tuple[list[list[int]], list[CatchUp | None] | None]:
@@ -215,8 +217,7 @@ class Speculator:
                 props.append([-1] * room if took == need else [])
                 work.append((start, r.ids_between(start, start + took)) if took else None)
             else:
-                st.index.sync(r)
-                props.append(st.index.propose(room, self.lo, self.hi))
+                props.append(self.ngrams(r).propose(room, self.lo, self.hi))
                 work.append(None)
         return props, work if self.drafted else None
 
