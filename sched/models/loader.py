@@ -96,9 +96,10 @@ def load_model(
 
     cls = model_class(getattr(config, "architectures", None))
     fp8_ckpt = Fp8Checkpoint.of(config) if gguf_ckpt is None else None
-    if fp8_ckpt is not None and quantization is None and device.type == "cuda" and fp8_supported(device) is None:
-        quantization = "fp8"  # stored in FP8: run so where the GPU can (a CPU's FP8 GEMM is a slow reference)
     model = cls(config, dtype=dtype, device=device, tp=tp, lora=lora)
+    if (fp8_ckpt is not None and quantization is None and device.type == "cuda" and fp8_supported(device) is None
+            and all(p.fp8_fits() for p in model.projections())):
+        quantization = "fp8"  # stored in FP8: run so where the GPU can (a CPU's FP8 GEMM is a slow reference)
     if quantization == "fp8":
         model.quantize_fp8()
     elif quantization is not None:

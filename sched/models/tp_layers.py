@@ -78,11 +78,17 @@ class Linear(nn.Module):
         of W's dimensions must be multiples of 16 (FP8 GEMMs); ValueError otherwise."""
         n, k = self.weight.shape
         dev = self.weight.device
-        if dev.type == "cuda" and (n % ALIGN or k % ALIGN):
+        if not self.fp8_fits():
             raise ValueError(f"quantization='fp8': a projection of shape ({n}, {k}) on this rank; FP8 GEMMs "
                              f"need both dimensions in multiples of {ALIGN}: leave quantization unset")
         self.weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=dev), requires_grad=False)
         self.weight_scale = torch.ones(n, dtype=torch.float32, device=dev)
+
+    def fp8_fits(self) -> bool:
+        """Whether `to_fp8` takes W: anywhere but on a GPU, whose FP8 GEMMs need both of W's
+        dimensions in multiples of 16."""
+        n, k = self.weight.shape
+        return self.weight.device.type != "cuda" or not (n % ALIGN or k % ALIGN)
 
     def load_rows(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """An FP8 W's rows [lo, hi) = values, quantized, with their rows' scales."""

@@ -134,7 +134,7 @@ class DraftModel:
         meta = self.preparer.attention(is_decode, qo_lens, kv_lens, rows_dev,
                                        to_device(torch.tensor(kv_lens, dtype=torch.int64), dev))
         assert meta.qo_indptr_host is not None
-        ids = to_device(input_ids, dev) if input_ids.device != dev else input_ids
+        ids = to_device(input_ids, dev)
         positions, slots = to_device(positions, dev), to_device(slots.to(torch.int64), dev)
         if is_decode and self.graphs is not None and self.graphs.can_run(len(rows)):
             self.graph_forwards += 1
