@@ -97,7 +97,7 @@ class SamplingBatch:
                 if r.processor:
                     groups.setdefault(r.processor, []).append(i)
             sb.processors = [
-                (processors[name], torch.tensor(rows, dtype=torch.int64, device=device),
+                (processors[name], to_device(torch.tensor(rows, dtype=torch.int64), device),
                  [_row_params(reqs[i], beams[i], done[i], processors[name].needs_output_ids) for i in rows])
                 for name, rows in groups.items()
             ]
@@ -232,11 +232,15 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, global_gen: torch.Generator 
     probs = top_k_top_p(probs, sb.top_k, sb.top_p, sb.need_top_k, sb.need_top_p)
     if sb.need_min_p:
         probs = probs.masked_fill(probs < sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    u = torch.rand((probs.shape[0], 1), dtype=probs.dtype, device=probs.device, generator=global_gen)
+    # In float64: a GPU scans one row in another order than several, and in float32 its
+    # partial sums rise at ids of probability 0 (one was drawn about every 1e5 draws on an
+    # H200, a grammar's or min-p's banned id) and differ by an ulp between runs and batch
+    # sizes (a seeded draw then depended on its batch); float64's gaps are some 1e-16 wide.
+    u = torch.rand((probs.shape[0], 1), dtype=torch.float64, device=probs.device, generator=global_gen)
     for i, g in enumerate(sb.generators if sb.seeded else ()):
         if g is not None:
-            u[i] = torch.rand(1, dtype=probs.dtype, device=probs.device, generator=g)
-    cdf = probs.cumsum(dim=-1)
+            u[i] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=g)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     # 1 - u lies in (0, 1], so the target lies in (0, total]: the first entry whose sum
     # reaches it has p > 0 (a zero adds nothing to the sum, so it never reaches first).
     # The clamp keeps a row of NaNs (a processor that banned everything) in range.
