@@ -22,6 +22,9 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
+# A scale is the row's largest magnitude times this: torch on a GPU divides by a Python
+# number as such a product, so torch and the kernel agree to the bit only in this form.
+INV_FP8_MAX = 1.0 / FP8_MAX
 # A row of zeros gets this scale: its values quantize to 0 and dequantize to 0.
 _TINY = 1e-12
 # torch._scaled_mm on a GPU needs both dimensions of the weight in multiples of 16.
@@ -40,7 +43,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows` in torch ops: the definition the Triton kernel follows."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) * INV_FP8_MAX
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -57,20 +60,21 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, fp8_max, tiny, BLOCK: tl.constexpr):
+    def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, fp8_max, inv_fp8_max, tiny,
+                             BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, k, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)))
-        # IEEE divisions (div_rn), as torch's: the same scale and the same quotients to round.
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), tiny), fp8_max)
+        scale = tl.maximum(tl.max(amax, 0), tiny) * inv_fp8_max
         tl.store(s_ptr + row, scale)
         for k0 in range(0, k, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             live = cols < k
             x = tl.load(x_row + cols, mask=live, other=0.0).to(tl.float32)
+            # An IEEE division (div_rn), as torch's by a tensor: the same quotients to round.
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
             tl.store(q_ptr + row * stride_q + cols, q.to(tl.float8e4nv), mask=live)
 
@@ -83,7 +87,7 @@ def _quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block = min(4096, 1 << max(k - 1, 1).bit_length())
-        _kernel()[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, _TINY, BLOCK=block,
+        _kernel()[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, INV_FP8_MAX, _TINY, BLOCK=block,
                         num_warps=8 if block >= 2048 else 4)
     return q, scale
 
