@@ -55,12 +55,21 @@ def row(name: str, k: int, n: int, m: int, device: torch.device, dtype: torch.dt
     sw = sw.view(-1)
     qx, sx = quantize_rows(x)
     mm_dtype = torch.bfloat16 if device.type == "cuda" else dtype
+    one = torch.ones((), dtype=torch.float32, device=device)
     bf16 = time_us(lambda: F.linear(x, w), device)
     fp8 = time_us(lambda: fp8_linear(x, qw, sw, dtype), device)
     return {"proj": name, "K x N": f"{k} x {n}", "tokens": m, "unquantized us": round(bf16, 1), "fp8 us": round(fp8, 1),
             "quantize us": round(time_us(lambda: quantize_rows(x), device), 1),
             "scaled_mm us": round(time_us(lambda: torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.view(1, n),
                                                                     out_dtype=mm_dtype), device), 1),
+            "scaled_mm fast-accum us": round(time_us(lambda: torch._scaled_mm(
+                qx, qw.t(), scale_a=sx, scale_b=sw.view(1, n), out_dtype=mm_dtype, use_fast_accum=True), device), 1),
+            # One scale per tensor (cuBLASLt on a GPU), the per-row and per-channel scales then
+            # applied to the product by one multiply: what a fused epilogue would cost at most.
+            "tensor-scaled mm + scales us": round(time_us(lambda: torch._scaled_mm(
+                qx, qw.t(), scale_a=one, scale_b=one, out_dtype=mm_dtype) * sx * sw.view(1, n), device), 1),
+            "tensor-scaled mm us": round(time_us(lambda: torch._scaled_mm(
+                qx, qw.t(), scale_a=one, scale_b=one, out_dtype=mm_dtype), device), 1),
             "unquantized / fp8": round(bf16 / fp8, 2),
             "16-bit weight read us": round(n * k * 2 / (HBM_TB_S * 1e6), 1)}
 
