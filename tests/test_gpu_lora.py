@@ -1,7 +1,8 @@
 """LoRA on the GPU (marked gpu; skipped without CUDA): requests of three adapters and the
-base model in one batch give the same greedy tokens under CUDA graphs and the overlap
-loop as eagerly without either (the Triton LoRA kernels in both), the adapters change
-the outputs, and the Triton path agrees with the torch path within bf16's rounding."""
+base model in one batch give the same greedy tokens and logprobs under CUDA graphs and the
+overlap loop as eagerly without either, and again from the prefix cache, up to bf16
+near-ties (the Triton LoRA kernels in both); the adapters change the outputs, and the
+Triton path agrees with the torch path within bf16's rounding."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def random_adapter(model: str, out: Path, rank: int, targets: list[str], seed: i
     return str(out)
 
 
-def _run(model: str, adapters: dict[str, str], **kw: object) -> list[list[int]]:
+def _run(model: str, adapters: dict[str, str], **kw: object) -> list[dict]:
     rng = random.Random(0)
     prompts = [[rng.randrange(2000) for _ in range(rng.randint(3, 80))] for _ in range(12)]
     pool = [None, *adapters]
@@ -66,19 +67,32 @@ def _run(model: str, adapters: dict[str, str], **kw: object) -> list[list[int]]:
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     with sgl.Engine(model, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16", max_total_tokens=20000,
                     lora_paths=[f"{n}={p}" for n, p in adapters.items()], max_lora_rank=16, **kw) as e:
-        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params, lora_path=names)]
-        again = e.generate(input_ids=prompts, sampling_params=params, lora_path=names)  # prefix-cached
-        assert [o["output_ids"] for o in again] == outs
+        outs = e.generate(input_ids=prompts, sampling_params=params, lora_path=names, return_logprob=True,
+                          top_logprobs_num=2)
+        again = e.generate(input_ids=prompts, sampling_params=params, lora_path=names, return_logprob=True,
+                           top_logprobs_num=2)  # prefix-cached
+        _agree_up_to_flips(again, outs)
         assert_kv_balanced(e.get_server_info())
     return outs
+
+
+def _agree_up_to_flips(a: list[dict], b: list[dict], tol: float = 0.02) -> None:
+    """Greedy runs of one batch that compute in other shapes (prefix-cached prefill, graphs'
+    padded GEMMs) round apart in bf16, and this random model's logits are nearly flat: a
+    near-tie may flip. Up to each request's first flip every step's two best logprobs agree."""
+    for x, y in zip(a, b):
+        for j, (s, t) in enumerate(zip(x["output_ids"], y["output_ids"])):
+            xt, yt = ([v for v, _, _ in o["meta_info"]["output_top_logprobs"][j]] for o in (x, y))
+            assert max(abs(p - q) for p, q in zip(xt, yt)) < tol, (j, xt, yt)
+            if s != t:
+                break
 
 
 def test_graphs_and_overlap_equal_eager(world: tuple[str, dict[str, str]]) -> None:
     model, adapters = world
     eager = _run(model, adapters, disable_cuda_graph=True, disable_overlap_schedule=True)
-    fast = _run(model, adapters, cuda_graph_max_bs=16)
-    assert fast == eager
-    same_prompt = [_run(model, {n: adapters[n]}, disable_cuda_graph=True)[1] for n in adapters]
+    _agree_up_to_flips(_run(model, adapters, cuda_graph_max_bs=16), eager)
+    same_prompt = [_run(model, {n: adapters[n]}, disable_cuda_graph=True)[1]["output_ids"] for n in adapters]
     assert len({tuple(o) for o in same_prompt}) == len(adapters)
 
 
