@@ -24,7 +24,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     once. A tensor already on a GPU stays where it is if that is `device` (compare device
     types, not devices: `cuda` and `cuda:0` are one device yet unequal torch.devices)."""
     if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
+        # Contiguous first: a strided pinned tensor's copy goes through a pageable temporary, and waits.
+        return t.contiguous().pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
 

@@ -73,10 +73,10 @@ class FusedDraw:
         """Compile the one-pass draw's kernels now, not at the first request that needs
         one (each compile holds the scheduler's loop ~0.5 s on an H200, which a W2-like
         grammar run otherwise pays inside its timed run): sampled rows, and sampled beside greedy; with
-        `masks`, each of those with a bitmask on every row and on some rows. The stream
-        starts over after."""
+        `masks`, each of those with a bitmask on every row and on some rows; and without masks
+        for float32 logits too, which penalties, logit biases, min_new_tokens' bans and logit
+        processors leave. The stream starts over after."""
         dev = self.seed.device
-        logits = torch.zeros(2, vocab, dtype=dtype, device=dev)
         temperature = torch.ones(2, 1, device=dev)
         greedy = torch.tensor([True, False], device=dev)
         bitmasks: list[Bitmask | None] = [None]
@@ -84,9 +84,11 @@ class FusedDraw:
             words = torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32, device=dev)
             bitmasks += [Bitmask(words, None, vocab),
                          Bitmask(words, torch.tensor([0, -1], dtype=torch.int32, device=dev), vocab)]
-        for bitmask in bitmasks:
-            for g in (None, greedy):
-                gumbel_draw(logits, temperature, g, self.seed, self.offset, bitmask)
+        for logits_dtype in dict.fromkeys((dtype, torch.float32)):
+            logits = torch.zeros(2, vocab, dtype=logits_dtype, device=dev)
+            for bitmask in bitmasks if logits_dtype == dtype else [None]:
+                for g in (None, greedy):
+                    gumbel_draw(logits, temperature, g, self.seed, self.offset, bitmask)
         self.offset.zero_()
 
     @staticmethod
