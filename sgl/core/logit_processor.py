@@ -76,11 +76,11 @@ class ForceTokens(CustomLogitProcessor):
             if not all(isinstance(t, int) and 0 <= t < logits.shape[1] for t in ids):
                 raise ValueError(f"custom_params.tokens: ids must be ints in [0, {logits.shape[1]})")
             # Built on the host, then moved: a tensor made on a GPU from a list would wait for it.
-            r, i = torch.tensor(rows), torch.tensor(ids)
+            at, forced = torch.tensor(rows), torch.tensor(ids)
             if logits.is_cuda:
-                r, i = (t.pin_memory().to(logits.device, non_blocking=True) for t in (r, i))
-            logits[r] = float("-inf")
-            logits[r, i] = 0.0
+                at, forced = (t.pin_memory().to(logits.device, non_blocking=True) for t in (at, forced))
+            logits[at] = float("-inf")
+            logits[at, forced] = 0.0
         return logits
 
 
