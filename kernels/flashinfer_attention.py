@@ -123,6 +123,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.graph_shared: dict[int, object] = {}
         self._shared_planned: dict[int, tuple] = {}  # bs -> CascadeMeta.key its shared-block wrapper holds
+        # The key whose shared slots the graphs' one shared-index buffer holds: every size's
+        # shared-block wrapper reads that buffer, so another size's plan overwrites it.
+        self._shared_indices_key: tuple = ()
         self._graph_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's, the shared block's
         self._mode = "decode"
         self._active_decode: object = self.decode
@@ -293,14 +296,15 @@ class FlashInferAttentionBackend(AttentionBackend):
                             suffix_indptr_host: torch.Tensor, suffix_indices: torch.Tensor, key: tuple = ()) -> None:
         """Plan batch size `bs`'s cascade graph: all bs rows (padding included) attend to
         the shared slots; suffix_indptr_host has bs + 1 entries, pinned. A non-empty `key`
-        equal to the one this size's shared block was last planned with (CascadeMeta.key)
-        skips that plan: the wrapper's buffers still hold it, as nothing else plans it."""
+        equal to the one this size's shared block was last planned with (CascadeMeta.key),
+        and to the one whose slots the shared-index buffer holds, skips that plan: the
+        wrapper's buffers still hold it."""
         self._mode = "cascade"
         self._active_shared, self._active_decode = self.graph_shared[bs], self.graph_decode[(bs, self.tensor_cores)]
         self._before_plan()
-        if not key or self._shared_planned.get(bs) != key:
+        if not key or self._shared_planned.get(bs) != key or self._shared_indices_key != key:
             self._plan_shared(self._active_shared, bs, shared_len, shared_indices)
-            self._shared_planned[bs] = key
+            self._shared_planned[bs] = self._shared_indices_key = key
         self._plan_decode(self._active_decode, suffix_indptr_host, suffix_indices)
         self._after_plan()
 

@@ -70,11 +70,18 @@ CPU_CHUNK_DEFAULT = 2048
 
 
 def resolve_device(args: ServerArgs) -> torch.device:
+    """The device a scheduler works on. A GPU with its index (the calling thread's current
+    one, which a rank's process set first): `cuda` alone means the current GPU of whichever
+    thread uses it, and compares unequal to its tensors' `cuda:N`."""
     if args.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.device == "cuda" and not torch.cuda.is_available():
+        args_device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but CUDA is not available: pass device='cpu' or run on a GPU machine")
-    return torch.device(args.device)
+    else:
+        args_device = args.device
+    if args_device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(args_device)
 
 
 def chunked_prefill_size(args: ServerArgs, device: torch.device) -> int | None:

@@ -156,7 +156,8 @@ class WeightManager:
                              f"{req.rank_offset}..{req.rank_offset + self.tp.size - 1} must lie in 1..world_size-1 "
                              "(rank 0 is the trainer)")
         if req.backend == "nccl":
-            torch.cuda.set_device(self.device)  # NCCL's communicator goes on the current device
+            # NCCL's communicator goes on the current device (an indexed one: resolve_device).
+            torch.cuda.set_device(self.device)
         self.groups[req.group_name] = init_update_group(
             req.master_address, req.master_port, rank, req.world_size, req.group_name, req.backend,
             self.group_timeout_s)
