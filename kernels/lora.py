@@ -91,15 +91,21 @@ class LoraBatch:
         at = (np.arange(len(run_of)) - np.repeat(np.cumsum(per_run) - per_run, per_run)) * BLOCK_M
         blocks = np.stack([run_first[run_of] + at, np.minimum(BLOCK_M, run_len[run_of] - at), run_slot[run_of]])
         nb = blocks.shape[1]
-        # One int32 tensor, one copy: the three block fields, then the rows.
-        host = np.concatenate([blocks.reshape(-1), order]).astype(np.int32)
+        # One int32 tensor, one copy: the three block fields, then the rows, each field at a
+        # multiple of 4 entries (16 bytes). Triton specialises a pointer on that alignment: a
+        # batch that broke it would compile other kernel variants inside the serving loop.
+        at = -(-nb // 4) * 4
+        host = np.zeros(3 * at + n, dtype=np.int32)
+        for i in range(3):
+            host[i * at : i * at + nb] = blocks[i]
+        host[3 * at :] = order
         dev = _to_device(torch.from_numpy(host), device)
-        rows = dev[3 * nb :]
+        rows = dev[3 * at :]
         groups: list[tuple[int, torch.Tensor]] = []
         if not triton and n:
             rows64 = rows.long()
             groups = [(int(s), rows64[f : f + k]) for s, f, k in zip(run_slot, run_first, run_len)]
-        return cls(dev[:nb], dev[nb : 2 * nb], dev[2 * nb : 3 * nb], rows, groups, triton)
+        return cls(dev[:nb], dev[at : at + nb], dev[2 * at : 2 * at + nb], rows, groups, triton)
 
     @classmethod
     def buffers(cls, num_blocks: int, num_rows: int, device: torch.device) -> LoraBatch:

@@ -53,6 +53,8 @@ def test_blocks_cover_exactly_the_adapter_rows_one_slot_each(reqs: list[tuple[in
     want = sum(-(-len(r) // BLOCK_M) for r in by_slot.values())
     assert batch.block_len.shape[0] == want <= LoraBatch.max_blocks(len(per_row), len(reqs))
     assert batch.block_start.dtype == batch.block_len.dtype == batch.block_slot.dtype == batch.rows.dtype == torch.int32
+    # Each field 16-byte aligned in the one packed tensor, as Triton's kernels were compiled for.
+    assert all(t.storage_offset() % 4 == 0 for t in (batch.block_start, batch.block_len, batch.block_slot, batch.rows))
     groups = {slot: r.tolist() for slot, r in batch.groups}
     assert len(groups) == len(batch.groups)
     assert groups == by_slot
