@@ -69,6 +69,23 @@ def test_tp2_equals_hf_with_replicated_kv_head(tmp_path: Path) -> None:
     assert_kv_balanced(info)
 
 
+def test_tp2_sampled_rows_are_rank_zeros_draws(tmp_path: Path) -> None:
+    """Sampled rows (filtered, seeded or not) with rank 0's draw broadcast to the other ranks:
+    the ranks stay in step to the end, and a seed gives at tp_size 2 what it gives at 1."""
+    d = tiny_model_dir(tmp_path, "qwen2", vocab=512, num_key_value_heads=1)
+    params = [{"max_new_tokens": NEW, "temperature": 0.9, "top_k": 40, "top_p": 0.9, "seed": 7, "ignore_eos": True},
+              {"max_new_tokens": NEW, "temperature": 1.0, "min_p": 0.05, "seed": 11, "ignore_eos": True},
+              {"max_new_tokens": NEW, "temperature": 1.0, "ignore_eos": True}]
+    outs = {}
+    for tp in (1, 2):
+        with sgl.Engine(d, tp_size=tp, transport="ipc", skip_tokenizer_init=True, device="cpu", dtype="float32",
+                        random_seed=0) as e:
+            outs[tp] = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=params)]
+            assert_kv_balanced(e.get_server_info())
+    assert all(len(o) == NEW for o in outs[2])
+    assert outs[2][:2] == outs[1][:2]
+
+
 @pytest.fixture(scope="module")
 def nine_heads_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_model_dir(tmp_path_factory.mktemp("tp3"), "llama", vocab=515, num_attention_heads=9,

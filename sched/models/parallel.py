@@ -45,6 +45,12 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank, in place (queued on the device's stream under NCCL)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x joined along the last dimension, in rank order."""
         if self.size == 1:

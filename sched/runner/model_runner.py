@@ -197,7 +197,7 @@ class ModelRunner:
                                     min(self.vocab_size, draft.vocab_size), self.dtype)
         self.sampling = SamplingState(self.device, self.req_to_token_pool.size, self.vocab_size, self.dtype,
                                       args.random_seed or 0, self.eos_ids, self.processors,
-                                      masks=args.grammar_backend != "none")
+                                      masks=args.grammar_backend != "none", tp=tp)
         self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PrefillGraphs | None = None

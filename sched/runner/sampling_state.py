@@ -17,6 +17,7 @@ from sgl.core.logit_processor import CustomLogitProcessor
 from sgl.kernels.gumbel_draw import Bitmask
 from sgl.kernels.sampling import FusedDraw
 from sgl.kernels.trie_mask import trie_advance, trie_mask_
+from sgl.sched.models.parallel import TPGroup
 from sgl.sched.runner.beam_select import BeamBuffers, select
 from sgl.sched.runner.grammar_masks import GrammarFill, MaskFiller, apply_masks
 from sgl.sched.runner.sampler import fused_takes, process_logits, sample
@@ -30,8 +31,10 @@ class SamplingState:
     """Sampling's buffers for `rows` request rows over `vocab_size` columns."""
 
     def __init__(self, device: torch.device, rows: int, vocab_size: int, dtype: torch.dtype, seed: int,
-                 eos_ids: frozenset[int], processors: dict[str, CustomLogitProcessor], masks: bool) -> None:
+                 eos_ids: frozenset[int], processors: dict[str, CustomLogitProcessor], masks: bool,
+                 tp: TPGroup = TPGroup()) -> None:
         self.device = device
+        self.tp = tp
         self.rows = rows
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
@@ -87,6 +90,11 @@ class SamplingState:
         elif p.tries or g is not None:
             processed = self._mask(processed, logits, p, fill)
         next_ids = sample(processed, p.sampling, self.generator, self.fused_draw, bitmask)
+        if not p.sampling.all_greedy:
+            # Every rank draws from the same logits, but a filter's normalisation may round
+            # apart between runs (FlashInfer's top-k sums atomically): rank 0's draw stands,
+            # or the ranks' requests could end apart and their collectives stop matching.
+            self.tp.broadcast(next_ids)
         self.next_token[p.rows] = next_ids
         if self.counts is not None:
             self.counts[p.rows, next_ids] += 1
