@@ -215,6 +215,38 @@ def test_release_and_resume_memory(engine: sgl.Engine, models: dict[str, str], r
     assert_kv_balanced(engine.get_server_info())
 
 
+def test_a_memory_call_another_rank_failed_is_undone_here(models: dict[str, str]) -> None:
+    """Under tensor parallelism every rank releases or resumes, or none does: when another
+    rank failed its part, this one undoes its own and raises (a rank that went on alone
+    would run collectives the others never join)."""
+    from sgl.sched.models.parallel import TPGroup
+    from sgl.sched.runner.model_runner import ModelRunner
+
+    class OtherRankFailed(TPGroup):
+        def min_int(self, n: int) -> int:
+            return 0
+
+    r = ModelRunner(sgl.ServerArgs(max_total_tokens=64), models["a"])
+    try:
+        weights = [p.clone() for p in r.model.parameters()]
+        r.tp = OtherRankFailed()
+        with pytest.raises(RuntimeError, match="another tensor-parallel rank"):
+            r.release_memory({"weights", "kv_cache"})
+        assert r.released == frozenset()
+        assert all(torch.equal(p, w) for p, w in zip(r.model.parameters(), weights, strict=True))
+        r.tp = TPGroup()
+        r.release_memory({"weights"})
+        r.tp = OtherRankFailed()
+        with pytest.raises(RuntimeError, match="another tensor-parallel rank"):
+            r.resume_memory({"weights"})
+        assert r.released == frozenset({"weights"})
+        r.tp = TPGroup()
+        r.resume_memory({"weights"})
+        assert all(torch.equal(p, w) for p, w in zip(r.model.parameters(), weights, strict=True))
+    finally:
+        r.close()
+
+
 # ---- pausing, on the null model ----
 
 LOAD = 12

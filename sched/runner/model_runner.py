@@ -69,6 +69,9 @@ GPU_CHUNK_LARGEST = 16384
 CPU_CHUNK_DEFAULT = 2048
 
 
+_OTHER_RANK = "another tensor-parallel rank failed its part of the call (see its log): every rank undid its own"
+
+
 def resolve_device(args: ServerArgs) -> torch.device:
     """The device a scheduler works on. A GPU with its index (the calling thread's current
     one, which a rank's process set first): `cuda` alone means the current GPU of whichever
@@ -269,6 +272,12 @@ class ModelRunner:
                              + ("not released" if released else "released already"))
         return [t for t in MEMORY_TAGS if t in tags]
 
+    def _ranks_agree(self, failure: BaseException | None) -> bool:
+        """Whether every tensor-parallel rank did its part of a memory call (True alone).
+        All go on or all undo theirs: a rank that released or resumed alone would capture
+        graphs, or run forwards, whose collectives the others never join."""
+        return self.tp.min_int(int(failure is None)) == 1
+
     def release_memory(self, tags: set[str]) -> None:
         """Free the device memory of the tagged parts ("weights": kept in host memory;
         "kv_cache": its content is lost, so the radix cache must be flushed first) and
@@ -277,14 +286,17 @@ class ModelRunner:
         todo = self._tags(tags, released=False)
         t0 = time.perf_counter()
         done: list[str] = []
+        failure: BaseException | None = None
         try:
             for tag in todo:
                 self._memory_owner(tag)[0].release()
                 done.append(tag)
-        except BaseException:
+        except BaseException as e:  # noqa: BLE001 - raised below, once the ranks agree
+            failure = e
+        if not self._ranks_agree(failure):
             for tag in reversed(done):
                 self._memory_owner(tag)[0].resume()
-            raise
+            raise failure or RuntimeError(_OTHER_RANK)
         if self.graphs is not None or self.prefill_graphs is not None:
             self._drop_graphs()
             gc.collect()  # the graphs' memory pool goes with its last graph
@@ -301,10 +313,18 @@ class ModelRunner:
         todo = self._tags(tags, released=True)
         t0 = time.perf_counter()
         done: list[str] = []
+        failure: BaseException | None = None
         try:
             for tag in todo:
                 self._memory_owner(tag)[0].resume()
                 done.append(tag)
+        except BaseException as e:  # noqa: BLE001 - raised below, once the ranks agree
+            failure = e
+        if not self._ranks_agree(failure):
+            for tag in reversed(done):
+                self._memory_owner(tag)[0].release()
+            raise failure or RuntimeError(_OTHER_RANK)
+        try:
             self.memory_stats["resume_s"] = time.perf_counter() - t0
             if not self.released and self.graphs is None and self.graph_bs is not None:
                 t1 = time.perf_counter()
