@@ -76,15 +76,11 @@ def resolve_device(args: ServerArgs) -> torch.device:
     """The device a scheduler works on. A GPU with its index (the calling thread's current
     one, which a rank's process set first): `cuda` alone means the current GPU of whichever
     thread uses it, and compares unequal to its tensors' `cuda:N`."""
-    if args.device == "auto":
-        args_device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but CUDA is not available: pass device='cpu' or run on a GPU machine")
-    else:
-        args_device = args.device
-    if args_device == "cuda":
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(args_device)
+    return torch.device("cpu" if args.device == "auto" else args.device)
 
 
 def chunked_prefill_size(args: ServerArgs, device: torch.device) -> int | None:
