@@ -51,6 +51,11 @@ class SamplingState:
         self.generator.manual_seed(seed)
         self.fused_draw = FusedDraw.ready(device, seed, vocab_size, dtype, masks=masks)
         self.masks = MaskFiller(device, eos_ids)  # a grammar's stop tokens are the model's EOS
+        if masks and device.type == "cuda":
+            # xgrammar's masking kernel (batches the one-pass draw does not take) builds on its
+            # first call: here, not inside the serving loop. Masked rows are float32 copies.
+            apply_masks(torch.zeros(1, vocab_size, device=device),
+                        torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device), vocab_size)
 
     def ensure_counts(self) -> None:
         """Allocate the penalty counts (a batch with penalties is being prepared)."""
