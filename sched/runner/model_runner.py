@@ -249,14 +249,16 @@ class ModelRunner:
     @property
     def released(self) -> frozenset[str]:
         """The memory tags whose device memory is released."""
-        return frozenset(t for t in MEMORY_TAGS if not self._memory_owner(t)[1])
+        on_device = {"weights": self.weights.resident, "kv_cache": not self.kv_pool.released}
+        return frozenset(t for t in MEMORY_TAGS if not on_device[t])
 
-    def _memory_owner(self, tag: str) -> tuple[MemoryHolders, bool]:
-        """What holds a tag's memory (a draft model's part too), and whether that memory is on the device."""
+    def _holders(self, tags: list[str]) -> MemoryHolders:
+        """What holds the tags' memory (a draft model's part too), in the tags' order."""
         d = self.draft
-        if tag == "weights":
-            return MemoryHolders(self.weights, *([d.weights] if d else [])), self.weights.resident
-        return MemoryHolders(self.kv_pool, *([d.kv_pool] if d else [])), not self.kv_pool.released
+        parts: dict[str, list[WeightManager | MHATokenToKVPool]] = {
+            "weights": [self.weights, *([d.weights] if d else [])],
+            "kv_cache": [self.kv_pool, *([d.kv_pool] if d else [])]}
+        return MemoryHolders(self.tp, *(h for t in tags for h in parts[t]))
 
     def _tags(self, tags: set[str], released: bool) -> list[str]:
         unknown = sorted(set(tags) - set(MEMORY_TAGS))
@@ -268,12 +270,6 @@ class ModelRunner:
                              + ("not released" if released else "released already"))
         return [t for t in MEMORY_TAGS if t in tags]
 
-    def _ranks_agree(self, failure: BaseException | None) -> bool:
-        """Whether every tensor-parallel rank did its part of a memory call (True alone).
-        All go on or all undo theirs: a rank that released or resumed alone would capture
-        graphs, or run forwards, whose collectives the others never join."""
-        return self.tp.min_int(int(failure is None)) == 1
-
     def release_memory(self, tags: set[str]) -> None:
         """Free the device memory of the tagged parts ("weights": kept in host memory;
         "kv_cache": its content is lost, so the radix cache must be flushed first) and
@@ -281,18 +277,7 @@ class ModelRunner:
         nothing is released."""
         todo = self._tags(tags, released=False)
         t0 = time.perf_counter()
-        done: list[str] = []
-        failure: BaseException | None = None
-        try:
-            for tag in todo:
-                self._memory_owner(tag)[0].release()
-                done.append(tag)
-        except BaseException as e:  # noqa: BLE001 - raised below, once the ranks agree
-            failure = e
-        if not self._ranks_agree(failure):
-            for tag in reversed(done):
-                self._memory_owner(tag)[0].resume()
-            raise failure or RuntimeError(_OTHER_RANK)
+        self._holders(todo).release()
         if self.graphs is not None or self.prefill_graphs is not None:
             self._drop_graphs()
             gc.collect()  # the graphs' memory pool goes with its last graph
@@ -308,18 +293,8 @@ class ModelRunner:
         failure (out of memory) the tags stay released."""
         todo = self._tags(tags, released=True)
         t0 = time.perf_counter()
-        done: list[str] = []
-        failure: BaseException | None = None
-        try:
-            for tag in todo:
-                self._memory_owner(tag)[0].resume()
-                done.append(tag)
-        except BaseException as e:  # noqa: BLE001 - raised below, once the ranks agree
-            failure = e
-        if not self._ranks_agree(failure):
-            for tag in reversed(done):
-                self._memory_owner(tag)[0].release()
-            raise failure or RuntimeError(_OTHER_RANK)
+        holders = self._holders(todo)
+        holders.resume()
         try:
             self.memory_stats["resume_s"] = time.perf_counter() - t0
             if not self.released and self.graphs is None and self.graph_bs is not None:
@@ -328,8 +303,7 @@ class ModelRunner:
                 self.memory_stats["recapture_s"] = time.perf_counter() - t1
         except BaseException:
             self._drop_graphs()
-            for tag in reversed(done):
-                self._memory_owner(tag)[0].release()
+            holders.release()
             raise
         self.log.info("memory resumed", tags=todo, released=sorted(self.released),
                       seconds=round(self.memory_stats["resume_s"], 3))
@@ -532,10 +506,13 @@ class ModelRunner:
 
 
 class MemoryHolders:
-    """The holders of one memory tag (the target's, and a draft model's), released and
-    resumed together: when one fails, those done already are undone."""
+    """The holders of memory tags (the target's, and a draft model's), released and resumed
+    together, on every tensor-parallel rank or on none: when one fails, here or on another
+    rank, those done already are undone (a rank that went on alone would capture graphs,
+    or run forwards, whose collectives the others never join)."""
 
-    def __init__(self, *holders: WeightManager | MHATokenToKVPool) -> None:
+    def __init__(self, tp: TPGroup, *holders: WeightManager | MHATokenToKVPool) -> None:
+        self.tp = tp
         self.holders = holders
 
     def release(self) -> None:
@@ -546,14 +523,17 @@ class MemoryHolders:
 
     def _all(self, do: str, undo: str) -> None:
         done: list[WeightManager | MHATokenToKVPool] = []
+        failure: BaseException | None = None
         try:
             for h in self.holders:
                 getattr(h, do)()
                 done.append(h)
-        except BaseException:
+        except BaseException as e:  # noqa: BLE001 - raised below, once the ranks agree
+            failure = e
+        if self.tp.min_int(int(failure is None)) == 0:
             for h in reversed(done):
                 getattr(h, undo)()
-            raise
+            raise failure or RuntimeError(_OTHER_RANK)
 
 
 def _done(value: T) -> Future[T]:
