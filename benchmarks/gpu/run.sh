@@ -15,7 +15,7 @@
 #   set-up      jit tests beamtests cpuinfo parts
 #   control     control control8b (memory release and resume, weight updates)
 #   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w7fp8 w6 w8 tp startup looplag priority
-#   A/B         old w3old w7old w8old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
+#   A/B         old w3old w7old w7fp8old w8old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    fp8gemm prefillcost streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy w8spy (py-spy's wheel in .whl/)
@@ -233,10 +233,12 @@ for step in "$@"; do
     w7) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf ;;
     w7fp8) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf --variant '{"quantization": "fp8"}' ;;
     fp8gemm) run 120 python3 -m benchmarks.fp8_gemm ;;  # the 8B projections alone: FP8 against bf16, by token count
-    w7old)
+    # w7old, w7fp8old: w7 and w7fp8 through the checkout in .old/ (see `old`), the A/B's other side.
+    w7old|w7fp8old)
+      variant=(); [ "$step" = w7fp8old ] && variant=(--variant '{"quantization": "fp8"}')
       if old_site .old/benchmarks; then
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
-          && run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf)
+          && run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf "${variant[@]}")
       fi ;;
     # W8, online serving (benchmarks/w8_online.py): `sgl serve` on the Qwen3-0.6B architecture
     # (dummy bf16), Poisson rates and a concurrency sweep over HTTP with streaming, then stopped.
