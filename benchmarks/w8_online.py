@@ -30,7 +30,10 @@ apart (where in a stream its slow gaps fall), failures (a failed request is
 recorded, never fatal) and the client's own CPU time per chunk. With `--launch` (Linux), the
 server's too: each of its processes' CPU seconds per wall second over the point and per
 token (`server_cpu`, busiest first), which shows the process that caps a saturated server
-(an HTTP front end's loop, a scheduler's, a detokenizer's).
+(an HTTP front end's loop, a scheduler's, a detokenizer's). From a server with sgl's
+/get_server_info, its counters over each point (`engine`): the scheduler's steps, its host
+time per step (build, wait for results, process), the GPU's busy share, and speculation's
+proposing steps and tokens kept.
 
 The client is httpx streaming the server-sent events by hand: the openai client goes
 through the same httpx transport and then builds a pydantic object per chunk, which at
@@ -414,6 +417,55 @@ class ServerCpu:
         return used
 
 
+class EngineCounters:
+    """The server's own counters over a point, where it has them: sgl's GET /get_server_info
+    (the scheduler's steps, its host time per turn split into build, wait and process, the
+    GPU's busy and idle time, speculation's steps and tokens). `take` returns what each
+    numeric counter grew by since the last call; {} from a server without that route."""
+
+    KEYS = ("decode_steps", "owed_steps", "mixed_steps", "prefill_tokens", "cached_tokens", "build_s", "wait_s",
+            "process_s", "mask_wait_s", "gpu_busy_s", "gpu_idle_s", "spec_steps", "spec_plain_steps",
+            "spec_proposed_tokens", "spec_accepted_tokens")
+
+    def __init__(self, url: str, api_key: str | None) -> None:
+        self.url, self.headers = url, ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self.last = self._now()
+
+    def _now(self) -> dict[str, float] | None:
+        try:
+            r = httpx.get(self.url + "/get_server_info", headers=self.headers, timeout=10)
+        except httpx.TransportError:
+            return None
+        if r.status_code != 200:
+            return None
+        info = r.json()
+        return {k: float(info[k]) for k in self.KEYS if isinstance(info.get(k), (int, float))}
+
+    def take(self) -> dict[str, float]:
+        now, last = self._now(), self.last
+        self.last = now
+        if not now or not last:
+            return {}
+        return {k: round(v - last.get(k, 0.0), 6) for k, v in now.items()}
+
+
+def engine_line(c: dict[str, float]) -> str:
+    """A point's engine counters in a line: host ms per scheduler step (build, wait, process) and
+    the GPU's busy share; with speculation, its steps and tokens kept per proposing step."""
+    steps = c.get("decode_steps", 0.0)
+    if not steps:
+        return ""
+    per = " / ".join(f"{c.get(k, 0.0) * 1e3 / steps:.2f}" for k in ("build_s", "wait_s", "process_s"))
+    busy, idle = c.get("gpu_busy_s", 0.0), c.get("gpu_idle_s", 0.0)
+    out = f"{steps:.0f} decode steps; host ms per step build / wait / process {per}"
+    if busy + idle:
+        out += f"; GPU busy {busy / (busy + idle):.0%}"
+    if c.get("spec_steps"):
+        out += (f"; {c['spec_steps']:.0f} proposing steps, {c.get('spec_plain_steps', 0.0):.0f} plain, "
+                f"{c.get('spec_accepted_tokens', 0.0) / c['spec_steps']:.2f} kept per proposing step")
+    return out
+
+
 def server_cpu(used: dict[int, tuple[float, str]], wall: float, tokens: int) -> list[dict[str, Any]]:
     """A point's server processes by CPU load (CPU seconds per wall second), busiest first;
     those below 1% are left out."""
@@ -650,6 +702,7 @@ def point_values(spec: str) -> list[float]:
 
 def sweep(a: argparse.Namespace, model: str, server: ServerCpu | None = None) -> list[dict[str, Any]]:
     points: list[dict[str, Any]] = []
+    counters = EngineCounters(a.url, a.api_key)
     plan = [("rate", v) for v in point_values(a.rates)] + [("concurrency", v) for v in point_values(a.concurrency)]
     for w in a.workloads.split(","):
         warm = make_requests(w, a.warmup, 10_000, a.seed, a.temperature, min(a.output_cap or 16, 16))
@@ -666,17 +719,22 @@ def sweep(a: argparse.Namespace, model: str, server: ServerCpu | None = None) ->
             sends = arrivals(len(reqs), v, a.seed * 7919 + k) if mode == "rate" else None
             if server is not None:
                 server.take()
+            counters.take()
             t = time.perf_counter()
             recs, wall, cpu = run_point(a.url, a.api_key, model, reqs, sends, int(v) if sends is None else 0,
                                         a.procs, a.request_timeout)
             p = summarize(w, mode, v, recs, wall, cpu)
             if server is not None:  # over the point's whole time, its clients' start-up included
                 p["server_cpu"] = server_cpu(server.take(), time.perf_counter() - t, p["out_tokens"])
+            if engine := counters.take():
+                p["engine"] = engine
             points.append(p)
             rows.append(row(p))
             print(f"{w} {rows[-1]['point']}: {p['ok']}/{p['requests']} ok, {p['out_tok_s']} tok/s, TTFT p50 "
                   f"{p['ttft_ms']['p50']} ms, ITL p50 {p['itl_ms']['p50']} ms"
                   + (f", errors {p['errors']}" if p["errors"] else ""), flush=True)
+            if line := engine_line(p.get("engine", {})):
+                print(f"  engine: {line}", flush=True)
         print(f"--- {w} ({a.label}, {a.url}, model {model}; ms unless said)")
         print(table(rows), flush=True)
     return points

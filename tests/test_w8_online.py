@@ -57,6 +57,11 @@ def test_points(server: ServerProc, tmp_path: Path, capsys: pytest.CaptureFixtur
         assert p["req_s"] > 0 and p["out_tok_s"] > 0 and p["client_cpu_us_per_chunk"] > 0
         if p["mode"] == "concurrency":
             assert p["max_in_flight"] == p["value"]
+        # The server's counters cover this point alone: a decode step gives each running request a
+        # token, and each request takes CAP - 1 of them after its prefill's.
+        engine = p["engine"]
+        assert CAP - 1 <= engine["decode_steps"] <= p["out_tokens"] - p["requests"], engine
+        assert engine["prefill_tokens"] + engine["cached_tokens"] >= p["requests"] and engine["build_s"] > 0
     # The file holds plain JSON (no Infinity) and reads back as it was written.
     assert json.loads(json.dumps(data, allow_nan=False)) == data
 
