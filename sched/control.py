@@ -124,7 +124,7 @@ class ControlPlane:
         input): rank 0 answers once all have, since the caller may free what the call read
         (a shared buffer) as soon as the answer comes, and fails if any rank failed."""
         tp = self.runner.tp
-        if tp.size > 1 and tp.min_int(int(out.success)) == 0 and out.success:
+        if tp.size > 1 and not tp.all_ok(out.success) and out.success:
             return ControlReqOutput(success=False, message="another tensor-parallel rank failed the call: see its log")
         return out
 

@@ -12,7 +12,8 @@ Rules, one place:
   one; with every slot busy the request waits (the round goes on with others, as
   vLLM's scheduler does), so at most `slots` adapters are in a batch.
 - Unloading is refused while a live request (queued or running) uses the adapter; a
-  load that fails leaves every loaded adapter as it was.
+  load that fails, on this tensor-parallel rank or another, leaves every rank's adapters
+  as they were.
 
 It decides nothing else about requests and touches the device only through the
 runner's `load_lora`, queued in order with the forwards."""
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from sgl.sched.runner.model_runner import ModelRunner
 
 BASE = 0  # the base model's id (no adapter)
+OTHER_RANK_FAILED = "another tensor-parallel rank failed to load the adapter (see its log): no rank loaded it"
 
 
 class LoraManager:
@@ -65,8 +67,16 @@ class LoraManager:
         if len(self.adapters) >= self.max_loaded:
             raise ValueError(rules.too_many(self.max_loaded))
         r = self.runner
-        adapter = LoraAdapter.load(name, path, r.config, r.dtype, self.max_rank, self.targets,
-                                   pin=r.device.type == "cuda")
+        failure: Exception | None = None
+        try:
+            adapter = LoraAdapter.load(name, path, r.config, r.dtype, self.max_rank, self.targets,
+                                       pin=r.device.type == "cuda")
+        except Exception as e:  # noqa: BLE001 - raised below, once the ranks agree
+            failure = e
+        # Every tensor-parallel rank keeps it or none does (a read that failed on one rank only):
+        # requests carry its id and take its slots alike on every rank.
+        if not r.tp.all_ok(failure is None):
+            raise failure or RuntimeError(OTHER_RANK_FAILED)
         self.adapters[name] = adapter
         self.ids[name] = next(self._ids)
         self.log.info("LoRA adapter loaded", lora=name, path=path, rank=adapter.rank,

@@ -290,3 +290,31 @@ def test_cli_generate_with_an_adapter(models: dict[str, str], adapters: dict[str
     want = merged_engines[1].generate(prompt, params)["text"]
     assert run.stdout.rstrip("\n") == want
     assert want != merged_engines[0].generate(prompt, params)["text"]  # the adapter matters here
+
+
+def test_a_load_another_rank_failed_is_kept_by_no_rank(models: dict[str, str],
+                                                        adapters: dict[str, dict[str, str]]) -> None:
+    """Under tensor parallelism an adapter that one rank failed to read (its disk, its memory)
+    is kept by none, and takes no id: requests carry the id and take its slots alike on
+    every rank, so a rank holding what another lacks would part from it."""
+    from sgl.sched.lora import LoraManager
+    from sgl.sched.models.parallel import TPGroup
+    from sgl.sched.runner.model_runner import ModelRunner
+
+    class OtherRankFailed(TPGroup):
+        def min_int(self, n: int) -> int:
+            return 0
+
+    args = sgl.ServerArgs(max_total_tokens=64, enable_lora=True, max_lora_rank=16, dtype="float32")
+    r = ModelRunner(args, models["qwen3"])
+    try:
+        lora = LoraManager(r, args)
+        r.tp = OtherRankFailed()
+        with pytest.raises(RuntimeError, match="another tensor-parallel rank"):
+            lora.load("qv4", adapters["qwen3"]["qv4"])
+        assert lora.adapters == {} and lora.ids == {}
+        r.tp = TPGroup()
+        lora.load("qv4", adapters["qwen3"]["qv4"])
+        assert lora.ids == {"qv4": 1}  # the first id: the failed load took none
+    finally:
+        r.close()

@@ -80,6 +80,10 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank's part of a call succeeded (each rank asks once, in step)."""
+        return self.min_int(int(ok)) == 1
+
 
 def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
     """Join the group of `size` scheduler processes at `init_method` (tcp://host:port)."""

@@ -530,7 +530,7 @@ class MemoryHolders:
                 done.append(h)
         except BaseException as e:  # noqa: BLE001 - raised below, once the ranks agree
             failure = e
-        if self.tp.min_int(int(failure is None)) == 0:
+        if not self.tp.all_ok(failure is None):
             for h in reversed(done):
                 getattr(h, undo)()
             raise failure or RuntimeError(_OTHER_RANK)
