@@ -23,6 +23,8 @@ import httpx
 import openai
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sgl
 from tests.conftest import assert_kv_balanced, tiny_model_dir
@@ -284,3 +286,21 @@ def test_http_error_names_the_field(server: ServerProc) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "encoding_format"
     r = httpx.post(server.url + "/v1/embeddings", json={"input": [1.5]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=6), st.integers(0, 2**31 - 1))
+def test_pool_rows_sum_each_entrys_run(lengths: list[int], seed: int) -> None:
+    """PoolRows sums each entry's run of rows (through differences of one float64 running
+    sum, the same on every run on a GPU too) as a float64 sum of that run alone does, up to
+    float32 rounding; the rows' magnitudes vary, as final-norm states' do."""
+    from sgl.sched.models.forward_batch import PoolRows
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(sum(lengths), 8, generator=g) * torch.rand(sum(lengths), 1, generator=g) * 50
+    last = torch.tensor(lengths).cumsum(0) - 1
+    p = PoolRows(torch.arange(sum(lengths)), last)
+    p.pool(hidden)
+    want = torch.stack([run.double().sum(0) for run in hidden.split(lengths)])
+    assert p.out is not None and p.out.dtype == torch.float32
+    assert torch.allclose(p.out.double(), want, rtol=1e-6, atol=1e-5)

@@ -17,19 +17,20 @@ from sgl.sched.models.lora_layers import LoraSpec
 
 @dataclass(slots=True)
 class PoolRows:
-    """The packed rows of a prefill whose final hidden states embedding requests pool:
-    row k adds to entry `entry[k]`'s sum (a mean-pooled chunk's every row, a last-token
-    request's last row). The forward fills `out` [count, hidden] float32."""
+    """The packed rows of a prefill whose final hidden states embedding requests pool, each
+    entry's rows one run (a mean-pooled chunk's every row, a last-token request's last row).
+    The forward fills `out` [count, hidden] float32: each entry's sum."""
 
     rows: torch.Tensor  # [N] int64
-    entry: torch.Tensor  # [N] int64 in [0, count)
-    count: int
+    last: torch.Tensor  # [count] int64: the index in `rows` of each entry's last row, increasing
     out: torch.Tensor | None = None
 
     def pool(self, hidden: torch.Tensor) -> None:
-        """Sum `hidden` ([N, H]: the final-norm states of `rows`) into `out`, per entry."""
-        out = torch.zeros((self.count, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
-        self.out = out.index_add_(0, self.entry, hidden.float())
+        """Sum `hidden` ([N, H]: the final-norm states of `rows`) into `out`, per entry: the
+        differences of one running sum in float64 at the entries' ends. The same on every run,
+        where index_add_ adds with atomics on a GPU, in an order that varies by an ulp."""
+        ends = hidden.double().cumsum(0)[self.last]
+        self.out = torch.diff(ends, dim=0, prepend=ends.new_zeros((1, ends.shape[1]))).float()
 
 
 @dataclass(slots=True)

@@ -203,15 +203,15 @@ class BatchPreparer:
         """The packed rows the `entries` pool (batch.pooled_entries), each one's in order."""
         ends = list(accumulate(batch.qo_lens))
         rows: list[int] = []
-        owner: list[int] = []
-        for k, i in enumerate(entries):
+        last: list[int] = []
+        for i in entries:
             pooled = batch.reqs[i].pooled
             assert pooled is not None
             first = ends[i] - batch.qo_lens[i] if pooled.mode == "mean" else ends[i] - 1
             rows.extend(range(first, ends[i]))
-            owner.extend([k] * (ends[i] - first))
+            last.append(len(rows) - 1)
         return PoolRows(self._dev(torch.tensor(rows, dtype=torch.int64)),
-                        self._dev(torch.tensor(owner, dtype=torch.int64)), len(entries))
+                        self._dev(torch.tensor(last, dtype=torch.int64)))
 
     def _logprob_plan(self, batch: ScheduleBatch,
                       qo_indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, LogprobPlan]:
