@@ -54,6 +54,10 @@ def encode(tok: Any, texts: list[str], add_special_tokens: bool) -> list[list[in
     backend = _offsetless_backend(tok)
     if backend is not None:
         return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+    return _own_encode(tok, texts, add_special_tokens)
+
+
+def _own_encode(tok: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
     return [list(i) for i in tok(texts, add_special_tokens=add_special_tokens)["input_ids"]]
 
 
@@ -77,7 +81,7 @@ def _offsetless_backend(tok: Any) -> Any | None:
     probes = [*_PROBES, f"{specials} between {specials}x"]
     try:
         for add in (True, False):
-            want = [list(i) for i in tok(probes, add_special_tokens=add)["input_ids"]]
+            want = _own_encode(tok, probes, add)
             if [e.ids for e in backend.encode_batch_fast(probes, add_special_tokens=add)] != want:
                 return None
     except Exception:  # noqa: BLE001 - any refusal: keep the tokenizer's own path
