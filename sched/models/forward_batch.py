@@ -29,7 +29,7 @@ class PoolRows:
         """Sum `hidden` ([N, H]: the final-norm states of `rows`) into `out`, per entry: the
         differences of one running sum in float64 at the entries' ends. The same on every run,
         where index_add_ adds with atomics on a GPU, in an order that varies by an ulp."""
-        ends = hidden.double().cumsum(0)[self.last]
+        ends = hidden.cumsum(0, dtype=torch.float64)[self.last]
         self.out = torch.diff(ends, dim=0, prepend=ends.new_zeros((1, ends.shape[1]))).float()
 
 
