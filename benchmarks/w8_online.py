@@ -33,7 +33,7 @@ token (`server_cpu`, busiest first), which shows the process that caps a saturat
 (an HTTP front end's loop, a scheduler's, a detokenizer's). From a server with sgl's
 /get_server_info, its counters over each point (`engine`): the scheduler's steps, its host
 time per step (build, wait for results, process), the GPU's busy share, and speculation's
-proposing steps and tokens kept.
+requests' steps with guesses and without, and the guesses kept.
 
 The client is httpx streaming the server-sent events by hand: the openai client goes
 through the same httpx transport and then builds a pydantic object per chunk, which at
@@ -451,7 +451,8 @@ class EngineCounters:
 
 def engine_line(c: dict[str, float]) -> str:
     """A point's engine counters in a line: host ms per scheduler step (build, wait, process) and
-    the GPU's busy share; with speculation, its steps and tokens kept per proposing step."""
+    the GPU's busy share; with speculation, requests' steps with guesses and without, and the
+    guesses kept per step with guesses."""
     steps = c.get("decode_steps", 0.0)
     if not steps:
         return ""
@@ -461,8 +462,8 @@ def engine_line(c: dict[str, float]) -> str:
     if busy + idle:
         out += f"; GPU busy {busy / (busy + idle):.0%}"
     if c.get("spec_steps"):
-        out += (f"; {c['spec_steps']:.0f} proposing steps, {c.get('spec_plain_steps', 0.0):.0f} plain, "
-                f"{c.get('spec_accepted_tokens', 0.0) / c['spec_steps']:.2f} kept per proposing step")
+        out += (f"; requests' steps with guesses {c['spec_steps']:.0f}, without {c.get('spec_plain_steps', 0.0):.0f}, "
+                f"guesses kept per step with guesses {c.get('spec_accepted_tokens', 0.0) / c['spec_steps']:.2f}")
     return out
 
 
