@@ -421,8 +421,9 @@ class LlamaForCausalLM(nn.Module):
                 hf = f"model.layers.{i}.{module}.lora"
                 if proj.reduce is None:  # column-parallel: this rank's output rows of B
                     b = self._rank_part(hf, name, part if fused in ("qkv_proj", "gate_up_proj") else None, b)
-                else:  # row-parallel: this rank's input columns of A
-                    a = self._rank_part(hf, name, None, a)
+                else:  # row-parallel: this rank's input columns of A, cut on the device (a strided
+                    # view of the pinned adapter would copy synchronously, waiting for the queue)
+                    a = self._rank_part(hf, name, None, a.to(proj.lora.a.device, non_blocking=True))
             proj.lora.load(slot, part, a, b)
 
     def unfuse(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
