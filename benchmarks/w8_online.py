@@ -429,7 +429,7 @@ class EngineCounters:
 
     def __init__(self, url: str, api_key: str | None) -> None:
         self.url, self.headers = url, ({"Authorization": f"Bearer {api_key}"} if api_key else {})
-        self.last = self._now()
+        self.last: dict[str, float] | None = None  # the first `take` reads the counters, and returns {}
 
     def _now(self) -> dict[str, float] | None:
         try:
