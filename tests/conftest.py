@@ -83,6 +83,18 @@ def assert_kv_balanced(info: dict[str, Any]) -> None:
     assert_no_leaks(info)
 
 
+def other_rank_failed() -> Any:
+    """A tensor-parallel group in which another rank failed its part of every call: each
+    agreement (`min_int`, `all_ok`) comes back failed, with no second process."""
+    from sgl.sched.models.parallel import TPGroup
+
+    class OtherRankFailed(TPGroup):
+        def min_int(self, n: int) -> int:
+            return 0
+
+    return OtherRankFailed()
+
+
 def null_continuation(last: int, n: int) -> list[int]:
     """The null model's greedy tokens after `last`, in this suite's NULL_VOCAB."""
     from sgl.testing.engines import null_continuation as continuation

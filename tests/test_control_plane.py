@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 import sgl
 from sgl.core.protocol import SharedTensors
 from sgl.runtime.tokenizer_manager import ServerBusyError
-from tests.conftest import assert_kv_balanced, null_continuation, tiny_model_dir
+from tests.conftest import assert_kv_balanced, null_continuation, other_rank_failed, tiny_model_dir
 
 VOCAB = 96
 PROMPTS = [[5, 17, 33, 3, 42, 8, 77, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [11, 2], [64, 65, 66, 67, 1, 0, 12]]
@@ -222,21 +222,17 @@ def test_a_memory_call_another_rank_failed_is_undone_here(models: dict[str, str]
     from sgl.sched.models.parallel import TPGroup
     from sgl.sched.runner.model_runner import ModelRunner
 
-    class OtherRankFailed(TPGroup):
-        def min_int(self, n: int) -> int:
-            return 0
-
     r = ModelRunner(sgl.ServerArgs(max_total_tokens=64), models["a"])
     try:
         weights = [p.clone() for p in r.model.parameters()]
-        r.tp = OtherRankFailed()
+        r.tp = other_rank_failed()
         with pytest.raises(RuntimeError, match="another tensor-parallel rank"):
             r.release_memory({"weights", "kv_cache"})
         assert r.released == frozenset()
         assert all(torch.equal(p, w) for p, w in zip(r.model.parameters(), weights, strict=True))
         r.tp = TPGroup()
         r.release_memory({"weights"})
-        r.tp = OtherRankFailed()
+        r.tp = other_rank_failed()
         with pytest.raises(RuntimeError, match="another tensor-parallel rank"):
             r.resume_memory({"weights"})
         assert r.released == frozenset({"weights"})

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import sgl
-from tests.conftest import tiny_model_dir
+from tests.conftest import other_rank_failed, tiny_model_dir
 from tests.paged_driver import converted_default_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -301,15 +301,11 @@ def test_a_load_another_rank_failed_is_kept_by_no_rank(models: dict[str, str],
     from sgl.sched.models.parallel import TPGroup
     from sgl.sched.runner.model_runner import ModelRunner
 
-    class OtherRankFailed(TPGroup):
-        def min_int(self, n: int) -> int:
-            return 0
-
     args = sgl.ServerArgs(max_total_tokens=64, enable_lora=True, max_lora_rank=16, dtype="float32")
     r = ModelRunner(args, models["qwen3"])
     try:
         lora = LoraManager(r, args)
-        r.tp = OtherRankFailed()
+        r.tp = other_rank_failed()
         with pytest.raises(RuntimeError, match="another tensor-parallel rank"):
             lora.load("qv4", adapters["qwen3"]["qv4"])
         assert lora.adapters == {} and lora.ids == {}
