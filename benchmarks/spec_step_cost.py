@@ -7,7 +7,9 @@ processing, with the GPU's busy and idle time (from CUDA events) beside them. Wi
 dummy weights, its proposals are the target's, so every one is taken and the step's
 cost is the mechanism's alone. With --load-format null (a directory from
 sgl.testing.engines.null_model_dir) the prompts hold the null model's own continuations, so
-every proposal is taken and the step costs the host alone.
+every proposal is taken and the step costs the host alone; a directory written with a
+DeviceTime adds a modelled device's time to each forward, which shows on a CPU how the
+loop schedules speculative steps beside a GPU. The overlap loop runs on a CPU too.
 
     python -m benchmarks.spec_step_cost MODEL [--concurrency 1,8] [--load-format dummy] [--draft DIR]"""
 
@@ -35,7 +37,7 @@ def prompt_ids(i: int, null_vocab: int | None) -> list[int]:
 
 def run(model: str, concurrency: int, spec: dict[str, object], load_format: str, new_tokens: int) -> str:
     with sgl.Engine(model, transport="inproc", load_format=load_format, skip_tokenizer_init=True, random_seed=0,
-                    **spec) as e:
+                    disable_overlap_schedule=False, **spec) as e:
         null = e.get_server_info()["vocab_size"] if load_format == "null" else None
         sp = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
         e.generate(input_ids=[prompt_ids(99, null)], sampling_params=sp)  # warm-up

@@ -8,18 +8,22 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import sgl
-from sgl.sched.models.null import null_next_token
+from sgl.sched.models.null import NullModel, null_next_token
+from sgl.testing import DeviceTime
 from sgl.testing.contract import assert_no_leaks
 from sgl.testing.engines import (
     PLAIN_VOCAB,
     TOKENIZER_EOS,
     BackgroundEngine,
+    EngineRecipe,
     null_continuation,
     null_engine,
     null_model_dir,
@@ -95,6 +99,58 @@ def test_without_a_tokenizer_ids_in_ids_out(tmp_path: Path) -> None:
             return out
 
     assert asyncio.run(main())["output_ids"] == null_continuation(4, 5, PLAIN_VOCAB)
+
+
+# ---- a null model whose forwards take time --------------------------------------------
+
+DECODE_MS = 20.0  # far above a null decode step's host work (a fraction of a ms)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_device_time_makes_each_forward_take_its_time_and_the_overlap_loop_hides_the_host(overlap: bool) -> None:
+    """Each forward sleeps its DeviceTime on the forward's thread: outputs are unchanged,
+    no step is shorter than the time set, and the loop's host work runs beside the forward
+    under the overlap loop (the turn's build does not hold it) and around it without."""
+    timing = DeviceTime(decode_ms=DECODE_MS, prefill_ms=2 * DECODE_MS, per_token_us=0.0)
+    new = 8
+    with null_sync_engine(device_time=timing, disable_overlap_schedule=not overlap, skip_tokenizer_init=True) as e:
+        before = e.get_server_info()
+        t0 = time.perf_counter()
+        outs = e.generate(input_ids=[[5, 6], [7, 8]], sampling_params={"max_new_tokens": new, "ignore_eos": True})
+        wall = time.perf_counter() - t0
+        info = e.get_server_info()
+    assert [o["output_ids"] for o in outs] == [null_continuation(6, new), null_continuation(8, new)]
+    steps = info["decode_steps"] - before["decode_steps"]
+    assert steps >= new - 1
+    assert wall >= (2 * DECODE_MS + steps * DECODE_MS) / 1e3  # a prefill forward at least, and each step
+    build_per_step = (info["build_s"] - before["build_s"]) / steps
+    if overlap:
+        assert build_per_step < DECODE_MS / 2 / 1e3  # the forward is waited for, not run, by the turn
+    else:
+        assert build_per_step >= DECODE_MS / 1e3  # the turn runs the forward itself
+
+
+def test_device_time_is_checked_and_read_back() -> None:
+    t = DeviceTime(decode_ms=1.0, prefill_ms=2.0, per_token_us=3.0)
+    assert math.isclose(t.seconds(True, 10), 1.03e-3) and math.isclose(t.seconds(False, 1000), 5e-3)
+    assert DeviceTime.from_config(t.to_config()) == t and DeviceTime.from_config(None) is None
+    for bad in ({"decode_ms": -1.0}, {"prefill_ms": math.nan}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DeviceTime(**bad)
+    with pytest.raises(ValueError, match="sgl_null_device_time"):
+        DeviceTime.from_config({"decode": 1.0})
+    import torch
+
+    with pytest.raises(ValueError, match="device='cpu'"):
+        NullModel(1000, torch.device("meta"), t)
+    with pytest.raises(ValueError, match="null_model_dir"):
+        EngineRecipe.null_model(model_path="/some/dir", device_time=t)
+
+
+def test_null_model_dir_writes_the_device_time(tmp_path: Path) -> None:
+    t = DeviceTime(decode_ms=0.5)
+    cfg = json.loads((Path(null_model_dir(tmp_path, with_tokenizer=False, device_time=t)) / "config.json").read_text())
+    assert DeviceTime.from_config(cfg[DeviceTime.CONFIG_KEY]) == t
 
 
 # ---- BackgroundEngine, as the plugin's sgl_null_engine gives it ----------------------

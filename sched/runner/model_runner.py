@@ -344,14 +344,15 @@ class ModelRunner:
     def _load(self, args: ServerArgs, model_path: str) -> tuple[CausalLM, AnyConfig]:
         if args.load_format == "null":
             from sgl.sched.models.loader import hf_config
-            from sgl.sched.models.null import NullModel
+            from sgl.sched.models.null import DeviceTime, NullModel
 
             if args.quantization is not None:
                 raise ValueError(f"quantization={args.quantization!r} quantizes a model's weights, and "
                                  "load_format='null' runs the null model, which has none: leave quantization unset")
 
             config = hf_config(Path(model_path), args.trust_remote_code)
-            return NullModel(config.vocab_size, self.device), config
+            timing = DeviceTime.from_config(getattr(config, DeviceTime.CONFIG_KEY, None))
+            return NullModel(config.vocab_size, self.device, timing), config
         from sgl.sched.models.loader import load_model
 
         if args.quantization is not None and (why := fp8_supported(self.device)) is not None:

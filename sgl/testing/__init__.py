@@ -29,6 +29,7 @@ from sgl.testing.contract import (
 )
 from sgl.testing.engines import (
     BackgroundEngine,
+    DeviceTime,
     EngineRecipe,
     ServedApp,
     null_continuation,
@@ -56,8 +57,9 @@ from sgl.testing.faults import (
 )
 
 __all__ = [
-    "RULES", "Abort", "Always", "BackgroundEngine", "Busy", "Contract", "ContractViolation", "Control", "Die",
-    "EngineFacts", "EngineRecipe", "Fail", "FakeEngine", "FakeSyncEngine", "FakeTokenizer", "Fault", "FaultPlan",
+    "RULES", "Abort", "Always", "BackgroundEngine", "Busy", "Contract", "ContractViolation", "Control",
+    "DeviceTime", "Die", "EngineFacts", "EngineRecipe", "Fail", "FakeEngine", "FakeSyncEngine", "FakeTokenizer",
+    "Fault", "FaultPlan",
     "GenerateRequest", "Hang", "Nth", "Responder", "Rid", "ServedApp", "SlowFirstToken", "VirtualTimeLoop", "Where",
     "assert_engine_clean", "assert_no_leaks", "check_result", "check_stream", "inject_faults", "null_continuation",
     "null_engine", "null_model_dir", "null_sync_engine", "run_virtual", "server_info_when_idle", "tokenizer_decoder",

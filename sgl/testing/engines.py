@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sgl.sched.models.null import null_next_token
+from sgl.sched.models.null import DeviceTime, null_next_token
 
 if TYPE_CHECKING:
     from sgl.engine import AsyncEngine, Engine
@@ -61,7 +61,8 @@ def null_continuation(last_token: int, n: int, vocab_size: int = TOKENIZER_VOCAB
 
 
 def null_model_dir(path: str | os.PathLike[str] | None = None, *, vocab_size: int | None = None,
-                   with_tokenizer: bool = True, context_length: int = NULL_CONTEXT_LENGTH) -> str:
+                   with_tokenizer: bool = True, context_length: int = NULL_CONTEXT_LENGTH,
+                   device_time: DeviceTime | None = None) -> str:
     """Write a model directory for `load_format="null"` and return its path (`path`, or a
     new temporary directory that the caller owns).
 
@@ -70,7 +71,8 @@ def null_model_dir(path: str | os.PathLike[str] | None = None, *, vocab_size: in
     columns past them are never a text's token), and the end-of-sequence id is 2. Without
     one, requests carry input_ids, `vocab_size` defaults to 1,000 and its last id ends a
     sequence. The generation config makes greedy decoding the default, so a request that
-    sets no temperature gets `null_continuation` of its prompt."""
+    sets no temperature gets `null_continuation` of its prompt. With `device_time` each
+    forward takes that long, as a device's would (CPU engines only)."""
     vocab = vocab_size or (TOKENIZER_VOCAB if with_tokenizer else PLAIN_VOCAB)
     if with_tokenizer and vocab < TOKENIZER_VOCAB:
         raise ValueError(f"vocab_size={vocab} is smaller than the tokenizer's {TOKENIZER_VOCAB} ids")
@@ -82,6 +84,8 @@ def null_model_dir(path: str | os.PathLike[str] | None = None, *, vocab_size: in
               "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": context_length, "bos_token_id": 1,
               "eos_token_id": eos}
+    if device_time is not None:
+        config[DeviceTime.CONFIG_KEY] = device_time.to_config()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "temperature": 0.0}))
     if with_tokenizer:
@@ -105,11 +109,17 @@ class EngineRecipe:
     model_path: str | None = None
     null: bool = True
     server_args: Mapping[str, Any] = field(default_factory=dict)
+    device_time: DeviceTime | None = None  # the null model's time per forward, in the directory it writes
 
     @classmethod
-    def null_model(cls, **server_args: Any) -> EngineRecipe:
-        """The null model; `model_path` among the arguments gives it that directory's config and tokenizer."""
-        return cls(server_args.pop("model_path", None), True, server_args)
+    def null_model(cls, device_time: DeviceTime | None = None, **server_args: Any) -> EngineRecipe:
+        """The null model; `model_path` among the arguments gives it that directory's config
+        and tokenizer; `device_time` makes each forward take time (null_model_dir's)."""
+        model_path = server_args.pop("model_path", None)
+        if model_path is not None and device_time is not None:
+            raise ValueError("device_time is written into a null model directory this recipe makes; with "
+                             "model_path, write it there: null_model_dir(path, device_time=...)")
+        return cls(model_path, True, server_args, device_time)
 
     @classmethod
     def real_model(cls, model_path: str, **server_args: Any) -> EngineRecipe:
@@ -126,7 +136,7 @@ class EngineRecipe:
             yield self.engine_args(self.model_path)
             return
         with tempfile.TemporaryDirectory(prefix="sgl-null-model-") as d:
-            yield self.engine_args(null_model_dir(d))
+            yield self.engine_args(null_model_dir(d, device_time=self.device_time))
 
     @asynccontextmanager
     async def async_engine(self) -> AsyncIterator[AsyncEngine]:
@@ -152,7 +162,8 @@ class EngineRecipe:
 
 def null_engine(**server_args: Any) -> AbstractAsyncContextManager[AsyncEngine]:
     """`async with null_engine() as engine:` an AsyncEngine on the null model with the
-    default model's tokenizer, its three roles in this process; `server_args` as AsyncEngine's."""
+    default model's tokenizer, its three roles in this process; `server_args` as AsyncEngine's,
+    and `device_time=DeviceTime(...)` for forwards that take time."""
     return EngineRecipe.null_model(**server_args).async_engine()
 
 
