@@ -135,11 +135,14 @@ class DecodeManager:
         (Speculator.waits_for_results), step only once their last step is processed."""
         if r.to_abort is not None:
             return False
-        if r.inflight and (r.serial or r.stale_input or (
-                self.speculating and self.speculator is not None
-                and self.speculator.waits_for_results(r, self.context_length))):
+        if r.inflight and (r.serial or r.stale_input or self._proposes_next(r)):
             return False
         return r.inflight < r.tokens_left(self.context_length)
+
+    def _proposes_next(self, r: Req) -> bool:
+        """An in-flight request that sits out to propose once its results are in."""
+        return (self.speculating and self.speculator is not None
+                and self.speculator.waits_for_results(r, self.context_length))
 
     def schedule(self) -> ScheduleBatch | None:
         """The next decode step of the running requests that can step, retracting the
@@ -150,6 +153,8 @@ class DecodeManager:
         while True:
             reqs = [r for r in self.running if self.can_step(r)]
             if not reqs:
+                return None
+            if self.speculating and self._regroup(reqs):
                 return None
             self.stepping = reqs
             rows = sum(len(r.rows) for r in reqs)  # a beam request steps every beam
@@ -171,6 +176,19 @@ class DecodeManager:
         self.owed = False
         return ScheduleBatch.decode(reqs, loc, self.kv.pool, props, host_inputs=any(r.stale_input for r in reqs),
                                     catch_up=work)
+
+    def _regroup(self, stepping: list[Req]) -> bool:
+        """Whether to hold this step back for the step in flight, whose results some
+        requests wait for to propose, so that they all verify together next turn
+        (Speculator.regroups: the device is the slower side)."""
+        spec = self.speculator
+        assert spec is not None
+        if not spec.regroups or len(stepping) == len(self.running):
+            return False
+        if not any(r.inflight and r.to_abort is None and self._proposes_next(r) for r in self.running):
+            return False
+        spec.stats["spec_regroups"] += 1
+        return True
 
     def mixable(self) -> list[Req]:
         """The running requests that can step, for a prefill's forward to step too (a mixed

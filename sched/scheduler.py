@@ -196,10 +196,13 @@ class Scheduler:
         self.results.apply(got)
         self.last = step
         self._send()
+        t3 = time.perf_counter()
         st = self.stats
         st["build_s"] += t1 - t0
         st["wait_s"] += t2 - t1
-        st["process_s"] += time.perf_counter() - t2
+        st["process_s"] += t3 - t2
+        if self.speculator is not None and (last is not None or step is not None):
+            self.speculator.pace(t1 - t0 + t3 - t2, t2 - t1)
         return True
 
     def _receive(self, block: bool) -> list[Message]:

@@ -39,6 +39,19 @@ and after a verify that kept none of its proposals it takes plain steps for a wh
 (BACKOFF_STEPS, doubling with each such verify in a row, up to MAX_BACKOFF_STEPS) before
 it proposes again. Outputs are the same either way: only the proposals change.
 
+Requests that sit out while others step fall into groups that verify in turns, each every
+other step: the host's work for one group hides behind the other's forward, but each
+request gains its tokens half as often. When the device is the slower side that is the
+worse bargain: a step of every request costs the host's work for all plus one forward
+(decode at small batches barely grows with rows), two steps of half cost two forwards.
+The loop's pace tells which side is slower: the host's time per turn (building and
+processing) against its wait for results, each a running mean (`pace`). While the wait
+is longer (`regroups`), a step is not launched while a request with something to propose
+sits out: the loop waits for the step in flight, and the groups verify together from then
+on. The two measures compare the same thing in either rhythm: in turns, a turn waits the
+forward less the host's work; together, every other turn waits a whole forward for the
+host's work of all.
+
 Nothing here allocates KV, builds batches or runs the model."""
 
 from __future__ import annotations
@@ -54,6 +67,7 @@ _WORD = 4  # bytes per token id in a request's packed ids
 # each such verify in a row, at most MAX_BACKOFF_STEPS.
 BACKOFF_STEPS = 2
 MAX_BACKOFF_STEPS = 32
+PACE_WEIGHT = 0.1  # a turn's weight in the running means of the loop's host time and wait
 
 
 class NgramIndex:
@@ -153,8 +167,24 @@ class Speculator:
         self.hi = args.speculative_ngram_max_match_window_size
         self.max_batch = args.speculative_disable_by_batch_size
         # spec_steps: requests' steps with proposals; spec_plain_steps: without (in flight, backing
-        # off, nothing to propose), in speculative batches.
-        self.stats = {"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_plain_steps": 0}
+        # off, nothing to propose), in speculative batches; spec_regroups: steps held back so that
+        # the requests verify together (`regroups`).
+        self.stats = {"spec_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0, "spec_plain_steps": 0,
+                      "spec_regroups": 0}
+        # Running means of a turn's host time (building, processing) and its wait for results.
+        self.host_s = 0.0
+        self.wait_s = 0.0
+
+    def pace(self, host_s: float, wait_s: float) -> None:
+        """One turn of the loop with a step launched or waited for."""
+        self.host_s += PACE_WEIGHT * (host_s - self.host_s)
+        self.wait_s += PACE_WEIGHT * (wait_s - self.wait_s)
+
+    @property
+    def regroups(self) -> bool:
+        """Whether the device is the slower side, so requests that sit out for their results
+        are waited for rather than stepped around."""
+        return self.wait_s > self.host_s
 
     def on_for(self, running: int) -> bool:
         """Whether a decode step of `running` requests speculates."""

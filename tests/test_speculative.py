@@ -12,6 +12,7 @@ rejection part way) occurs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections import Counter
@@ -27,6 +28,8 @@ from sgl.core.sampling_params import SamplingParams
 from sgl.sched.models.default_model import default_model_dir
 from sgl.sched.req import Req
 from sgl.sched.speculative import NgramIndex, Speculator
+from sgl.testing import DeviceTime, null_engine, server_info_when_idle
+from sgl.testing.engines import TOKENIZER_VOCAB, null_continuation
 from tests.conftest import assert_kv_balanced, settle_aborts, tiny_model_dir
 
 TEXTS = [
@@ -132,6 +135,65 @@ def test_a_request_in_flight_sits_out_only_to_propose() -> None:
 
     drafted = Speculator(sgl.ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="d"), 2048)
     assert drafted.waits_for_results(fresh, 4096)
+
+
+def test_the_loops_pace_says_when_requests_regroup() -> None:
+    """Requests that sit out for their results regroup while the loop waits longer for
+    results than it works on the host, by running means of both."""
+    spec = Speculator(sgl.ServerArgs(speculative_algorithm="NGRAM"), 2048)
+    assert not spec.regroups
+    for _ in range(50):
+        spec.pace(host_s=0.002, wait_s=0.001)  # the host is the slower side: steps go on in turns
+    assert not spec.regroups
+    turns = 0
+    while not spec.regroups and turns < 50:
+        spec.pace(host_s=0.001, wait_s=0.008)
+        turns += 1
+    assert 1 < turns < 10  # a few turns move it, one does not
+    spec.pace(host_s=0.004, wait_s=0.0)  # one slow host turn among them does not
+    assert spec.regroups
+
+
+def test_on_a_slow_device_requests_verify_together() -> None:
+    """On a device slower than the host (a null model whose forwards take 10 ms) under
+    the overlap loop, requests with proposals verify in one step each turn rather than in
+    groups that take turns, each group every other step. The second pair of requests
+    arrives while the first pair decodes, so the two pairs start out of step. Every
+    proposal is taken (the prompts hold the null model's continuation), so together the
+    first pair gains its tokens in about new / k steps; in turns it took about twice as
+    many. Outputs are plain decoding's."""
+    k, new = 5, 100
+    prompts = [[x, *null_continuation(x, 200), x] for x in (1000, 1037, 1074, 1111)]
+    sp = {"max_new_tokens": new, "ignore_eos": True}
+
+    async def main() -> tuple[list[list[int]], dict[str, Any], dict[str, Any]]:
+        async with null_engine(device_time=DeviceTime(decode_ms=10.0, prefill_ms=10.0, per_token_us=0.0),
+                               disable_overlap_schedule=False, speculative_algorithm="NGRAM",
+                               speculative_num_draft_tokens=k) as e:
+            before = await e.get_server_info()
+
+            async def first(i: int, later: asyncio.Event) -> list[int]:
+                ids: list[int] = []
+                async for chunk in e.stream(input_ids=prompts[i], sampling_params=sp):
+                    ids += chunk["output_ids"]  # a chunk's new ids
+                    if len(ids) >= 2 * k:
+                        later.set()
+                return ids
+
+            async def second(i: int, later: asyncio.Event) -> list[int]:
+                await later.wait()
+                return (await e.generate(input_ids=prompts[i], sampling_params=sp))["output_ids"]
+
+            later = asyncio.Event()
+            outs = await asyncio.gather(first(0, later), first(1, later), second(2, later), second(3, later))
+            return list(outs), before, await server_info_when_idle(e)
+
+    outs, before, info = asyncio.run(main())
+    assert_kv_balanced(info)
+    assert outs == [null_continuation(p[-1], new, TOKENIZER_VOCAB) for p in prompts]
+    assert info["spec_regroups"] > before["spec_regroups"]
+    # The pairs in turns: about 2 * new / k steps; together, new / k and the few before they met.
+    assert info["decode_steps"] - before["decode_steps"] <= new // k + 8
 
 
 def test_draft_catch_up_stays_within_its_budget() -> None:
