@@ -559,6 +559,42 @@ def shared_stalls(recs: list[Record]) -> tuple[int, float | None]:
     return len(stalls), round(sum(shares) / len(shares), 3) if shares else None
 
 
+def stalls_at_prompts(recs: list[Record]) -> tuple[float | None, float | None]:
+    """Of the gaps of LONG_GAP_S or more, the share that overlap another request's wait for
+    its first token (sent, its prompt not yet answered: queued, tokenized or in its prefill),
+    and the share a window of their mean length placed anywhere in the run would overlap
+    such a wait (chance). Well above chance, the stalls come with new prompts (a prefill's
+    forward holding the streams, a prompt's tokenizing holding a process); near it, with
+    something else. Client-side only, so it reads any server alike."""
+    ok = [r for r in recs if r.ttft is not None]
+    waits = sorted((r.sent, r.sent + r.ttft, r.index) for r in ok)  # (sent, first token, request)
+    starts = [w[0] for w in waits]
+    long = []
+    for r in ok:
+        t = r.sent + r.ttft
+        for g in r.gaps:
+            if g >= LONG_GAP_S:
+                long.append((t, t + g, r.index))
+            t += g
+    if not long:
+        return None, None
+    # Another's wait overlaps (a, b) when it starts before b and ends after a.
+    hits = sum(any(first > a and j != i for _, first, j in waits[:bisect.bisect_left(starts, b)])
+               for a, b, i in long)
+    length = sum(b - a for a, b, _ in long) / len(long)
+    span_a, span_b = starts[0], max(r.sent + (r.e2e or r.ttft) for r in ok) - length
+    # A window of that length starting at s meets the wait (a, b) when s is in (a - length, b):
+    # the measure of the union of those over the span of possible starts.
+    covered, reach = 0.0, span_a
+    for a, b, _ in waits:
+        lo, hi = max(a - length, reach), min(b, span_b)
+        if hi > lo:
+            covered += hi - lo
+        reach = max(reach, hi)
+    chance = covered / (span_b - span_a) if span_b > span_a else None
+    return round(hits / len(long), 3), None if chance is None else round(chance, 3)
+
+
 def summarize(workload: str, mode: str, value: float, recs: list[Record], wall: float, cpu: float) -> dict[str, Any]:
     ok = [r for r in recs if r.error is None]
     errors = sorted({r.error for r in recs if r.error is not None})
@@ -582,6 +618,8 @@ def summarize(workload: str, mode: str, value: float, recs: list[Record], wall: 
         "last_gap_ms": percentiles([r.gaps[-1] for r in ok if r.gaps]),
         # How many gaps were stalls (LONG_GAP_S or more) and how far they were shared.
         **dict(zip(("long_gaps", "long_gaps_shared"), shared_stalls(ok))),
+        # How far they came with new prompts, against chance.
+        **dict(zip(("long_gaps_at_prompts", "long_gaps_at_prompts_chance"), stalls_at_prompts(ok))),
         "tokens_per_chunk": round(tokens / max(1, sum(r.chunks for r in ok)), 3),
         "tokens_from": "usage" if all(r.from_usage for r in recs) else "chunks",
         "client_cpu_us_per_chunk": round(cpu / max(1, chunks) * 1e6, 1),
@@ -736,6 +774,10 @@ def sweep(a: argparse.Namespace, model: str, server: ServerCpu | None = None) ->
                   + (f", errors {p['errors']}" if p["errors"] else ""), flush=True)
             if line := engine_line(p.get("engine", {})):
                 print(f"  engine: {line}", flush=True)
+            if p["long_gaps"]:
+                print(f"  {p['long_gaps']} gaps of {LONG_GAP_S * 1e3:g} ms or more: shared by {p['long_gaps_shared']} "
+                      f"of the other streams; {p['long_gaps_at_prompts']} came with a new prompt "
+                      f"(chance {p['long_gaps_at_prompts_chance']})", flush=True)
         print(f"--- {w} ({a.label}, {a.url}, model {model}; ms unless said)")
         print(table(rows), flush=True)
     return points

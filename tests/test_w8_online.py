@@ -249,6 +249,29 @@ def test_shared_stalls_tell_a_server_stall_from_a_stream_s_own() -> None:
     assert shared_stalls([failed]) == (0, None)
 
 
+def test_stalls_at_prompts_tell_a_prefill_s_hold_from_chance() -> None:
+    """Two streams of chunks every 2 ms over a second. A third request sent at 300 ms
+    answers its first token at 330 ms, and both streams wait 20 ms inside that: every stall
+    came with a new prompt, where a window of their length meets that wait by chance only
+    about 5% of the time. A stall away from any prompt counts for none."""
+    from benchmarks.w8_online import Record, stalls_at_prompts
+
+    def stream(index: int, times_ms: list[float], sent_ms: float = 0.0) -> Record:
+        t = [x / 1e3 for x in times_ms]
+        return Record(index, sent=sent_ms / 1e3, ttft=t[0] - sent_ms / 1e3, gaps=[b - a for a, b in zip(t, t[1:])],
+                      e2e=t[-1] - sent_ms / 1e3)
+
+    steady = [float(x) for x in range(0, 1000, 2)]
+    held = [x for x in steady if not 306 < x < 326]  # a 20 ms hole while the newcomer's prompt waits
+    newcomer = stream(2, [330.0, 332.0], sent_ms=300.0)
+    share, chance = stalls_at_prompts([stream(0, held), stream(1, held), newcomer])
+    assert share == 1.0 and chance is not None and 0.03 < chance < 0.07
+    away = [x for x in steady if not 606 < x < 626]
+    share, _ = stalls_at_prompts([stream(0, away), stream(1, steady), newcomer])
+    assert share == 0.0
+    assert stalls_at_prompts([stream(0, steady), newcomer]) == (None, None)
+
+
 def test_server_cpu_counts_each_process_of_the_session(tmp_path: Path) -> None:
     """ServerCpu reads the CPU time of every process in a launched server's session (the
     server and the children it started), and nothing of this process's: a busy parent and
