@@ -22,7 +22,7 @@ import sgl
 from sgl.testing.engines import null_continuation
 
 KEYS = ("build_s", "wait_s", "process_s", "gpu_decode_busy_s", "gpu_decode_idle_s", "gpu_busy_s", "gpu_idle_s")
-COUNTS = ("spec_draft_graph_forwards",)
+COUNTS = ("spec_draft_graph_forwards", "spec_regroups")
 
 
 def prompt_ids(i: int, null_vocab: int | None) -> list[int]:

@@ -425,7 +425,7 @@ class EngineCounters:
 
     KEYS = ("decode_steps", "owed_steps", "mixed_steps", "prefill_tokens", "cached_tokens", "build_s", "wait_s",
             "process_s", "mask_wait_s", "gpu_busy_s", "gpu_idle_s", "spec_steps", "spec_plain_steps",
-            "spec_proposed_tokens", "spec_accepted_tokens")
+            "spec_proposed_tokens", "spec_accepted_tokens", "spec_regroups")
 
     def __init__(self, url: str, api_key: str | None) -> None:
         self.url, self.headers = url, ({"Authorization": f"Bearer {api_key}"} if api_key else {})
@@ -451,8 +451,8 @@ class EngineCounters:
 
 def engine_line(c: dict[str, float]) -> str:
     """A point's engine counters in a line: host ms per scheduler step (build, wait, process) and
-    the GPU's busy share; with speculation, requests' steps with guesses and without, and the
-    guesses kept per step with guesses."""
+    the GPU's busy share; with speculation, requests' steps with guesses and without, the
+    guesses kept per step with guesses, and the steps held back so that requests guess together."""
     steps = c.get("decode_steps", 0.0)
     if not steps:
         return ""
@@ -463,7 +463,8 @@ def engine_line(c: dict[str, float]) -> str:
         out += f"; GPU busy {busy / (busy + idle):.0%}"
     if c.get("spec_steps"):
         out += (f"; requests' steps with guesses {c['spec_steps']:.0f}, without {c.get('spec_plain_steps', 0.0):.0f}, "
-                f"guesses kept per step with guesses {c.get('spec_accepted_tokens', 0.0) / c['spec_steps']:.2f}")
+                f"guesses kept per step with guesses {c.get('spec_accepted_tokens', 0.0) / c['spec_steps']:.2f}, "
+                f"steps held back to regroup {c.get('spec_regroups', 0.0):.0f}")
     return out
 
 
