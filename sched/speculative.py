@@ -97,22 +97,30 @@ class NgramIndex:
     def propose(self, k: int, lo: int, hi: int) -> list[int]:
         """Up to k tokens: what followed the latest earlier occurrence of the longest
         suffix of lo..hi tokens; [] when none occurred."""
-        if not self.has_match(lo):
+        # The shortest window first (a longer suffix that occurred earlier ends with it, so
+        # without it there is nothing to look for), kept when no longer one matches.
+        if (shortest := self._shortest(lo)) == -1:
             return []
-        for n in range(min(hi, len(self.ids) - 1), lo - 1, -1):
+        for n in range(min(hi, len(self.ids) - 1), lo, -1):
             if (start := self._after_latest(n)) >= 0:
                 return self.ids[start:start + k].tolist()
-        return []
+        start = self._after_latest(lo) if shortest is None else shortest
+        return self.ids[start:start + k].tolist()
 
     def has_match(self, lo: int) -> bool:
         """Whether `propose` with windows from lo up has something to give (any longer
         suffix that occurred earlier ends with the lo-token one): for one token, whether
         the last occurred before (a set lookup); else one search."""
+        return self._shortest(lo) != -1
+
+    def _shortest(self, lo: int) -> int | None:
+        """`_after_latest(lo)`, except that for one token a set lookup answers whether it
+        occurred (None: it did, where not looked up)."""
         if lo > len(self.ids) - 1:
-            return False
+            return -1
         if lo == 1:
-            return self.ids[-1] in self.before_last
-        return self._after_latest(lo) >= 0
+            return None if self.ids[-1] in self.before_last else -1
+        return self._after_latest(lo)
 
     def _after_latest(self, n: int) -> int:
         """The index of the token after the latest earlier occurrence of the last n tokens, or -1."""
