@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl.cache.host_copy import to_device
+from sgl.core.host_copy import to_device
 
 
 class ReqToTokenPool:

@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from sgl.core.host_copy import to_device
+
 BLOCK_M = 16  # rows per block: a block's rows all use one adapter slot (and tl.dot needs 16 rows)
 MAX_SUBS = 3  # parts of a fused projection: q, k, v
 
@@ -99,7 +101,7 @@ class LoraBatch:
         for i in range(3):
             host[i * at : i * at + nb] = blocks[i]
         host[3 * at :] = order
-        dev = _to_device(torch.from_numpy(host), device)
+        dev = to_device(torch.from_numpy(host), device)
         rows = dev[3 * at :]
         groups: list[tuple[int, torch.Tensor]] = []
         if not triton and n:
@@ -141,14 +143,6 @@ class LoraBatch:
         dst.block_slot[:nb].copy_(self.block_slot)
         dst.rows[:nr].copy_(self.rows)
         dst.block_len[nb:].zero_()
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; on CUDA pinned and queued, so the host never waits
-    (sgl.cache.host_copy.to_device's rule; that folder is beside this one, not below)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @functools.cache

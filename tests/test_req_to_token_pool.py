@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl.cache.host_copy import Uploads
 from sgl.cache.req_to_token_pool import ReqToTokenPool, gather_kv_indices
+from sgl.core.host_copy import Uploads
 
 ROWS, WIDTH = 5, 24
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl.cache.host_copy import to_host
+from sgl.core.host_copy import to_host
 from sgl.core.trie import Trie
 from sgl.kernels.trie_mask import trie_advance
 

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl.cache.host_copy import to_device, to_host
 from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.cache.req_to_token_pool import ReqToTokenPool
+from sgl.core.host_copy import to_device, to_host
 from sgl.kernels.attention import AttentionBackend
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch

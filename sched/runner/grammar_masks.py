@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from sgl.cache.host_copy import to_device
+from sgl.core.host_copy import to_device
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.req import Req, beam_offsets
 from sgl.sched.runner.prepare_beams import sampled

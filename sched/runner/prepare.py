@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sgl.cache.host_copy import Uploads, pinned, to_device
 from sgl.cache.req_to_token_pool import gather_kv_indices
+from sgl.core.host_copy import Uploads, pinned, to_device
 from sgl.kernels.attention import AttnMetadata, CascadeMeta
 from sgl.kernels.lora import LoraBatch
 from sgl.sched.batch import ScheduleBatch

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sgl.cache.host_copy import to_device
+from sgl.core.host_copy import to_device
 from sgl.core.trie import Trie
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.req import Req

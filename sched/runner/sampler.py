@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from sgl.cache.host_copy import to_device
+from sgl.core.host_copy import to_device
 from sgl.core.logit_processor import BEAM_KEY, OUTPUT_IDS_KEY, OUTPUT_LEN_KEY, RID_KEY, CustomLogitProcessor
 from sgl.core.sampling_params import SamplingParams
 from sgl.kernels.gumbel_draw import Bitmask

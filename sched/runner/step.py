@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sgl.cache.host_copy import to_host
+from sgl.core.host_copy import to_host
 from sgl.sched.req import Req
 from sgl.sched.runner.beam_select import BeamPicks
 from sgl.sched.runner.grammar_masks import StartedFill

@@ -66,6 +66,8 @@ class ForceTokens(CustomLogitProcessor):
     def __call__(self, logits: torch.Tensor, params: list[dict[str, Any]]) -> torch.Tensor:
         import torch
 
+        from sgl.core.host_copy import to_device
+
         rows, ids = [], []
         for i, p in enumerate(params):
             toks, k = p.get("tokens", []), p[OUTPUT_LEN_KEY]
@@ -76,9 +78,7 @@ class ForceTokens(CustomLogitProcessor):
             if not all(isinstance(t, int) and 0 <= t < logits.shape[1] for t in ids):
                 raise ValueError(f"custom_params.tokens: ids must be ints in [0, {logits.shape[1]})")
             # Built on the host, then moved: a tensor made on a GPU from a list would wait for it.
-            at, forced = torch.tensor(rows), torch.tensor(ids)
-            if logits.is_cuda:
-                at, forced = (t.pin_memory().to(logits.device, non_blocking=True) for t in (at, forced))
+            at, forced = (to_device(torch.tensor(x), logits.device) for x in (rows, ids))
             logits[at] = float("-inf")
             logits[at, forced] = 0.0
         return logits
