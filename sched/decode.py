@@ -183,9 +183,11 @@ class DecodeManager:
         (Speculator.regroups: the device is the slower side)."""
         spec = self.speculator
         assert spec is not None
-        if not spec.regroups or len(stepping) == len(self.running):
+        if len(stepping) == len(self.running):
             return False
         if not any(r.inflight and r.to_abort is None and self._proposes_next(r) for r in self.running):
+            return False
+        if not spec.regroups():  # last: under tensor parallelism, a collective
             return False
         spec.stats["spec_regroups"] += 1
         return True

@@ -86,7 +86,7 @@ class Scheduler:
         self.lora = LoraManager(r, args) if r.lora_spec is not None else None
         self.grammars = Grammars(tok_path, r.vocab_size, set(r.eos_ids), args.trust_remote_code,
                                  enabled=args.grammar_backend != "none", tp=tp)
-        self.speculator = (Speculator(args, r.chunked_prefill_size or r.context_length)
+        self.speculator = (Speculator(args, r.chunked_prefill_size or r.context_length, tp)
                            if args.speculative_algorithm is not None else None)
         self.intake = RequestIntake(r, self.grammars, tok_path is not None, tuple(args.custom_logit_processors),
                                     args.max_top_logprobs_num, args.max_queued_requests, self.lora)

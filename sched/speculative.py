@@ -50,7 +50,8 @@ is longer (`regroups`), a step is not launched while a request with something to
 sits out: the loop waits for the step in flight, and the groups verify together from then
 on. The two measures compare the same thing in either rhythm: in turns, a turn waits the
 forward less the host's work; together, every other turn waits a whole forward for the
-host's work of all.
+host's work of all. Under tensor parallelism rank 0's pace decides for every rank: each
+rank reads its own clock, and their batches must be the same.
 
 Nothing here allocates KV, builds batches or runs the model."""
 
@@ -60,6 +61,7 @@ import array
 from typing import Any
 
 from sgl.core.server_args import ServerArgs
+from sgl.sched.models.parallel import TPGroup
 from sgl.sched.req import Req
 
 _WORD = 4  # bytes per token id in a request's packed ids
@@ -166,7 +168,8 @@ class Speculator:
     masked by its matcher as it would stand after each proposal
     (sgl.sched.runner.grammar_masks)."""
 
-    def __init__(self, args: ServerArgs, catch_up_tokens: int) -> None:
+    def __init__(self, args: ServerArgs, catch_up_tokens: int, tp: TPGroup = TPGroup()) -> None:
+        self.tp = tp
         self.algorithm = args.speculative_algorithm
         self.drafted = self.algorithm == "STANDALONE"
         self.catch_up_tokens = catch_up_tokens  # tokens a step's draft catches up on, at most
@@ -188,11 +191,14 @@ class Speculator:
         self.host_s += PACE_WEIGHT * (host_s - self.host_s)
         self.wait_s += PACE_WEIGHT * (wait_s - self.wait_s)
 
-    @property
     def regroups(self) -> bool:
         """Whether the device is the slower side, so requests that sit out for their results
-        are waited for rather than stepped around."""
-        return self.wait_s > self.host_s
+        are waited for rather than stepped around: rank 0's answer on every rank (each rank
+        asks in the same turn, its state being the same)."""
+        mine = self.wait_s > self.host_s
+        if self.tp.size == 1:
+            return mine
+        return self.tp.min_int(int(mine) if self.tp.rank == 0 else 1) == 1
 
     def on_for(self, running: int) -> bool:
         """Whether a decode step of `running` requests speculates."""

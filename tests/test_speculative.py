@@ -17,6 +17,7 @@ import json
 import random
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ from sgl.core.sampling_params import SamplingParams
 from sgl.sched.models.default_model import default_model_dir
 from sgl.sched.req import Req
 from sgl.sched.speculative import NgramIndex, Speculator
-from sgl.testing import DeviceTime, null_engine, server_info_when_idle
+from sgl.testing import DeviceTime, null_model_dir, server_info_when_idle
 from sgl.testing.engines import TOKENIZER_VOCAB, null_continuation
 from tests.conftest import assert_kv_balanced, settle_aborts, tiny_model_dir
 
@@ -141,35 +142,61 @@ def test_the_loops_pace_says_when_requests_regroup() -> None:
     """Requests that sit out for their results regroup while the loop waits longer for
     results than it works on the host, by running means of both."""
     spec = Speculator(sgl.ServerArgs(speculative_algorithm="NGRAM"), 2048)
-    assert not spec.regroups
+    assert not spec.regroups()
     for _ in range(50):
         spec.pace(host_s=0.002, wait_s=0.001)  # the host is the slower side: steps go on in turns
-    assert not spec.regroups
+    assert not spec.regroups()
     turns = 0
-    while not spec.regroups and turns < 50:
+    while not spec.regroups() and turns < 50:
         spec.pace(host_s=0.001, wait_s=0.008)
         turns += 1
     assert 1 < turns < 10  # a few turns move it, one does not
     spec.pace(host_s=0.004, wait_s=0.0)  # one slow host turn among them does not
-    assert spec.regroups
+    assert spec.regroups()
 
 
-def test_on_a_slow_device_requests_verify_together() -> None:
+def test_under_tensor_parallelism_rank_zeros_pace_decides() -> None:
+    """Each rank reads its own clock, yet the ranks' batches must be the same: every rank
+    regroups as rank 0's pace says, whatever its own says."""
+    from sgl.sched.models.parallel import TPGroup
+
+    votes = {"rank0": 0}
+
+    class TwoRanks(TPGroup):  # min_int over this rank's n and rank 0's vote (rank 0 votes its n)
+        def min_int(self, n: int) -> int:
+            return n if self.rank == 0 else min(n, votes["rank0"])
+
+    args = sgl.ServerArgs(speculative_algorithm="NGRAM")
+    follower, leader = Speculator(args, 2048, TwoRanks(rank=1, size=2)), Speculator(args, 2048, TwoRanks(size=2))
+    for spec in (follower, leader):
+        for _ in range(50):
+            spec.pace(host_s=0.001, wait_s=0.008)  # the device is the slower side here
+    assert leader.regroups()
+    assert not follower.regroups()  # rank 0 said no
+    votes["rank0"] = 1
+    assert follower.regroups()
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_on_a_slow_device_requests_verify_together(tmp_path: Path, tp_size: int) -> None:
     """On a device slower than the host (a null model whose forwards take 10 ms) under
     the overlap loop, requests with proposals verify in one step each turn rather than in
     groups that take turns, each group every other step. The second pair of requests
     arrives while the first pair decodes, so the two pairs start out of step. Every
     proposal is taken (the prompts hold the null model's continuation), so together the
     first pair gains its tokens in about new / k steps; in turns it took about twice as
-    many. Outputs are plain decoding's."""
+    many. Outputs are plain decoding's. Under tensor parallelism (two scheduler processes)
+    the ranks regroup together: rank 0's pace decides, and they stay in step to the end."""
     k, new = 5, 100
     prompts = [[x, *null_continuation(x, 200), x] for x in (1000, 1037, 1074, 1111)]
     sp = {"max_new_tokens": new, "ignore_eos": True}
+    model = null_model_dir(tmp_path, device_time=DeviceTime(decode_ms=10.0, prefill_ms=10.0, per_token_us=0.0))
 
     async def main() -> tuple[list[list[int]], dict[str, Any], dict[str, Any]]:
-        async with null_engine(device_time=DeviceTime(decode_ms=10.0, prefill_ms=10.0, per_token_us=0.0),
-                               disable_overlap_schedule=False, speculative_algorithm="NGRAM",
-                               speculative_num_draft_tokens=k) as e:
+        async with await sgl.AsyncEngine.start(model, load_format="null", tp_size=tp_size,
+                                               transport="inproc" if tp_size == 1 else "ipc",
+                                               disable_overlap_schedule=False, speculative_algorithm="NGRAM",
+                                               speculative_num_draft_tokens=k) as e:
             before = await e.get_server_info()
 
             async def first(i: int, later: asyncio.Event) -> list[int]:
