@@ -15,7 +15,7 @@
 #   set-up      jit tests beamtests cpuinfo parts
 #   control     control control8b (memory release and resume, weight updates)
 #   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w7fp8 w6 w8 tp startup looplag priority
-#   A/B         old w3old w7old w7fp8old w8old grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
+#   A/B         old w3old w7old w7fp8old w8old specold grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    fp8gemm prefillcost streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy w8spy (py-spy's wheel in .whl/)
@@ -461,6 +461,20 @@ for step in "$@"; do
             ${SPEC_ARGS:---rates none --concurrency 1,8 --requests 32}
         done
         spec_plots
+      fi ;;
+    # specold: spec's run with drafts through the checkout in .old/ (see `old`), the A/B's other
+    # side, with this checkout's client and docs/ (the edit prompts are passages of docs/):
+    # w8_spec_sgl_old.json.
+    specold)
+      if smollm2_gguf && old_site benchmarks; then
+        cp -r docs /tmp/oldrun/docs
+        (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
+          && run 265 python3 -m benchmarks.w8_online --label sgl-spec-old --url http://127.0.0.1:30000 \
+            --launch "python3 -m sgl.launch_server $gguf --host 127.0.0.1 --port 30000 --random-seed 0 \
+              --speculative-algorithm NGRAM --speculative-num-draft-tokens ${SPEC_K:-5} \
+              --speculative-ngram-min-match-window-size 1 --speculative-ngram-max-match-window-size 12" \
+            --launch-timeout 200 --workloads edit --temperature 0 --json "$results/w8_spec_sgl_old.json" \
+            ${SPEC_ARGS:---rates none --concurrency 1,8 --requests 32})
       fi ;;
     # vllmspec: the same on the vLLM peer (unpacked as for `vllm`), serving /tmp/smollm2-hf (step
     # smolhf), plain and with its n-gram drafts (method ngram, num_speculative_tokens SPEC_K - 1,
