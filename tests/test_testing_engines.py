@@ -137,8 +137,9 @@ def test_device_time_is_checked_and_read_back() -> None:
     for bad in ({"decode_ms": -1.0}, {"prefill_ms": math.nan}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DeviceTime(**bad)
-    with pytest.raises(ValueError, match="sgl_null_device_time"):
-        DeviceTime.from_config({"decode": 1.0})
+    for entry in ({"decode": 1.0}, {"decode_ms": "fast"}, [1.0]):
+        with pytest.raises(ValueError, match="sgl_null_device_time"):
+            DeviceTime.from_config(entry)
     import torch
 
     with pytest.raises(ValueError, match="device='cpu'"):

@@ -41,9 +41,10 @@ def null_next_token(token: Any, vocab_size: int) -> Any:
 class DeviceTime:
     """How long a null model's forward takes: `decode_ms` for a forward of decode rows
     (speculative verify rows included), `prefill_ms` for one with a prompt's tokens in it,
-    plus `per_token_us` for each token of the forward. Fitted to the Qwen3-0.6B
-    architecture on an H200 (CUDA graphs): a decode step of 1-64 requests 1.7-2.8 ms, a
-    prefill of 100-1,000 tokens 3.4-4.8 ms."""
+    plus `per_token_us` for each token of the forward. The defaults are the Qwen3-0.6B
+    architecture's on an H200 (CUDA graphs) for one request's decode step (1.7 ms) and a
+    prefill of 100-1,000 tokens (3.4-4.8 ms); attention's growth with the context is
+    not modelled (a decode step of 64 requests took 2.8 ms there, 1.8 here)."""
 
     decode_ms: float = 1.7
     prefill_ms: float = 3.2
@@ -68,8 +69,9 @@ class DeviceTime:
         if value is None:
             return None
         fields = set(asdict(cls()))
-        if not isinstance(value, dict) or not set(value) <= fields:
-            raise ValueError(f"config.json's {cls.CONFIG_KEY} must be an object with fields among "
+        if (not isinstance(value, dict) or not set(value) <= fields
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values())):
+            raise ValueError(f"config.json's {cls.CONFIG_KEY} must be an object of numbers with fields among "
                              f"{sorted(fields)}, got {value!r}")
         return cls(**{k: float(v) for k, v in value.items()})
 
