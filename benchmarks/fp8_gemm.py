@@ -1,10 +1,10 @@
 """FP8 weights' projections alone (kernels/fp8_linear.py) against bf16's, at an architecture's
 shapes and the token counts of decode batches and prefill chunks: microseconds per call
 of the bf16 GEMM, of the FP8 path whole (the activations' quantization, then the scaled
-GEMM) and of each of its two parts, and the 16-bit weight read's time at the GPU's
-bandwidth. On a GPU each figure is a call captured in a CUDA graph and replayed 20 times (as
-the engine replays decode), so launch gaps do not count; on a CPU (a check that it runs)
-wall time.
+GEMM) and of each of its two parts, of the weight-only product (up to 64 tokens, on a GPU
+that converts FP8), and the 16-bit weight read's time at the GPU's bandwidth. On a GPU
+each figure is a call captured in a CUDA graph and replayed 20 times (as the engine
+replays decode), so launch gaps do not count; on a CPU (a check that it runs) wall time.
 
     python -m benchmarks.fp8_gemm [--config qwen3-8b] [--tokens 1,16,64,128,256,2048]
 """
@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from benchmarks.common import machine, table
 from benchmarks.profile_decode import graph_us
-from sgl.kernels.fp8_linear import fp8_linear, quantize_rows
+from sgl.kernels.fp8_linear import WEIGHT_ONLY_MAX_M, fp8_linear, quantize_rows, weight_only_linear
+from sgl.kernels.triton_decode import handles
 
 REPS = 20
 HBM_TB_S = 4.8  # an H200's
@@ -58,7 +59,11 @@ def row(name: str, k: int, n: int, m: int, device: torch.device, dtype: torch.dt
     one = torch.ones((), dtype=torch.float32, device=device)
     bf16 = time_us(lambda: F.linear(x, w), device)
     fp8 = time_us(lambda: fp8_linear(x, qw, sw, dtype), device)
+    # The weight-only product where it runs (decode-sized batches, a GPU that converts FP8).
+    weight_only = (round(time_us(lambda: weight_only_linear(x, qw, sw), device), 1)
+                   if m <= WEIGHT_ONLY_MAX_M and handles(device, qw.dtype) else None)
     return {"proj": name, "K x N": f"{k} x {n}", "tokens": m, "unquantized us": round(bf16, 1), "fp8 us": round(fp8, 1),
+            "weight-only us": weight_only,
             "quantize us": round(time_us(lambda: quantize_rows(x), device), 1),
             "scaled_mm us": round(time_us(lambda: torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.view(1, n),
                                                                     out_dtype=mm_dtype), device), 1),

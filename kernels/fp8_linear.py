@@ -11,6 +11,15 @@ layers at 8B: a thousand tiny kernels a decode step), so on a GPU one Triton ker
 does it, bit for bit as the torch ops do. Per channel and per token (not per tensor)
 because one outlier row then costs only its own precision.
 
+`weight_only_linear` is the other product for decode-sized batches (up to WEIGHT_ONLY_MAX_M
+tokens): the activations stay in 16 bits and one Triton kernel reads each FP8 weight tile,
+widens it in registers and multiplies, scaling each output channel at the end. A decode
+step is the weights' read, and this reads them once at half a bf16 weight's bytes, with no
+activation quantization and no row-scaled GEMM, whose kernels are slowest at a few rows
+(benchmarks/fp8_gemm.py, the 2026-12-05 entry of benchmarks/RESULTS.md: slower than bf16
+below 64 tokens at 8B). By hand because torch has no weight-only FP8 product. The model
+keeps `fp8_linear` until `python -m benchmarks.fp8_gemm` shows this one faster on a GPU.
+
 It decides nothing about which layers are quantized (the model does) and holds no state."""
 
 from __future__ import annotations
@@ -90,6 +99,63 @@ def _quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _kernel()[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, INV_FP8_MAX, _TINY, BLOCK=block,
                         num_warps=8 if block >= 2048 else 4)
     return q, scale
+
+
+WEIGHT_ONLY_MAX_M = 64  # rows of one program's tile: the decode batches it is for
+
+
+@functools.cache
+def _weight_only_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def weight_only_kernel(x_ptr, w_ptr, s_ptr, y_ptr, m, n, k, stride_x, stride_w, stride_y,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One program: every row of x against BLOCK_N output channels, K in BLOCK_K steps.
+        cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_M)
+        ks = tl.arange(0, BLOCK_K)
+        row_live, col_live = rows < m, cols < n
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            k_live = k0 + ks < k
+            x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + ks)[None, :],
+                        mask=row_live[:, None] & k_live[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[None, :] * stride_w + (k0 + ks)[:, None],
+                        mask=col_live[None, :] & k_live[:, None], other=0.0)
+            acc = tl.dot(x, w.to(x.dtype), acc)  # the weight widened in registers: [BLOCK_K, BLOCK_N]
+        scale = tl.load(s_ptr + cols, mask=col_live, other=0.0)
+        y = acc * scale[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=row_live[:, None] & col_live[None, :])
+
+    return weight_only_kernel
+
+
+def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       block_n: int = 32, block_k: int = 256, num_warps: int = 4,
+                       num_stages: int = 4) -> torch.Tensor:
+    """x [M, K] (16-bit; M <= WEIGHT_ONLY_MAX_M) @ (weight [N, K] * weight_scale [N, 1]).T in
+    x's dtype, through the Triton kernel (on a GPU that converts FP8, or Triton's
+    interpreter; there any weight dtype). Each product is accumulated in float32 from the
+    weight's exact values widened to x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > WEIGHT_ONLY_MAX_M:
+        raise ValueError(f"weight_only_linear takes at most {WEIGHT_ONLY_MAX_M} rows, got {m}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_m = max(16, 1 << (m - 1).bit_length())  # tl.dot needs 16 rows at least
+    grid = ((n + block_n - 1) // block_n,)
+    _weight_only_kernel()[grid](x, weight, weight_scale.view(-1), y, m, n, k, x.stride(0), weight.stride(0),
+                                y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                num_warps=num_warps, num_stages=num_stages)
+    return y
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import sgl
 from benchmarks.kv_dtype_accuracy import PROMPTS, top1_along
-from sgl.kernels.fp8_linear import FP8, fp8_linear, quantize_rows, quantize_rows_torch
+from sgl.kernels.fp8_linear import FP8, fp8_linear, quantize_rows, quantize_rows_torch, weight_only_linear
 from tests.conftest import assert_kv_balanced, tiny_model_dir
 
 VOCAB = 512
@@ -183,6 +183,24 @@ def test_gpu_product_is_the_dequantized_product(m: int, k: int, n: int, out_dtyp
     dequantized = (qx.double() * sx.double()) @ (qw.cpu().double() * sw.cpu().double()).T
     mass = x.double().abs() @ w.double().abs().T
     assert ((y.cpu().double() - dequantized).abs() <= 2**-7 * mass).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 256, 512), (7, 1000, 3072), (64, 4096, 96), (33, 12288, 4096)])
+def test_gpu_weight_only_product_is_the_dequantized_product(m: int, k: int, n: int, dtype: torch.dtype) -> None:
+    """FP8 weights widened in the kernel against x times the dequantized weight in float64:
+    within the output's rounding and float32 accumulation."""
+    g = torch.Generator().manual_seed(m * k + n)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    qw, sw = quantize_rows(w.cuda())
+    y = weight_only_linear(x.cuda(), qw, sw)
+    assert y.dtype == dtype and y.shape == (m, n)
+    want = x.double() @ (qw.cpu().double() * sw.cpu().double()).T
+    mass = x.double().abs() @ w.double().abs().T
+    assert ((y.cpu().double() - want).abs() <= 2**-7 * mass + 1e-6).all()
 
 
 @pytest.mark.gpu

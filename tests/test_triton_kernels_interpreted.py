@@ -2,7 +2,8 @@
 CI, which has no GPU, checks their indexing: the decode kernel's chunks, masks and
 head-group padding for any lengths, split counts and head shapes, and the fused
 norm + rotary + KV write for head sizes that are and are not powers of two, against the
-torch reference path. Interpreted, products run in numpy at full precision; the GPU
+torch reference path, and the FP8 weight-only product's tiles. Interpreted, products run in
+numpy at full precision; the GPU
 tests (tests/test_gpu_triton_decode.py, tests/test_gpu.py) check the compiled kernels,
 FP8 pools included (numpy has no FP8)."""
 
@@ -75,6 +76,28 @@ def test_norm_rope_store_matches_the_reference(hq: int, hkv: int, d: int, norm: 
     assert torch.equal(v.float(), v0)
     write_kv(k_ref, v_ref, loc, k, v)
     assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+
+
+@settings(PROFILE, max_examples=12)
+@given(m=st.integers(1, 64), k=st.integers(1, 300), n=st.integers(1, 80), blocks=st.sampled_from([(16, 16), (32, 64)]),
+       seed=st.integers(0, 2**16))
+def test_weight_only_product_matches_the_dequantized_product(m: int, k: int, n: int, blocks: tuple[int, int],
+                                                              seed: int) -> None:
+    """The FP8 weight-only product's tiles, masks and per-channel scales, for shapes on and
+    off its blocks (a float16 weight stands in for FP8, which numpy lacks), against the
+    product in float64; more rows than a tile holds are refused."""
+    from sgl.kernels.fp8_linear import WEIGHT_ONLY_MAX_M, weight_only_linear
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).to(torch.float16)
+    scale = torch.rand(n, 1, generator=g) + 0.5
+    got = weight_only_linear(x, w, scale, block_n=blocks[0], block_k=blocks[1])
+    want = x.double() @ (w.double() * scale.double()).T
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5), (got.double() - want).abs().max()
+    with pytest.raises(ValueError, match="at most"):
+        weight_only_linear(torch.zeros(WEIGHT_ONLY_MAX_M + 1, k), w, scale)
 
 
 @settings(PROFILE, max_examples=15)
