@@ -6,7 +6,8 @@
 - Faults on demand (`FaultPlan` with effects and selectors): a FakeEngine obeys one;
   `inject_faults` installs one on a real engine.
 - A real engine on the public null model that starts in about a second (`null_engine`,
-  `null_sync_engine`, `null_model_dir`, `null_continuation`).
+  `null_sync_engine`, `null_model_dir`, `null_continuation`), its forwards taking a
+  device's time if asked (`DeviceTime`).
 - The engine's contract as a checker (`check_result`, `check_stream`, `assert_no_leaks`,
   `assert_engine_clean`).
 - Hypothesis strategies in `sgl.testing.strategies` (imported on its own: it needs
