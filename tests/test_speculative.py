@@ -1,14 +1,16 @@
-"""Speculative decoding (NGRAM): proposals, and outputs equal to plain decoding.
+"""Speculative decoding (NGRAM, and a draft model): proposals, and outputs equal to plain
+decoding.
 
-On the default model in float32 an engine with speculative decoding (and 32-token
-prefill chunks) and one without serve the same requests: greedy tokens equal, logprobs
-within float noise, a seed's samples equal token for token, finishes (length, stop
-strings, stop ids, min_new_tokens) equal, grammar, penalty, n > 1 and beam requests in the same batch
-equal; unseeded samples come from the same distribution (a permutation test on the
-first tokens of many samples, with the proposals accepted and rejected along the way);
-a stream left early frees its KV. The prompts ask the model to repeat a text, so the
-proposals are mostly right and every step kind (nothing proposed, all taken, a
-rejection part way) occurs."""
+On the default model in float32 an engine with speculative decoding (32-token prefill
+chunks; NGRAM also under the overlap loop) and one without serve the same requests: greedy
+tokens equal, logprobs within float noise, a seed's samples equal token for token,
+finishes (length, stop strings, stop ids, min_new_tokens) equal, grammar, penalty, n > 1
+and beam requests in the same batch equal; unseeded samples come from the same
+distribution (a permutation test on the first tokens of many samples, with the proposals
+accepted and rejected along the way); a stream left early frees its KV. The prompts ask
+the model to repeat a text, so the proposals are mostly right and every step kind
+(nothing proposed, all taken, a rejection part way) occurs. On the null model with a
+device's time, requests regroup when the device is the slower side, on one rank and two."""
 
 from __future__ import annotations
 
@@ -255,13 +257,18 @@ def plain() -> Iterator[sgl.Engine]:
         yield e
 
 
-@pytest.fixture(scope="module", params=["NGRAM", "STANDALONE"])
+@pytest.fixture(scope="module", params=["NGRAM", "STANDALONE", "NGRAM-overlap"])
 def engine(request: pytest.FixtureRequest) -> Iterator[sgl.Engine]:
     """STANDALONE's draft is the target model itself: its greedy proposals are all taken
-    (the bookkeeping of the draft's own KV must be right for that), its sampled ones often not."""
-    draft = {"speculative_draft_model_path": default_model_dir()} if request.param == "STANDALONE" else {}
-    with sgl.Engine(transport="inproc", random_seed=1, speculative_algorithm=request.param,
-                    speculative_num_draft_tokens=5, chunked_prefill_size=32, **draft) as e:
+    (the bookkeeping of the draft's own KV must be right for that), its sampled ones often not.
+    NGRAM-overlap runs the overlap loop (a GPU's default; the forward on its own thread here):
+    requests in flight sit out to propose, back off after refusals and regroup (the forward
+    is the slower side on a CPU), and the outputs stay plain decoding's."""
+    algorithm, _, overlap = request.param.partition("-")
+    draft = {"speculative_draft_model_path": default_model_dir()} if algorithm == "STANDALONE" else {}
+    with sgl.Engine(transport="inproc", random_seed=1, speculative_algorithm=algorithm,
+                    speculative_num_draft_tokens=5, chunked_prefill_size=32, disable_overlap_schedule=not overlap,
+                    **draft) as e:
         yield e
 
 
