@@ -71,6 +71,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -533,6 +534,12 @@ def max_in_flight(recs: list[Record]) -> int:
 LONG_GAP_S = 0.010  # a gap between chunks this long counts as a stall (decode steps here take 2-3 ms)
 
 
+def chunk_times(r: Record) -> list[float]:
+    """When each of a request's token-carrying chunks came (it has a first token)."""
+    assert r.ttft is not None
+    return list(accumulate(r.gaps, initial=r.sent + r.ttft))
+
+
 def shared_stalls(recs: list[Record]) -> tuple[int, float | None]:
     """The gaps of LONG_GAP_S or more, and the mean share of the other streams open across
     such a gap that got no chunk inside it either: near 1, something held every stream at
@@ -542,13 +549,7 @@ def shared_stalls(recs: list[Record]) -> tuple[int, float | None]:
     one, each client reads its own), so another stream counts as held when it got no chunk
     in the middle half of the gap: its own gap around the same hold starts or ends a
     moment off."""
-    streams = []
-    for r in recs:
-        if r.error is None and r.ttft is not None:
-            t = [r.sent + r.ttft]
-            for g in r.gaps:
-                t.append(t[-1] + g)
-            streams.append(t)
+    streams = [chunk_times(r) for r in recs if r.error is None and r.ttft is not None]
     stalls = [(i, a, b) for i, t in enumerate(streams) for a, b in zip(t, t[1:]) if b - a >= LONG_GAP_S]
     shares = []
     for i, a, b in stalls:
@@ -570,13 +571,8 @@ def stalls_at_prompts(recs: list[Record]) -> tuple[float | None, float | None]:
     ok = [r for r in recs if r.ttft is not None]
     waits = sorted((r.sent, r.sent + r.ttft, r.index) for r in ok)  # (sent, first token, request)
     starts = [w[0] for w in waits]
-    long = []
-    for r in ok:
-        t = r.sent + r.ttft
-        for g in r.gaps:
-            if g >= LONG_GAP_S:
-                long.append((t, t + g, r.index))
-            t += g
+    # The stalls shared_stalls counts, each with its request.
+    long = [(a, b, r.index) for r in ok for t in [chunk_times(r)] for a, b in zip(t, t[1:]) if b - a >= LONG_GAP_S]
     if not long:
         return None, None
     # Another's wait overlaps (a, b) when it starts before b and ends after a.
