@@ -19,7 +19,7 @@ is built, so the rule stays importable on the caller's side."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, overload
 
 if TYPE_CHECKING:
@@ -68,11 +68,11 @@ class DeviceTime:
         """The config's entry (None when absent); an entry that is not one names its fields."""
         if value is None:
             return None
-        fields = set(asdict(cls()))
-        if (not isinstance(value, dict) or not set(value) <= fields
+        names = {f.name for f in fields(cls)}
+        if (not isinstance(value, dict) or not set(value) <= names
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values())):
             raise ValueError(f"config.json's {cls.CONFIG_KEY} must be an object of numbers with fields among "
-                             f"{sorted(fields)}, got {value!r}")
+                             f"{sorted(names)}, got {value!r}")
         return cls(**{k: float(v) for k, v in value.items()})
 
 
