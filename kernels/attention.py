@@ -47,7 +47,7 @@ class AttnMetadata:
     kv_indptr_host: torch.Tensor | None = None
     qo_indptr_host: torch.Tensor | None = None
     # The cached prefix alone (kv minus the new tokens), for extends that attend to it
-    # apart from the new tokens; None when no request of the batch has a prefix.
+    # apart from the new tokens; None when no extend row of the batch has a prefix.
     prefix_indptr_host: torch.Tensor | None = None
     prefix_indices: torch.Tensor | None = None
     prefix_lens_host: torch.Tensor | None = None  # [B] int32
@@ -55,6 +55,10 @@ class AttnMetadata:
     # Decode only: KV slots every row begins with (0 where none, or where nobody looked);
     # a backend may pick its kernel by it.
     shared_len: int = 0
+    # A mixed batch (an extend that also steps running requests): its rows from this one on
+    # are decode rows, one query each over its first kv_lens slots, which a backend may run
+    # through its decode kernel; the prefix fields describe the rows before it alone.
+    decode_from: int | None = None
 
 
 class AttentionBackend(ABC):

@@ -6,7 +6,12 @@
   with paged prefill over the prefix (non-causal) by their log-sum-exp;
 - cascade decode (a prefix shared by the whole batch): paged prefill of all B
   queries as one block over the shared slots (read once), paged decode over each
-  request's suffix, merged by log-sum-exp (on unless `enable_cascade_attention=False`).
+  request's suffix, merged by log-sum-exp (on unless `enable_cascade_attention=False`);
+- mixed (an extend whose forward also steps running requests): the extend rows as
+  above, the decode rows through the decode kernel. Run as one paged prefill, each
+  decode row would be a query tile of its own over its whole context, with no split
+  of the KV: 43 us a layer for 8 rows of 2,000 slots plus the merge, more than those
+  rows' own decode step (benchmarks/RESULTS.md, 2026-12-04).
 Plans run on the host, once per batch, before the layers. Under CUDA graphs each
 captured batch size has its own decode wrapper (and, with cascade, its own
 shared-block prefill wrapper) in graph mode, reading index buffers that all sizes
@@ -138,6 +143,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         # Each wrapper's plan writes its schedule into a pinned buffer and queues a copy
         # from it: the next plan may overwrite that buffer only once the copy has run.
         self._plan_copied: torch.cuda.Event | None = None
+        # A mixed batch: its extend rows' query tokens, whether they have cached prefixes,
+        # and its decode rows' KV indptr from 0 (pinned, rewritten per plan like the
+        # shared block's inputs) for a FlashInfer decode plan.
+        self._extend_tokens = 0
+        self._extend_prefix = False
+        self._decode_indptr = torch.zeros(4097, dtype=torch.int32).pin_memory()
 
     # ---- planning --------------------------------------------------------------
 
@@ -220,16 +231,36 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _plan_extend(self, meta: AttnMetadata) -> None:
         qo = meta.qo_indptr_host
         assert qo is not None
+        d = meta.decode_from
+        if d is not None:
+            qo = qo[: d + 1]
+            self._plan_mixed_decode(meta, d)
         self.ragged.plan(qo, qo, self.hq, self.hkv, self.d, causal=True, q_data_type=self.dtype,
                          kv_data_type=self.dtype)
-        if meta.prefix_indptr_host is None:
-            self._mode = "extend"
+        self._extend_prefix = meta.prefix_indptr_host is not None
+        if self._extend_prefix:
+            b = qo.numel() - 1
+            self.paged.plan(qo, meta.prefix_indptr_host, meta.prefix_indices, self._last_page_len(b), self.hq,
+                            self.hkv, self.d, 1, causal=False, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+                            seq_lens=meta.prefix_lens_host)
+        self._mode = "mixed" if d is not None else "extend_prefix" if self._extend_prefix else "extend"
+
+    def _plan_mixed_decode(self, meta: AttnMetadata, d: int) -> None:
+        """A mixed batch's decode rows (d on): the Triton kernel reads their slice of the
+        batch's own indptr (offsets into its kv_indices), a FlashInfer decode plan the same
+        indptr from 0 over the slice of kv_indices it covers."""
+        assert meta.qo_indptr_host is not None and meta.kv_indptr_host is not None
+        self._extend_tokens = int(meta.qo_indptr_host[d])
+        if self.triton_decode:
+            self._triton_args = (meta.kv_indptr[d:], meta.kv_indices)
             return
-        self._mode = "extend_prefix"
-        b = qo.numel() - 1
-        self.paged.plan(qo, meta.prefix_indptr_host, meta.prefix_indices, self._last_page_len(b), self.hq,
-                        self.hkv, self.d, 1, causal=False, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
-                        seq_lens=meta.prefix_lens_host)
+        kv = meta.kv_indptr_host[d:]
+        if kv.numel() > self._decode_indptr.numel():
+            self._decode_indptr = torch.zeros(kv.numel(), dtype=torch.int32).pin_memory()
+        indptr = self._decode_indptr[: kv.numel()]
+        torch.sub(kv, kv[0], out=indptr)
+        self._active_decode = self.decode
+        self._plan_decode(self.decode, indptr, meta.kv_indices[int(kv[0]):])
 
     # ---- CUDA graphs -------------------------------------------------------------
 
@@ -326,10 +357,24 @@ class FlashInferAttentionBackend(AttentionBackend):
             o_shared, lse_shared = self._active_shared.run(q, kv, return_lse=True)  # type: ignore[attr-defined]
             o_own, lse_own = self._active_decode.run(q, kv, return_lse=True)  # type: ignore[attr-defined]
             return self.fi.merge_state(o_shared, lse_shared, o_own, lse_own)[0]
+        if self._mode == "mixed":
+            t = self._extend_tokens
+            qe, ke, ve = q[:t], k[:t], v[:t]
+            head = self._extend(qe, ke, ve, kv) if self._extend_prefix else self.ragged.run(qe, ke, ve)
+            if self.triton_decode:
+                assert self._triton_args is not None
+                tail = triton_decode_attention(q[t:], k_cache, v_cache, *self._triton_args, scale)
+            else:
+                tail = self._active_decode.run(q[t:], kv)  # type: ignore[attr-defined]
+            return torch.cat((head, tail))
+        return self._extend(q, k, v, kv)
+
+    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """New tokens over themselves (causal) and over their cached prefixes, merged."""
         o_new, lse_new = self.ragged.run(q, k, v, return_lse=True)
         o_pre, lse_pre = self.paged.run(q, kv, return_lse=True)
-        o, _ = self.fi.merge_state(o_new, lse_new, o_pre, lse_pre)
-        return o
+        return self.fi.merge_state(o_new, lse_new, o_pre, lse_pre)[0]
 
 
 def graph_indices_len(max_bs: int, context_length: int) -> int:

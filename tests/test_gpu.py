@@ -27,10 +27,14 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))
-@pytest.mark.parametrize("mode", ["decode", "extend", "extend_prefix"])
-def test_flashinfer_matches_torch_backend(mode: str, kv: str) -> None:
+@pytest.mark.parametrize(("mode", "triton"), [("decode", False), ("extend", False), ("extend_prefix", False),
+                                              ("mixed", False), ("mixed", True), ("mixed_prefix", False),
+                                              ("mixed_prefix", True)])
+def test_flashinfer_matches_torch_backend(mode: str, triton: bool, kv: str) -> None:
     """Each mode against the reference, over a bf16 pool and an FP8 one (the reference
-    reads the same FP8 values; new tokens' K/V reach the ragged kernel in bf16)."""
+    reads the same FP8 values; new tokens' K/V reach the ragged kernel in bf16). A mixed
+    batch's last rows are decode rows (one token over a context), run through FlashInfer's
+    decode kernel or sgl's Triton one; its extend rows have cached prefixes or not."""
     from sgl.kernels.attention import AttnMetadata
     from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
     from sgl.kernels.torch_attention import TorchAttentionBackend
@@ -42,10 +46,14 @@ def test_flashinfer_matches_torch_backend(mode: str, kv: str) -> None:
     v_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt).to(KV_DTYPES[kv])
     rng = random.Random(0)
     b = 7
+    extends = 3 if mode.startswith("mixed") else b  # a mixed batch's rows from 3 on are decode rows
     prefix = [0] * b if mode == "extend" else [rng.randint(1, 300) for _ in range(b)]
-    if mode == "extend_prefix":
+    if mode in ("extend_prefix", "mixed_prefix"):
         prefix[2] = 0  # a request without a prefix among ones with
+    if mode == "mixed":
+        prefix[:extends] = [0] * extends
     new = [1] * b if mode == "decode" else [rng.randint(1, 200) for _ in range(b)]
+    new[extends:] = [1] * (b - extends)
     kv_lens = [p + n for p, n in zip(prefix, new)]
     perm = torch.randperm(slots, device=dev)[: sum(kv_lens)] + 1
     kv_indices = perm.to(torch.int32)
@@ -55,20 +63,26 @@ def test_flashinfer_matches_torch_backend(mode: str, kv: str) -> None:
     new_slots = torch.cat([kv_indices[kv_indptr[i + 1] - new[i] : kv_indptr[i + 1]] for i in range(b)]).long()
     pre_idx = [kv_indices[kv_indptr[i] : kv_indptr[i] + prefix[i]] for i in range(b)]
     meta = AttnMetadata(mode == "decode", qo_indptr.to(dev), kv_indptr.to(dev), kv_indices, new, kv_lens,
-                        kv_indptr, qo_indptr)
-    if mode == "extend_prefix":
-        meta.prefix_indptr_host = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int32)
-        meta.prefix_indices = torch.cat(pre_idx)
+                        kv_indptr.pin_memory(), qo_indptr.pin_memory())
+    if mode in ("extend_prefix", "mixed_prefix"):
+        meta.prefix_indptr_host = torch.tensor([0, *torch.tensor(prefix[:extends]).cumsum(0).tolist()],
+                                               dtype=torch.int32).pin_memory()
+        meta.prefix_indices = torch.cat(pre_idx[:extends])
     q = torch.randn(sum(new), hq, d, device=dev, dtype=dt)
     k, v = k_cache[new_slots].to(dt), v_cache[new_slots].to(dt)
     ref = TorchAttentionBackend()
     ref.begin_forward(meta)
     expected = ref.forward(q.float(), k, v, k_cache.float(), v_cache.float(), d**-0.5)
-    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, kv_dtype=KV_DTYPES[kv])
+    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, kv_dtype=KV_DTYPES[kv], triton_decode=triton)
+    if mode.startswith("mixed"):
+        meta.decode_from = extends
     fi.begin_forward(meta)
     got = fi.forward(q, k, v, k_cache, v_cache, d**-0.5)
     assert got.shape == expected.shape
     assert _rel_err(got, expected) < 1e-2
+    if mode.startswith("mixed"):  # each part as accurate as the whole: the decode rows are few
+        t = sum(new[:extends])
+        assert _rel_err(got[t:], expected[t:]) < 1e-2
 
 
 def test_flashinfer_cascade_matches_torch_backend() -> None:
@@ -215,6 +229,39 @@ def test_cuda_graph_replay_equals_eager(qwen3_dir: str, kv: str, decode: str) ->
     eager = _run(qwen3_dir, prompts, disable_cuda_graph=True, **kw)
     graphs = _run(qwen3_dir, prompts, cuda_graph_max_bs=8, **kw)
     assert graphs == eager
+
+
+@pytest.mark.parametrize("decode", ["triton", "flashinfer"])
+def test_mixed_batches_agree_with_separate_forwards(qwen3_dir: str, decode: str) -> None:
+    """enable_mixed_chunk: prompt chunks share their forward with the running requests'
+    next tokens, whose attention runs through the decode kernel (either one), prompt
+    chunks with cached prefixes among them; against the same requests without mixed
+    batches, each request's top logprobs agree to bf16's precision up to its first
+    near-tie flip, under CUDA graphs and the overlap loop."""
+    rng = random.Random(5)
+    shared = [rng.randrange(2000) for _ in range(200)]
+    prompts = ([[rng.randrange(2000) for _ in range(n)] for n in (5, 20, 300, 700, 40, 900)]
+               + [shared + [rng.randrange(2000) for _ in range(n)] for n in (3, 150, 400)])
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+    def run(mixed: bool) -> tuple[list[dict], dict]:
+        with sgl.Engine(qwen3_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
+                        attention_backend="flashinfer", decode_attention_backend=decode, max_total_tokens=20000,
+                        chunked_prefill_size=128, enable_mixed_chunk=mixed) as e:
+            e.generate(input_ids=shared + [1], sampling_params=params)  # caches the shared prefix
+            outs = e.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=3)
+            info = e.get_server_info()
+            assert_kv_balanced(info)
+        return outs, info
+
+    (mixed, info), (alone, alone_info) = run(True), run(False)
+    assert info["mixed_steps"] > 0 and alone_info["mixed_steps"] == 0
+    for m, a in zip(mixed, alone):
+        for j, (x, y) in enumerate(zip(m["output_ids"], a["output_ids"])):
+            mt, at = ([v for v, _, _ in o["meta_info"]["output_top_logprobs"][j]] for o in (m, a))
+            assert max(abs(p - q) for p, q in zip(mt, at)) < 0.05, (j, mt, at)
+            if x != y:
+                break
 
 
 def test_triton_decode_agrees_with_flashinfer_decode(qwen3_g2_dir: str) -> None:

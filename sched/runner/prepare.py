@@ -112,7 +112,8 @@ class BatchPreparer:
         wanted = r.cascade or len(r.attn_backend.decode_kernels(len(batch.rows))) > 1
         shared = self._shared_len(batch, key, rows, kv_lens) if key and len(batch.rows) > 1 and wanted else 0
         cascade = self._cascade(batch, shared, key, rows_dev, kv_lens, kv_lens_dev) if shared and r.cascade else None
-        meta = self.attention(batch.is_decode, batch.qo_lens, batch.kv_lens, rows_dev, kv_lens_dev, cascade, shared)
+        meta = self.attention(batch.is_decode, batch.qo_lens, batch.kv_lens, rows_dev, kv_lens_dev, cascade, shared,
+                              batch.decode_from)
         same = self._sampling[1] if key and self._sampling[0] == key else None
         sampling = SamplingBatch.from_reqs(reqs, r.vocab_size, dev, r.eos_ids, r.processors, batch.decode_start,
                                            same_as=same, ahead=batch.draft_index)
@@ -153,16 +154,19 @@ class BatchPreparer:
         )
 
     def attention(self, is_decode: bool, qo_lens: list[int], kv_lens: list[int], rows_dev: torch.Tensor,
-                  kv_lens_dev: torch.Tensor, cascade: CascadeMeta | None = None, shared: int = 0) -> AttnMetadata:
+                  kv_lens_dev: torch.Tensor, cascade: CascadeMeta | None = None, shared: int = 0,
+                  decode_from: int | None = None) -> AttnMetadata:
         """The attention metadata of request-table rows `rows_dev`: row i's qo_lens[i] new
         tokens over its first kv_lens[i] slots (kv_lens_dev: the same, on the device), or
-        over `cascade`'s split; an extend's cached prefixes apart. The table's mirror must
-        be synced."""
+        over `cascade`'s split; an extend's cached prefixes apart, those of its rows before
+        `decode_from` alone in a mixed batch (the rest are decode rows). The table's mirror
+        must be synced."""
         table = self.runner.req_to_token_pool.mirror
         gather = gather_kv_indices if self.runner.attends else _no_indices
         qo_indptr = self._host(indptr_of(qo_lens))
         kv_indptr = self._host(indptr_of(kv_lens))
-        prefix_lens = [k - q for k, q in zip(kv_lens, qo_lens)]
+        extends = len(qo_lens) if decode_from is None else decode_from
+        prefix_lens = [k - q for k, q in zip(kv_lens[:extends], qo_lens[:extends])]
         prefix = not is_decode and any(prefix_lens)
         up = Uploads(self.runner.device)
         at = [up.add(qo_indptr), up.add(kv_indptr)]
@@ -182,12 +186,14 @@ class BatchPreparer:
             qo_indptr_host=qo_indptr,
             cascade=cascade,
             shared_len=shared,
+            decode_from=decode_from,
         )
         if plens is not None and at_plens is not None:
             prefix_indptr = self._host(indptr_of(prefix_lens))
             meta.prefix_indptr_host = prefix_indptr
             meta.prefix_lens_host = self._host(plens.to(torch.int32))
-            meta.prefix_indices = gather(table, rows_dev, zeros, up.get(at_plens), int(prefix_indptr[-1]))
+            meta.prefix_indices = gather(table, rows_dev[:extends], zeros[:extends], up.get(at_plens),
+                                         int(prefix_indptr[-1]))
         return meta
 
     def _lora_batch(self, batch: ScheduleBatch, key: tuple) -> LoraBatch:
