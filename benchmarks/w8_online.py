@@ -459,7 +459,12 @@ def engine_line(c: dict[str, float]) -> str:
         return ""
     per = " / ".join(f"{c.get(k, 0.0) * 1e3 / steps:.2f}" for k in ("build_s", "wait_s", "process_s"))
     busy, idle = c.get("gpu_busy_s", 0.0), c.get("gpu_idle_s", 0.0)
-    out = f"{steps:.0f} decode steps; host ms per step build / wait / process {per}"
+    out = f"{steps:.0f} decode steps"
+    if c.get("mixed_steps"):
+        out += f" ({c['mixed_steps']:.0f} in prefills' forwards)"
+    if c.get("owed_steps"):
+        out += f" ({c['owed_steps']:.0f} ahead of a waiting prompt)"
+    out += f"; host ms per step build / wait / process {per}"
     if busy + idle:
         out += f"; GPU busy {busy / (busy + idle):.0%}"
     if c.get("spec_steps"):

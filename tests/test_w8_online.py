@@ -297,3 +297,13 @@ def test_server_cpu_counts_each_process_of_the_session(tmp_path: Path) -> None:
     assert all(r["pid"] != os.getpid() for r in rows)
     assert all(0.3 < r["load"] < 1.3 for r in rows), rows  # two cores: both may run at once
     assert any("child.py" in r["cmd"] for r in rows) and any("parent.py" in r["cmd"] for r in rows)
+
+
+def test_engine_line_counts_the_steps_prefills_carried_and_the_owed_ones() -> None:
+    c = {"decode_steps": 100.0, "mixed_steps": 7.0, "owed_steps": 3.0, "build_s": 0.05, "wait_s": 0.2,
+         "process_s": 0.01}
+    assert w8_online.engine_line(c) == ("100 decode steps (7 in prefills' forwards) (3 ahead of a waiting prompt); "
+                                        "host ms per step build / wait / process 0.50 / 2.00 / 0.10")
+    plain = w8_online.engine_line({**c, "mixed_steps": 0.0, "owed_steps": 0.0})
+    assert plain.startswith("100 decode steps; host ms")
+    assert w8_online.engine_line({}) == ""

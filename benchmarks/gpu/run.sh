@@ -251,6 +251,11 @@ for step in "$@"; do
         spy=(); [ "$step" = w8spy ] && spy=(py-spy record -r 500 --nonblocking --idle --subprocesses --format raw -o "$results/w8spy.txt" --)
         run 540 "${spy[@]}" python3 -m benchmarks.w8_online --label sgl --url http://127.0.0.1:30000 --procs 4 \
           --launch "$sgl_server" --workloads "$wl" --json "$results/w8_sgl.json" --plots "$results" $w8_sweep ;;
+    # w8mixed: the same sweep with --enable-mixed-chunk (label sgl-mixed, w8_sgl_mixed.json): mixed
+    # forwards against separate ones on one host.
+    w8mixed) w8_model
+        run 540 python3 -m benchmarks.w8_online --label sgl-mixed --url http://127.0.0.1:30000 --procs 4 \
+          --launch "$sgl_server --enable-mixed-chunk" --workloads "$wl" --json "$results/w8_sgl_mixed.json" $w8_sweep ;;
     # w8old: the same sweep through the checkout in .old/ (see `old`), label sgl-old, into
     # w8_sgl_old.json: an A/B beside w8 on one host (plot them with w8_online --plot).
     w8old)
