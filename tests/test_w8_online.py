@@ -180,16 +180,20 @@ def test_edit_requests() -> None:
 
 def test_stream_gaps_engine_level(null_model_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """benchmarks/stream_gaps.py on the null model: every request streamed whole at each
-    concurrency of each variant, percentiles ordered, the JSON rows as printed."""
+    concurrency and rate of each variant, percentiles ordered, the JSON rows as printed."""
     from benchmarks import stream_gaps
 
     out = tmp_path / "gaps.json"
     assert stream_gaps.main(["--model", null_model_dir, "--load-format", "null", "--concurrency", "1,3",
-                             "--requests", "6", "--max-new", "5", "--prompt-len", "5,40", "--vocab", "900",
-                             "--variants", '[{}, {"disable_overlap_schedule": false}]', "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["variant"], r["concurrency"]) for r in rows] == [
-        ("{}", 1), ("{}", 3), ('{"disable_overlap_schedule": false}', 1), ('{"disable_overlap_schedule": false}', 3)]
+                             "--rates", "50", "--requests", "6", "--max-new", "3,6", "--prompt-len", "5,40",
+                             "--vocab", "900", "--variants", '[{}, {"disable_overlap_schedule": false}]',
+                             "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows, lens = data["rows"], data["args"]["new_lens"]
+    assert len(lens) == 6 and all(3 <= n <= 6 for n in lens)
+    assert [(r["variant"], r["point"]) for r in rows] == [
+        ("{}", "c1"), ("{}", "c3"), ("{}", "r50"), ('{"disable_overlap_schedule": false}', "c1"),
+        ('{"disable_overlap_schedule": false}', "c3"), ('{"disable_overlap_schedule": false}', "r50")]
     for r in rows:
         assert r["requests"] == 6 and r["out_tok_s"] > 0
         for k in ("ttft", "first_gap", "later_gap"):
