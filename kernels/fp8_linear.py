@@ -105,45 +105,68 @@ WEIGHT_ONLY_MAX_M = 64  # rows of one program's tile: the decode batches it is f
 
 
 @functools.cache
-def _weight_only_kernel() -> Any:
+def _weight_only_kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def weight_only_kernel(x_ptr, w_ptr, s_ptr, y_ptr, m, n, k, stride_x, stride_w, stride_y,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # One program: every row of x against BLOCK_N output channels, K in BLOCK_K steps.
+    def weight_only_kernel(x_ptr, w_ptr, s_ptr, y_ptr, m, n, k, k_chunk, stride_x, stride_w, stride_y,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PARTIAL: tl.constexpr):
+        # One program: every row of x against BLOCK_N output channels over one K chunk (all of
+        # K, or split k ways: then it stores its unscaled float32 partial, y_ptr[split]).
         cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         ks = tl.arange(0, BLOCK_K)
         row_live, col_live = rows < m, cols < n
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            k_live = k0 + ks < k
+        k_end = tl.minimum(k, (split + 1) * k_chunk)
+        for k0 in range(split * k_chunk, k_end, BLOCK_K):
+            k_live = k0 + ks < k_end
             x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + ks)[None, :],
                         mask=row_live[:, None] & k_live[None, :], other=0.0)
             w = tl.load(w_ptr + cols[None, :] * stride_w + (k0 + ks)[:, None],
                         mask=col_live[None, :] & k_live[:, None], other=0.0)
             acc = tl.dot(x, w.to(x.dtype), acc)  # the weight widened in registers: [BLOCK_K, BLOCK_N]
-        scale = tl.load(s_ptr + cols, mask=col_live, other=0.0)
-        y = acc * scale[None, :]
-        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=row_live[:, None] & col_live[None, :])
+        out = rows[:, None] * stride_y + cols[None, :]
+        if PARTIAL:
+            tl.store(y_ptr + split.to(tl.int64) * m * stride_y + out, acc,
+                     mask=row_live[:, None] & col_live[None, :])
+        else:
+            scale = tl.load(s_ptr + cols, mask=col_live, other=0.0)
+            tl.store(y_ptr + out, (acc * scale[None, :]).to(y_ptr.dtype.element_ty),
+                     mask=row_live[:, None] & col_live[None, :])
 
-    return weight_only_kernel
+    @triton.jit
+    def reduce_kernel(part_ptr, s_ptr, y_ptr, mn, n, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        # The k partials of each output summed in order, scaled by its channel, cast.
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < mn
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for sp in tl.static_range(SPLITS):
+            acc += tl.load(part_ptr + sp * mn + i, mask=live, other=0.0)
+        scale = tl.load(s_ptr + i % n, mask=live, other=0.0)
+        tl.store(y_ptr + i, (acc * scale).to(y_ptr.dtype.element_ty), mask=live)
+
+    return weight_only_kernel, reduce_kernel
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        block_n: int = 32, block_k: int = 256, num_warps: int = 4,
-                       num_stages: int = 4) -> torch.Tensor:
+                       num_stages: int = 4, split_k: int = 1) -> torch.Tensor:
     """x [M, K] (16-bit; M <= WEIGHT_ONLY_MAX_M) @ (weight [N, K] * weight_scale [N, 1]).T in
     x's dtype, through the Triton kernel (on a GPU that converts FP8, or Triton's
     interpreter; there any weight dtype). Each product is accumulated in float32 from the
-    weight's exact values widened to x's dtype."""
+    weight's exact values widened to x's dtype. `split_k` > 1 cuts K into that many chunks
+    run as programs of their own (more programs in flight for the few output blocks of a
+    long K), their float32 partials summed by a second kernel."""
     m, k = x.shape
     n = weight.shape[0]
     if m > WEIGHT_ONLY_MAX_M:
         raise ValueError(f"weight_only_linear takes at most {WEIGHT_ONLY_MAX_M} rows, got {m}")
+    if split_k < 1:
+        raise ValueError(f"split_k must be at least 1, got {split_k}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -151,10 +174,17 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         return y.zero_()
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_m = max(16, 1 << (m - 1).bit_length())  # tl.dot needs 16 rows at least
-    grid = ((n + block_n - 1) // block_n,)
-    _weight_only_kernel()[grid](x, weight, weight_scale.view(-1), y, m, n, k, x.stride(0), weight.stride(0),
-                                y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                num_warps=num_warps, num_stages=num_stages)
+    # Chunks of whole blocks; a split left with no K (a short K cut many ways) stores zeros.
+    per_split = -(-k // split_k)
+    chunk = -(-per_split // block_k) * block_k
+    main, reduce = _weight_only_kernels()
+    scale = weight_scale.view(-1)
+    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    main[((n + block_n - 1) // block_n, split_k)](
+        x, weight, scale, out, m, n, k, chunk, x.stride(0), weight.stride(0), n, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, PARTIAL=split_k > 1, num_warps=num_warps, num_stages=num_stages)
+    if split_k > 1:
+        reduce[(-(-(m * n) // 1024),)](out, scale, y, m * n, n, SPLITS=split_k, BLOCK=1024)
     return y
 
 

@@ -188,15 +188,17 @@ def test_gpu_product_is_the_dequantized_product(m: int, k: int, n: int, out_dtyp
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("m,k,n", [(1, 256, 512), (7, 1000, 3072), (64, 4096, 96), (33, 12288, 4096)])
-def test_gpu_weight_only_product_is_the_dequantized_product(m: int, k: int, n: int, dtype: torch.dtype) -> None:
+def test_gpu_weight_only_product_is_the_dequantized_product(m: int, k: int, n: int, dtype: torch.dtype,
+                                                            split_k: int) -> None:
     """FP8 weights widened in the kernel against x times the dequantized weight in float64:
-    within the output's rounding and float32 accumulation."""
+    within the output's rounding and float32 accumulation, whole or with K split."""
     g = torch.Generator().manual_seed(m * k + n)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
     qw, sw = quantize_rows(w.cuda())
-    y = weight_only_linear(x.cuda(), qw, sw)
+    y = weight_only_linear(x.cuda(), qw, sw, split_k=split_k)
     assert y.dtype == dtype and y.shape == (m, n)
     want = x.double() @ (qw.cpu().double() * sw.cpu().double()).T
     mass = x.double().abs() @ w.double().abs().T

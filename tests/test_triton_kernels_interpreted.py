@@ -80,19 +80,20 @@ def test_norm_rope_store_matches_the_reference(hq: int, hkv: int, d: int, norm: 
 
 @settings(PROFILE, max_examples=12)
 @given(m=st.integers(1, 64), k=st.integers(1, 300), n=st.integers(1, 80), blocks=st.sampled_from([(16, 16), (32, 64)]),
-       seed=st.integers(0, 2**16))
+       split_k=st.sampled_from([1, 2, 3, 8]), seed=st.integers(0, 2**16))
 def test_weight_only_product_matches_the_dequantized_product(m: int, k: int, n: int, blocks: tuple[int, int],
-                                                              seed: int) -> None:
+                                                              split_k: int, seed: int) -> None:
     """The FP8 weight-only product's tiles, masks and per-channel scales, for shapes on and
-    off its blocks (a float16 weight stands in for FP8, which numpy lacks), against the
-    product in float64; more rows than a tile holds are refused."""
+    off its blocks (a float16 weight stands in for FP8, which numpy lacks), whole or with K
+    split over programs (splits left without any K among them), against the product in
+    float64; more rows than a tile holds are refused."""
     from sgl.kernels.fp8_linear import WEIGHT_ONLY_MAX_M, weight_only_linear
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g).to(torch.float16)
     scale = torch.rand(n, 1, generator=g) + 0.5
-    got = weight_only_linear(x, w, scale, block_n=blocks[0], block_k=blocks[1])
+    got = weight_only_linear(x, w, scale, block_n=blocks[0], block_k=blocks[1], split_k=split_k)
     want = x.double() @ (w.double() * scale.double()).T
     assert got.shape == (m, n) and got.dtype == x.dtype
     assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5), (got.double() - want).abs().max()

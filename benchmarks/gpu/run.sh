@@ -232,7 +232,9 @@ for step in "$@"; do
     # w7fp8 with FP8 weights (quantization="fp8"), vllm8bfp8 vLLM's FP8 weights on the same inputs.
     w7) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf ;;
     w7fp8) run 400 python3 -m benchmarks.w1_w2_gpu --config qwen3-8b --no-hf --variant '{"quantization": "fp8"}' ;;
-    fp8gemm) run 120 python3 -m benchmarks.fp8_gemm ;;  # the 8B projections alone: FP8 against bf16, by token count
+    # fp8gemm: the 8B projections alone, FP8 against bf16 by token count, with the weight-only
+    # product's settings swept (FP8GEMM_ARGS replaces the options).
+    fp8gemm) run 400 python3 -m benchmarks.fp8_gemm ${FP8GEMM_ARGS:---sweep --tokens 1,16,64,256,2048} ;;
     # w7old, w7fp8old: w7 and w7fp8 through the checkout in .old/ (see `old`), the A/B's other side.
     w7old|w7fp8old)
       variant=(); [ "$step" = w7fp8old ] && variant=(--variant '{"quantization": "fp8"}')
