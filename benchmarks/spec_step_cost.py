@@ -11,11 +11,18 @@ every proposal is taken and the step costs the host alone; a directory written w
 DeviceTime adds a modelled device's time to each forward, which shows on a CPU how the
 loop schedules speculative steps beside a GPU. The overlap loop runs on a CPU too.
 
-    python -m benchmarks.spec_step_cost MODEL [--concurrency 1,8] [--load-format dummy] [--draft DIR]"""
+By default the C requests start together. `--closed-loop N` sends N requests through C
+workers instead, each sending its next when its last ends, output lengths spread over
+[new_tokens / 2, new_tokens]: requests then join while others run, out of step with them,
+as an online server's do (the time is then the whole run's, first send to last end).
+
+    python -m benchmarks.spec_step_cost MODEL [--concurrency 1,8] [--load-format dummy] [--draft DIR]
+        [--closed-loop N]"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 
 import sgl
@@ -35,17 +42,39 @@ def prompt_ids(i: int, null_vocab: int | None) -> list[int]:
     return [50 + i] + passage * 3
 
 
-def run(model: str, concurrency: int, spec: dict[str, object], load_format: str, new_tokens: int) -> str:
-    with sgl.Engine(model, transport="inproc", load_format=load_format, skip_tokenizer_init=True, random_seed=0,
-                    disable_overlap_schedule=False, **spec) as e:
-        null = e.get_server_info()["vocab_size"] if load_format == "null" else None
+async def closed_loop(e: sgl.AsyncEngine, concurrency: int, requests: int, null: int | None,
+                      new_tokens: int) -> list[dict]:
+    """`requests` requests through `concurrency` workers, output lengths spread over
+    [new_tokens / 2, new_tokens]: each worker sends its next when its last ends."""
+    todo = iter(range(requests))
+    outs: list[dict] = []
+
+    async def worker() -> None:
+        for i in todo:
+            n = new_tokens // 2 + (i * 37) % (new_tokens - new_tokens // 2 + 1)
+            sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+            outs.append(await e.generate(input_ids=prompt_ids(i, null), sampling_params=sp))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return outs
+
+
+async def run(model: str, concurrency: int, spec: dict[str, object], load_format: str, new_tokens: int,
+              requests: int | None) -> str:
+    async with sgl.AsyncEngine(model, transport="inproc", load_format=load_format, skip_tokenizer_init=True,
+                               random_seed=0, disable_overlap_schedule=False, **spec) as e:
+        null = (await e.get_server_info())["vocab_size"] if load_format == "null" else None
         sp = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-        e.generate(input_ids=[prompt_ids(99, null)], sampling_params=sp)  # warm-up
-        before = e.get_server_info()
+        await e.generate(input_ids=prompt_ids(99, null), sampling_params=sp)  # warm-up
+        before = await e.get_server_info()
         t0 = time.perf_counter()
-        outs = e.generate(input_ids=[prompt_ids(i, null) for i in range(concurrency)], sampling_params=sp)
+        if requests is None:
+            outs = await asyncio.gather(*(e.generate(input_ids=prompt_ids(i, null), sampling_params=sp)
+                                          for i in range(concurrency)))
+        else:
+            outs = await closed_loop(e, concurrency, requests, null, new_tokens)
         wall = time.perf_counter() - t0
-        info = e.get_server_info()
+        info = await e.get_server_info()
     steps = info["decode_steps"] - before["decode_steps"]
     tokens = sum(len(o["output_ids"]) for o in outs)
     per = {k: 1e3 * (info.get(k, 0.0) - before.get(k, 0.0)) / max(steps, 1) for k in KEYS}
@@ -64,6 +93,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--draft-tokens", type=int, default=5)
     ap.add_argument("--draft", help="a draft model's directory: STANDALONE runs too")
+    ap.add_argument("--closed-loop", type=int, default=None, metavar="N",
+                    help="N requests through the C workers, joining out of step (see above)")
     a = ap.parse_args()
     k = a.draft_tokens
     specs: list[dict[str, object]] = [{}, {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": k}]
@@ -72,7 +103,7 @@ def main() -> None:
                       "speculative_draft_model_path": a.draft})
     for c in (int(x) for x in a.concurrency.split(",")):
         for spec in specs:
-            print(run(a.model, c, spec, a.load_format, a.new_tokens), flush=True)
+            print(asyncio.run(run(a.model, c, spec, a.load_format, a.new_tokens, a.closed_loop)), flush=True)
 
 
 if __name__ == "__main__":
