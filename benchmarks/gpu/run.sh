@@ -439,8 +439,10 @@ for step in "$@"; do
     # requests each); w8_spec_sgl_off.json, w8_spec_sgl_on.json, plots in spec/ (with vllmspec's).
     # speccost: where a decode step's time goes, plain, NGRAM and STANDALONE (the draft: the same
     # model, so its proposals are all taken) (benchmarks/spec_step_cost.py), on the default
-    # model's config with dummy weights (.lt), at concurrency 1 and 8.
-    speccost) run 300 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} --draft .lt ;;
+    # model's config with dummy weights (.lt), at concurrency 1 and 8 (SPECCOST_C); SPECCOST_ARGS
+    # adds options (e.g. --closed-loop 32: requests joining out of step).
+    speccost) run 300 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} --draft .lt \
+                ${SPECCOST_ARGS:-} ;;
     # tablesync: the request table's host cost per decode and speculative step, its mirror on
     # the GPU (benchmarks/table_sync.py; seconds).
     tablesync) run 60 python3 -m benchmarks.table_sync --device cuda ;;
