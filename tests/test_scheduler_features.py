@@ -6,6 +6,7 @@ leaked KV slot."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -157,9 +158,11 @@ class Launched(NamedTuple):
 
 
 def _drive(model: str, reqs: list[tuple[str, list[int], int]], overlap: bool, stream: bool = False,
-           arrive: list[int] | None = None, **kw: Any) -> tuple[dict[str, list[int]], list[Launched]]:
+           arrive: list[int] | None = None, prepared: list[Any] | None = None,
+           **kw: Any) -> tuple[dict[str, list[int]], list[Launched]]:
     """Each request's output ids and the batches in launch order. `arrive`: the turn each
-    request is sent before (all before the first by default); `stream`: sent as streams."""
+    request is sent before (all before the first by default); `stream`: sent as streams;
+    `prepared`: filled with (each batch as prepared, the request table then)."""
     from sgl.core.protocol import BatchTokenIDOutput, GenerateReqInput
     from sgl.sched.scheduler import Scheduler
     from tests.fake_channels import ListSender, QueueReceiver
@@ -179,6 +182,15 @@ def _drive(model: str, reqs: list[tuple[str, list[int], int]], overlap: bool, st
         return b
 
     s._schedule = recording  # type: ignore[method-assign]
+    if prepared is not None:
+        prepare = s.runner.prepare
+
+        def keeping(batch: Any) -> Any:
+            p = prepare(batch)
+            prepared.append((p, s.runner.req_to_token_pool.mirror.clone()))
+            return p
+
+        s.runner.prepare = keeping  # type: ignore[method-assign]
     when = arrive or [0] * len(reqs)
     out: dict[str, list[int]] = {rid: [] for rid, _, _ in reqs}
     for turn in range(200):
@@ -286,3 +298,38 @@ def test_a_prefill_forward_steps_the_running_requests(tmp_path_factory: pytest.T
         assert gaps(batches, "a") == 0 and gaps(batches, "b") == 0, batches
         assert all(b.tokens <= 32 for b in batches), batches
         assert sum(b.tokens for b in batches) == sum(b.tokens for b in separate)
+
+
+def test_a_mixed_batch_s_attention_metadata_splits_at_its_decode_rows(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A mixed batch tells the attention backend where its decode rows begin: from there each
+    row is one query over its first kv_len slots (the decode kernel's input, a slice of the
+    batch's KV indices), and the cached-prefix fields describe the prompt chunks before it
+    alone, each chunk's prefix being the first slots of its own KV (a chunk after the first
+    has one: the earlier chunks')."""
+    model = tiny_model_dir(tmp_path_factory.mktemp("mixed-meta"), "llama", vocab=128, seed=5)
+    rng = random.Random(4)
+    reqs = [("a", [rng.randrange(1, 120) for _ in range(6)], 12),
+            ("b", [rng.randrange(1, 120) for _ in range(5)], 9),
+            ("long", [rng.randrange(1, 120) for _ in range(90)], 4)]
+    prepared: list[Any] = []
+    _drive(model, reqs, overlap=False, enable_mixed_chunk=True, chunked_prefill_size=32, max_total_tokens=2048,
+           prepared=prepared)
+    mixed = [(p, table) for p, table in prepared if p.batch.decode_from is not None]
+    assert any(p.attn.prefix_indptr_host is not None for p, _ in mixed)  # a later chunk of `long` among them
+    for p, table in mixed:
+        m, b = p.attn, p.batch
+        d = b.decode_from
+        assert m.decode_from == d and not m.is_decode and 0 < d < len(b.reqs)
+        assert m.qo_lens[d:] == [1] * (len(b.reqs) - d)
+        kv_indptr = m.kv_indptr_host.tolist()
+        for i, row in enumerate(b.rows):  # every row's KV, decode rows' included: its table slots
+            assert m.kv_indices[kv_indptr[i]:kv_indptr[i + 1]].tolist() == table[row, :b.kv_lens[i]].tolist()
+        prefixes = [k - q for k, q in zip(b.kv_lens[:d], b.qo_lens[:d])]
+        if not any(prefixes):
+            assert m.prefix_indptr_host is None
+            continue
+        assert m.prefix_indptr_host.tolist() == [0, *itertools.accumulate(prefixes)]
+        assert m.prefix_lens_host.tolist() == prefixes
+        want = [s for i in range(d) for s in table[b.rows[i], :prefixes[i]].tolist()]
+        assert m.prefix_indices.tolist() == want
