@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import dummy_model_dir, machine, table
+from benchmarks.kernel_kinds import kind_rows, result_fields, top_rows
 from benchmarks.w1_w2_gpu import workload
 from benchmarks.w3_shared_prefix import w3_prompts
 from sgl.core.protocol import GenerateReqInput
@@ -36,27 +37,6 @@ from sgl.core.server_args import ServerArgs
 from sgl.sched.runner import step as step_mod
 from sgl.sched.scheduler import Scheduler
 from sgl.transports.inproc import InprocReceiver, InprocSender
-
-# (kind, substrings of a kernel's name, lower case), first match wins.
-KINDS = [
-    # sgl's Triton kernels by their function names (kernels/triton_decode.py, norm_rope_store.py)
-    ("decode attention", ("batchdecode", "mergestate", "merge_state", "variablelengthmerge", "partial", "merge")),
-    ("norm, rotary, kv write", ("norm_rope_store",)),
-    ("prefill attention", ("batchprefill", "prefillwith", "ragged")),
-    ("sampling", ("sampling", "topk", "top_k", "softmax", "argmax", "gumbel", "exponential", "multinomial")),
-    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "cublas", "splitk")),
-    ("norm", ("rmsnorm", "norm")),
-    ("rotary", ("rope", "rotary")),
-    ("activation", ("act_and_mul", "silu", "gelu")),
-    ("kv write", ("kv_write", "_write_kv", "index_put", "scatter")),
-    ("copy", ("memcpy", "memset", "copy", "fill")),
-    ("gather/index", ("index", "gather", "take")),
-]
-
-
-def kind_of(name: str) -> str:
-    low = name.lower()
-    return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
 
 
 def run(s: Scheduler, feed: InprocSender, out: InprocReceiver, prompts: list[list[int]], outs: list[int],
@@ -157,26 +137,17 @@ def main() -> None:
     print(f"steps {len(log.rows)}: GPU busy {gpu:.3f} s, GPU waiting for the host {wait:.3f} s")
     if prof is None:
         return
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    kernels: dict[str, tuple[float, int]] = {}
     for ev in prof.key_averages():
         t = getattr(ev, "self_device_time_total", None)
         if t is None:
             t = getattr(ev, "self_cuda_time_total", 0.0)
         if t > 0:
-            k = kernels[ev.key]
-            k[0] += t / 1e6
-            k[1] += ev.count
-    total = sum(v[0] for v in kernels.values())
-    by_kind: dict[str, float] = defaultdict(float)
-    for name, (s, _) in kernels.items():
-        by_kind[kind_of(name)] += s
-    print(table([{"kind": k, "GPU s": s, "share %": 100 * s / total}
-                 for k, s in sorted(by_kind.items(), key=lambda kv: -kv[1])]))
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[: a.top]
-    print(table([{"kernel": n[:90], "kind": kind_of(n), "calls": int(c), "GPU s": s, "us each": 1e6 * s / max(c, 1)}
-                 for n, (s, c) in top]))
-    print(f"RESULT name=profile_{a.workload} kernel_s={total:.3f} step_gpu_s={gpu:.3f} wait_s={wait:.3f} "
-          + " ".join(f"{k.replace(' ', '_').replace('/', '_')}_s={s:.3f}" for k, s in by_kind.items()))
+            s, c = kernels.get(ev.key, (0.0, 0))
+            kernels[ev.key] = (s + t / 1e6, c + ev.count)
+    print(table(kind_rows(kernels)))
+    print(table(top_rows(kernels, a.top)))
+    print(f"RESULT name=profile_{a.workload} step_gpu_s={gpu:.3f} wait_s={wait:.3f} {result_fields(kernels)}")
 
 
 if __name__ == "__main__":
