@@ -71,20 +71,30 @@ def written_traces(folder: Path, timeout: float = TRACE_WAIT_S, poll: float = 2.
     return sorted(last)
 
 
-def profiler_kwargs(folder: Path) -> dict[str, Any]:
-    """LLM(...) arguments that turn on the worker's torch profiler: a ProfilerConfig where
-    this vLLM has one (GPU kernels only, no stacks or shapes), else the older environment
-    variable (then {})."""
+def start_profiled(llm_cls: Any, kw: dict[str, Any], folder: Path) -> Any:
+    """The engine with its workers' torch profiler on: through a ProfilerConfig where this
+    vLLM has one (GPU kernels only, no stacks or shapes), else the older environment
+    variable, which must be set before the engine starts."""
     try:
         from vllm.config import ProfilerConfig
     except ImportError:
-        os.environ["VLLM_TORCH_PROFILER_DIR"] = str(folder)
-        return {}
-    wanted = {"profiler": "torch", "torch_profiler_dir": str(folder), "torch_profiler_with_stack": False,
-              "torch_profiler_record_shapes": False, "torch_profiler_dump_cuda_time_total": False,
-              "ignore_frontend": True}
-    names = {f.name for f in dataclasses.fields(ProfilerConfig)}
-    return {"profiler_config": ProfilerConfig(**{k: v for k, v in wanted.items() if k in names})}
+        ProfilerConfig = None
+    if ProfilerConfig is not None:
+        wanted = {"profiler": "torch", "torch_profiler_dir": str(folder), "torch_profiler_with_stack": False,
+                  "torch_profiler_record_shapes": False, "torch_profiler_dump_cuda_time_total": False,
+                  "ignore_frontend": True}
+        try:
+            names = {f.name for f in dataclasses.fields(ProfilerConfig)}
+        except TypeError:  # a pydantic model rather than a dataclass
+            names = set(getattr(ProfilerConfig, "model_fields", wanted))
+        config = ProfilerConfig(**{k: v for k, v in wanted.items() if k in names})
+        try:
+            return llm_cls(**kw, profiler_config=config)
+        except TypeError as e:  # an engine without the argument: refused before it loads anything
+            if "profiler_config" not in str(e):
+                raise
+    os.environ["VLLM_TORCH_PROFILER_DIR"] = str(folder)
+    return llm_cls(**kw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     # The engine bench.py's child starts (its defaults), with the profiler on.
     kw: dict[str, Any] = dict(model=kit.model_dir(cfg), load_format="dummy", skip_tokenizer_init=True,
                               dtype="bfloat16", gpu_memory_utilization=0.85, max_num_seqs=256, seed=0)
-    llm = LLM(**kw, **profiler_kwargs(folder))
+    llm = start_profiled(LLM, kw, folder)
     params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=temp, detokenize=False) for o in outs]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     n = kit.WARMUP_REQUESTS

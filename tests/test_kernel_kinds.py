@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,45 @@ def test_a_trace_s_gpu_events_are_summed_by_name(tmp_path: Path) -> None:
     empty = tmp_path / "none"
     empty.mkdir()
     assert written_traces(empty, timeout=0.2, poll=0.05) == []
+
+
+def test_the_profiler_is_turned_on_the_way_the_engine_takes_it(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM with a ProfilerConfig gets one (only the fields it has); one whose LLM refuses
+    the argument, or that has no such config, gets the environment variable instead."""
+    import dataclasses
+    import sys
+    import types
+
+    from benchmarks.vllm_profile import start_profiled
+
+    @dataclasses.dataclass
+    class ProfilerConfig:
+        profiler: str | None = None
+        torch_profiler_dir: str = ""
+        torch_profiler_with_stack: bool = True
+
+    class LLM:
+        def __init__(self, **kw: object) -> None:
+            self.kw = kw
+
+    class OldLLM:
+        def __init__(self, model: str, **kw: object) -> None:
+            if kw:
+                raise TypeError(f"unexpected keyword argument {next(iter(kw))!r}")
+            self.kw = {"model": model}
+
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    config_mod = types.ModuleType("vllm.config")
+    config_mod.ProfilerConfig = ProfilerConfig  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.config", config_mod)
+    llm = start_profiled(LLM, {"model": "m"}, tmp_path)
+    assert llm.kw == {"model": "m", "profiler_config": ProfilerConfig("torch", str(tmp_path), False)}
+    assert "VLLM_TORCH_PROFILER_DIR" not in os.environ
+    assert start_profiled(OldLLM, {"model": "m"}, tmp_path).kw == {"model": "m"}
+    assert os.environ["VLLM_TORCH_PROFILER_DIR"] == str(tmp_path)
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR")
+    monkeypatch.setitem(sys.modules, "vllm.config", None)  # no such module: ImportError
+    assert start_profiled(LLM, {"model": "m"}, tmp_path).kw == {"model": "m"}
+    assert os.environ["VLLM_TORCH_PROFILER_DIR"] == str(tmp_path)
