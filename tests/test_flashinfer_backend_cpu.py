@@ -1,0 +1,141 @@
+"""sgl's FlashInfer backend on the CPU, FlashInfer itself stood in for by
+tests/fake_flashinfer.py: every mode's plans and runs (decode, extend with and without
+cached prefixes, mixed batches whose decode rows take the decode kernel, cascade decode),
+with the Triton decode kernel under Triton's interpreter where CI runs it, against the
+torch reference backend on the same batches. What this checks is the backend's own
+bookkeeping: which rows, indptrs and slots each plan gets, and how the parts' outputs
+are put back together. The real kernels are tests/test_gpu.py's."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl.kernels.attention import AttnMetadata, CascadeMeta
+from sgl.kernels.torch_attention import TorchAttentionBackend
+from tests import fake_flashinfer
+from tests.hypothesis_profiles import PROFILE
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+try:
+    import triton  # noqa: F401
+except ImportError:
+    INTERPRETED = False
+MODES = ["decode", "extend", "extend_prefix", "mixed", "mixed_prefix", "cascade"]
+
+
+@contextmanager
+def cpu_flashinfer() -> Iterator[None]:
+    """The backend importable and constructible on a CPU: the stand-in module, no pinned
+    memory and no CUDA events (its plans' copy ordering is the GPU's concern), a small
+    workspace."""
+    from sgl.kernels import flashinfer_attention as fa
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
+        mp.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+        mp.setattr(fa.FlashInferAttentionBackend, "_before_plan", lambda self: None)
+        mp.setattr(fa.FlashInferAttentionBackend, "_after_plan", lambda self: None)
+        mp.setattr(fa, "WORKSPACE_BYTES", 1024)
+        yield
+
+
+def _indptr(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def batch(mode: str, rng: random.Random, slots: int) -> tuple[AttnMetadata, list[int]]:
+    """A batch of `mode` over distinct pool slots: its metadata as prepare.py builds it, and
+    each query token's slot (its own new token's, where its K/V were written)."""
+    if mode == "cascade":
+        b, p = rng.randint(2, 5), rng.randint(1, 40)
+        own = [rng.randint(1, 20) for _ in range(b)]
+        perm = (torch.randperm(slots, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+                [: p + sum(own)] + 1).to(torch.int32)
+        shared, rest = perm[:p], perm[p:]
+        own_indptr = _indptr(own)
+        full = torch.cat([torch.cat([shared, rest[own_indptr[i]: own_indptr[i + 1]]]) for i in range(b)])
+        kv_lens = [p + n for n in own]
+        meta = AttnMetadata(True, torch.arange(b + 1, dtype=torch.int32), _indptr(kv_lens), full[:0], [1] * b,
+                            kv_lens, _indptr(kv_lens), torch.arange(b + 1, dtype=torch.int32), shared_len=p,
+                            cascade=CascadeMeta(p, shared, own_indptr, rest))
+        return meta, rest[own_indptr[1:] - 1].tolist()
+    extends = 0 if mode == "decode" else rng.randint(1, 4)
+    decodes = rng.randint(1, 4) if mode in ("decode", "mixed", "mixed_prefix") else 0
+    prefixed = mode in ("extend_prefix", "mixed_prefix")
+    prefix = ([rng.randint(0, 30) if prefixed else 0 for _ in range(extends)]
+              + [rng.randint(0, 40) for _ in range(decodes)])
+    if prefixed and not any(prefix[:extends]):
+        prefix[0] = 1
+    new = [rng.randint(1, 25) for _ in range(extends)] + [1] * decodes
+    kv_lens = [a + n for a, n in zip(prefix, new)]
+    perm = (torch.randperm(slots, generator=torch.Generator().manual_seed(rng.randrange(2**31)))[: sum(kv_lens)]
+            + 1).to(torch.int32)
+    kv_indptr = _indptr(kv_lens)
+    rows = [perm[kv_indptr[i]: kv_indptr[i + 1]] for i in range(len(kv_lens))]
+    meta = AttnMetadata(mode == "decode", _indptr(new), kv_indptr, perm, new, kv_lens, kv_indptr, _indptr(new),
+                        decode_from=extends if mode.startswith("mixed") else None)
+    if prefixed:
+        meta.prefix_indptr_host = _indptr(prefix[:extends])
+        meta.prefix_lens_host = torch.tensor(prefix[:extends], dtype=torch.int32)
+        meta.prefix_indices = torch.cat([r[: prefix[i]] for i, r in enumerate(rows[:extends])])
+    new_slots = [s for i, r in enumerate(rows) for s in r[prefix[i]:].tolist()]
+    return meta, new_slots
+
+
+@settings(PROFILE, max_examples=25, deadline=None)
+@given(mode=st.sampled_from(MODES), heads=st.sampled_from([(4, 2), (8, 2), (2, 2), (8, 1)]),
+       d=st.sampled_from([16, 32]), triton_decode=st.booleans() if INTERPRETED else st.just(False),
+       seed=st.integers(0, 2**16))
+def test_every_mode_equals_the_torch_reference(mode: str, heads: tuple[int, int], d: int, triton_decode: bool,
+                                               seed: int) -> None:
+    rng = random.Random(seed)
+    hq, hkv = heads
+    slots = 400
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(slots + 1, hkv, d, generator=g).half()
+    v_cache = torch.randn(slots + 1, hkv, d, generator=g).half()
+    meta, new_slots = batch(mode, rng, slots)
+    q = torch.randn(len(new_slots), hq, d, generator=g).half()
+    k, v = k_cache[new_slots], v_cache[new_slots]
+    ref = TorchAttentionBackend()
+    ref.begin_forward(meta)
+    want = ref.forward(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), d**-0.5)
+    with cpu_flashinfer():
+        from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+
+        fi = FlashInferAttentionBackend(hq, hkv, d, torch.float16, torch.device("cpu"), slots + 1,
+                                        triton_decode=triton_decode)
+        fi.begin_forward(meta)
+        got = fi.forward(q, k, v, k_cache, v_cache, d**-0.5)
+    assert got.shape == want.shape and got.dtype == torch.float16
+    assert torch.allclose(got.float(), want, atol=2e-3, rtol=2e-3), (mode, (got.float() - want).abs().max())
+
+
+def test_a_mixed_batch_plans_its_parts_apart() -> None:
+    """The extend rows' plans see those rows alone (their query tokens, their prefixes), and
+    FlashInfer's decode plan the decode rows' KV from 0 over their slice of the indices."""
+    rng = random.Random(7)
+    for _ in range(20):
+        meta, _ = batch("mixed_prefix", rng, 400)
+        d = meta.decode_from
+        assert d is not None
+        with cpu_flashinfer():
+            from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+
+            fi = FlashInferAttentionBackend(4, 2, 16, torch.float16, torch.device("cpu"), 401)
+            fi.begin_forward(meta)
+        assert fi._mode == "mixed"
+        assert fi.ragged.qo == meta.qo_indptr_host[: d + 1].tolist()
+        assert fi.paged.indptr == meta.prefix_indptr_host.tolist()
+        start = int(meta.kv_indptr_host[d])
+        assert fi.decode.indptr == (meta.kv_indptr_host[d:] - start).tolist()
+        assert torch.equal(fi.decode.indices, meta.kv_indices[start:])
