@@ -8,7 +8,9 @@ As FlashInfer: attention is scaled by 1/sqrt(head_dim) (the backend passes no sm
 a KV head serves Hq/Hkv consecutive query heads, a causal extend's query j of n sees its
 first kv_len - n + j + 1 keys, and a row with no keys gives zeros with a log-sum-exp of
 -inf. Log-sum-exps here are natural logs (FlashInfer's are base 2); only `merge_state`
-reads them, and it reads its own."""
+reads them, and it reads its own. In CUDA-graph mode (`use_cuda_graph=True`) a wrapper's
+plan copies its indptr and indices into the buffers it was made with and its run reads
+them back, as a captured graph does: whatever overwrote a shared buffer since is read."""
 
 from __future__ import annotations
 
@@ -37,10 +39,36 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> 
 
 
 class _Wrapper:
+    # The graph-mode buffers' argument names: (indptr, indices).
+    BUFFERS = ("paged_kv_indptr_buffer", "paged_kv_indices_buffer")
+
     def __init__(self, workspace: torch.Tensor, layout: str, **kw: object) -> None:
         assert layout == "NHD"
         self.use_tensor_cores = bool(kw.get("use_tensor_cores", False))
+        self.graph = bool(kw.get("use_cuda_graph", False))
+        self.bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.graph:
+            indptr_buf, indices_buf = (kw[name] for name in self.BUFFERS)
+            assert isinstance(indptr_buf, torch.Tensor) and isinstance(indices_buf, torch.Tensor)
+            self.bufs = (indptr_buf, indices_buf)
         self.planned = False
+
+    def _keep(self, indptr: torch.Tensor, indices: torch.Tensor) -> None:
+        """Plan time: eagerly, the plan's own copies; in graph mode, into the buffers (whose
+        size fixes the batch's)."""
+        if self.bufs is None:
+            self._indptr, self._indices = indptr.tolist(), indices.clone()
+            return
+        indptr_buf, indices_buf = self.bufs
+        assert indptr.numel() == indptr_buf.numel() and indices.numel() <= indices_buf.numel()
+        indptr_buf.copy_(indptr)
+        indices_buf[: indices.numel()].copy_(indices)
+
+    def _kv(self) -> tuple[list[int], torch.Tensor]:
+        """Run time: the indptr and indices as planned, or as the buffers hold them now."""
+        if self.bufs is None:
+            return self._indptr, self._indices
+        return self.bufs[0].tolist(), self.bufs[1]
 
     def _finish(self, q: torch.Tensor, outs: list[tuple[torch.Tensor, torch.Tensor]], return_lse: bool):
         o = torch.cat([a for a, _ in outs]) if outs else torch.zeros(0, *q.shape[1:])
@@ -53,16 +81,17 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, **kw: object) -> None:
         assert page_size == 1 and bool((last_page_len[: indptr.numel() - 1] == 1).all())
-        self.indptr, self.indices = indptr.tolist(), indices.clone()
-        assert self.indptr[0] == 0 and self.indptr[-1] <= indices.numel()
+        assert int(indptr[0]) == 0 and int(indptr[-1]) <= indices.numel()
+        self._keep(indptr, indices)
         self.planned = True
 
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], return_lse: bool = False):
-        assert self.planned and q.shape[0] == len(self.indptr) - 1, (q.shape, len(self.indptr))
+        indptr, indices = self._kv()
+        assert self.planned and q.shape[0] == len(indptr) - 1, (q.shape, len(indptr))
         k_pool, v_pool = (t[:, 0] for t in kv)  # page size 1
         outs = []
         for b in range(q.shape[0]):
-            slots = self.indices[self.indptr[b]: self.indptr[b + 1]].long()
+            slots = indices[indptr[b]: indptr[b + 1]].long()
             outs.append(_attend(q[b: b + 1], k_pool[slots], v_pool[slots], causal=False))
         return self._finish(q, outs, return_lse)
 
@@ -82,24 +111,28 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    BUFFERS = ("paged_kv_indptr_buf", "paged_kv_indices_buf")
+
     def plan(self, qo_indptr: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
              **kw: object) -> None:
         assert page_size == 1
-        self.qo, self.indptr, self.indices, self.causal = qo_indptr.tolist(), indptr.tolist(), indices.clone(), causal
-        assert len(self.qo) == len(self.indptr) and self.indptr[-1] <= indices.numel()
+        self.qo, self.causal = qo_indptr.tolist(), causal
+        steps = [b - a for a, b in zip(indptr.tolist(), indptr.tolist()[1:])]
+        assert len(self.qo) == indptr.numel() and int(indptr[-1]) <= indices.numel()
         seq_lens = kw.get("seq_lens")
         if seq_lens is not None:  # the KV lengths, as the indptr steps give them
-            assert torch.Tensor.tolist(seq_lens)[: len(self.qo) - 1] == [
-                b - a for a, b in zip(self.indptr, self.indptr[1:])]
+            assert torch.Tensor.tolist(seq_lens)[: len(steps)] == steps
+        self._keep(indptr, indices)
         self.planned = True
 
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], return_lse: bool = False):
+        indptr, indices = self._kv()
         assert self.planned and q.shape[0] == self.qo[-1], (q.shape, self.qo)
         k_pool, v_pool = (t[:, 0] for t in kv)
         outs = []
         for i in range(len(self.qo) - 1):
-            slots = self.indices[self.indptr[i]: self.indptr[i + 1]].long()
+            slots = indices[indptr[i]: indptr[i + 1]].long()
             outs.append(_attend(q[self.qo[i]: self.qo[i + 1]], k_pool[slots], v_pool[slots], self.causal))
         return self._finish(q, outs, return_lse)
 

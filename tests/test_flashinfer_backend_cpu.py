@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sgl.kernels.attention import AttnMetadata, CascadeMeta
@@ -135,7 +135,64 @@ def test_a_mixed_batch_plans_its_parts_apart() -> None:
             fi.begin_forward(meta)
         assert fi._mode == "mixed"
         assert fi.ragged.qo == meta.qo_indptr_host[: d + 1].tolist()
-        assert fi.paged.indptr == meta.prefix_indptr_host.tolist()
+        assert fi.paged._kv()[0] == meta.prefix_indptr_host.tolist()
         start = int(meta.kv_indptr_host[d])
-        assert fi.decode.indptr == (meta.kv_indptr_host[d:] - start).tolist()
-        assert torch.equal(fi.decode.indices, meta.kv_indices[start:])
+        indptr, indices = fi.decode._kv()
+        assert indptr == (meta.kv_indptr_host[d:] - start).tolist()
+        assert torch.equal(indices, meta.kv_indices[start:])
+
+
+@settings(PROFILE, max_examples=15, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["decode", "cascade"]), st.sampled_from([4, 2]),
+                                st.integers(0, 2), st.integers(0, 2**16)), min_size=2, max_size=8),
+       triton_decode=st.booleans() if INTERPRETED else st.just(False), heads=st.sampled_from([(4, 2), (8, 1)]))
+# One size's prefix, another size's over the shared buffer, then the first again: its plan must run again.
+@example(steps=[("cascade", 4, 0, 1), ("cascade", 2, 1, 2), ("cascade", 4, 0, 3)], triton_decode=False,
+         heads=(4, 2))
+def test_graph_plans_read_what_their_buffers_hold(steps: list[tuple[str, int, int, int]], triton_decode: bool,
+                                                  heads: tuple[int, int]) -> None:
+    """Decode and cascade batches planned for CUDA graphs of two sizes in any order, with
+    real rows fewer than the size padded as the graph runner pads them: each replay reads
+    its plan from the index buffers every size shares, and a cascade may skip planning its
+    shared block again only while that buffer still holds its prefix (CascadeMeta.key). A
+    stale skip would read another prefix's slots. Each step against the torch reference."""
+    from sgl.sched.runner.cuda_graph import _pad
+
+    hq, hkv = heads
+    d, slots = 16, 400
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(slots + 1, hkv, d, generator=g).half()
+    v_cache = torch.randn(slots + 1, hkv, d, generator=g).half()
+    perm = (torch.randperm(slots, generator=g) + 1).to(torch.int32)
+    prefixes = [perm[:30], perm[30:45], perm[45:85]]  # three shared prefixes; suffix slots from 100 on
+    with cpu_flashinfer():
+        from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+
+        fi = FlashInferAttentionBackend(hq, hkv, d, torch.float16, torch.device("cpu"), slots + 1,
+                                        triton_decode=triton_decode)
+        for bs in (4, 2):  # the largest first, as the graph runner captures
+            fi.init_graph(bs, cascade=True)
+        for kind, bs, which, seed in steps:
+            rng = random.Random(seed)
+            b = rng.randint(1, bs)
+            shared = prefixes[which]
+            own = [rng.randint(1, 20) for _ in range(b)]
+            rest = perm[100: 100 + sum(own)]
+            own_indptr = _indptr(own)
+            full = torch.cat([torch.cat([shared, rest[own_indptr[i]: own_indptr[i + 1]]]) for i in range(b)])
+            kv_lens = [len(shared) + n for n in own]
+            meta = AttnMetadata(True, torch.arange(b + 1, dtype=torch.int32), _indptr(kv_lens), full, [1] * b,
+                                kv_lens, _indptr(kv_lens), torch.arange(b + 1, dtype=torch.int32))
+            q = torch.randn(bs, hq, d, generator=torch.Generator().manual_seed(seed)).half()
+            ref = TorchAttentionBackend()
+            ref.begin_forward(meta)
+            want = ref.forward(q[:b].float(), q[:b].float(), q[:b].float(), k_cache.float(), v_cache.float(),
+                               d**-0.5)
+            if kind == "cascade":
+                indptr, indices = _pad(own_indptr, rest, bs)
+                fi.begin_graph_cascade(bs, len(shared), shared, indptr, indices, key=("prefix", which))
+            else:
+                indptr, indices = _pad(meta.kv_indptr_host, full, bs)
+                fi.begin_graph_decode(bs, indptr, indices, fi.picks_tensor_cores(bs, indptr, 0))
+            got = fi.forward(q, q, q, k_cache, v_cache, d**-0.5)[:b]
+            assert torch.allclose(got.float(), want, atol=2e-3, rtol=2e-3), (kind, bs, which)
