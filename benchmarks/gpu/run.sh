@@ -270,8 +270,8 @@ for step in "$@"; do
       fi ;;
     # vllmw8: the same sweep through the vLLM peer's OpenAI server (its parts unpacked in /tmp, as
     # for `vllm`; the wheels of .whl/ for what its bundle lacks), same model folder, tokenizer and
-    # W8_ARGS, label vllm; w8_vllm.json, and w8_*.png of both engines when w8_sgl.json is there
-    # too (else vLLM's alone). Its first start compiles (1-2 minutes), inside the 540 s.
+    # W8_ARGS, label vllm; w8_vllm.json, and w8_*.png of vLLM beside those of w8_sgl.json and
+    # w8_sgl_mixed.json that are there too. Its first start compiles (1-2 minutes), inside the 540 s.
     vllmw8)
       w8_model
       (vllm_env && run 540 python3 -m benchmarks.w8_online --label vllm --url http://127.0.0.1:30001 --procs 4 \
@@ -280,12 +280,13 @@ for step in "$@"; do
          --launch-timeout 300 --workloads "$wl" --json "$results/w8_vllm.json" \
          $w8_sweep)
       if [ -f "$results/w8_vllm.json" ]; then
-        if [ -f "$results/w8_sgl.json" ]; then
-          python3 -m benchmarks.w8_online --plot "$results/w8_sgl.json" "$results/w8_vllm.json" --labels sgl,vllm \
-            --out "$results"
-        else
-          python3 -m benchmarks.w8_online --plot "$results/w8_vllm.json" --out "$results"
-        fi
+        files=(); labels=()
+        for f in sgl sgl_mixed; do
+          [ -f "$results/w8_$f.json" ] && files+=("$results/w8_$f.json") && labels+=("${f/_/-}")
+        done
+        labels+=(vllm)
+        python3 -m benchmarks.w8_online --plot "${files[@]}" "$results/w8_vllm.json" \
+          --labels "$(IFS=,; echo "${labels[*]}")" --out "$results"
       fi ;;
     # Start-up to ready (benchmarks/startup.py), STARTUP_REPEAT (3) starts.
     startup) run 200 python3 -m benchmarks.startup --repeat ${STARTUP_REPEAT:-3}
