@@ -51,7 +51,9 @@ class AttnMetadata:
     prefix_indptr_host: torch.Tensor | None = None
     prefix_indices: torch.Tensor | None = None
     prefix_lens_host: torch.Tensor | None = None  # [B] int32
-    cascade: CascadeMeta | None = None  # decode only
+    # A decode batch's split over its shared slots, or a mixed batch's decode rows' (their
+    # kv_indices are then there too, as every other row's).
+    cascade: CascadeMeta | None = None
     # Decode only: KV slots every row begins with (0 where none, or where nobody looked);
     # a backend may pick its kernel by it.
     shared_len: int = 0

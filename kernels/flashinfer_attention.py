@@ -8,10 +8,11 @@
   queries as one block over the shared slots (read once), paged decode over each
   request's suffix, merged by log-sum-exp (on unless `enable_cascade_attention=False`);
 - mixed (an extend whose forward also steps running requests): the extend rows as
-  above, the decode rows through the decode kernel. Run as one paged prefill, each
-  decode row would be a query tile of its own over its whole context, with no split
-  of the KV: 43 us a layer for 8 rows of 2,000 slots plus the merge, more than those
-  rows' own decode step (benchmarks/RESULTS.md, 2026-12-04).
+  above, the decode rows through the decode kernel, or as a cascade when they share
+  enough (as a decode step of theirs would). Run as one paged prefill, each decode row
+  would be a query tile of its own over its whole context, with no split of the KV:
+  43 us a layer for 8 rows of 2,000 slots plus the merge, more than those rows' own
+  decode step (benchmarks/RESULTS.md, 2026-12-04).
 Plans run on the host, once per batch, before the layers. Under CUDA graphs each
 captured batch size has its own decode wrapper (and, with cascade, its own
 shared-block prefill wrapper) in graph mode, reading index buffers that all sizes
@@ -148,6 +149,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         # shared block's inputs) for a FlashInfer decode plan.
         self._extend_tokens = 0
         self._extend_prefix = False
+        self._mixed_shared: object | None = None  # a mixed batch's shared-block wrapper, made when first needed
+        self._mixed_cascade = False
         self._decode_indptr = torch.zeros(4097, dtype=torch.int32).pin_memory()
 
     # ---- planning --------------------------------------------------------------
@@ -202,7 +205,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._triton_args = (meta.kv_indptr, meta.kv_indices)
             return
         self._before_plan()
-        if meta.cascade is not None:
+        if meta.cascade is not None and meta.is_decode:
             self._plan_cascade(meta.cascade)
         elif meta.is_decode:
             self._mode = "decode"
@@ -251,6 +254,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         indptr from 0 over the slice of kv_indices it covers."""
         assert meta.qo_indptr_host is not None and meta.kv_indptr_host is not None
         self._extend_tokens = int(meta.qo_indptr_host[d])
+        self._mixed_cascade = (c := meta.cascade) is not None
+        if c is not None:
+            if self._mixed_shared is None:
+                self._mixed_shared = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+            self._plan_shared(self._mixed_shared, c.suffix_indptr_host.numel() - 1, c.shared_len, c.shared_indices)
+            self._plan_decode(self.decode, c.suffix_indptr_host, c.suffix_indices)
+            return
         if self.triton_decode:
             self._triton_args = (meta.kv_indptr[d:], meta.kv_indices)
             return
@@ -354,20 +364,27 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self._mode == "extend":
             return self.ragged.run(q, k, v)
         if self._mode == "cascade":
-            o_shared, lse_shared = self._active_shared.run(q, kv, return_lse=True)  # type: ignore[attr-defined]
-            o_own, lse_own = self._active_decode.run(q, kv, return_lse=True)  # type: ignore[attr-defined]
-            return self.fi.merge_state(o_shared, lse_shared, o_own, lse_own)[0]
+            return self._cascade(self._active_shared, self._active_decode, q, kv)
         if self._mode == "mixed":
             t = self._extend_tokens
             qe, ke, ve = q[:t], k[:t], v[:t]
             head = self._extend(qe, ke, ve, kv) if self._extend_prefix else self.ragged.run(qe, ke, ve)
-            if self.triton_decode:
+            if self._mixed_cascade:
+                tail = self._cascade(self._mixed_shared, self.decode, q[t:], kv)
+            elif self.triton_decode:
                 assert self._triton_args is not None
                 tail = triton_decode_attention(q[t:], k_cache, v_cache, *self._triton_args, scale)
             else:
                 tail = self._active_decode.run(q[t:], kv)  # type: ignore[attr-defined]
             return torch.cat((head, tail))
         return self._extend(q, k, v, kv)
+
+    def _cascade(self, shared: object, own: object, q: torch.Tensor,
+                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Queries over the shared block (one plan for them all) and over their own suffixes, merged."""
+        o_shared, lse_shared = shared.run(q, kv, return_lse=True)  # type: ignore[attr-defined]
+        o_own, lse_own = own.run(q, kv, return_lse=True)  # type: ignore[attr-defined]
+        return self.fi.merge_state(o_shared, lse_shared, o_own, lse_own)[0]
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

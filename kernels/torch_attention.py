@@ -36,7 +36,7 @@ class TorchAttentionBackend(AttentionBackend):
         q_valid = qpos[None, :] < qo_lens[:, None]  # [B, max_q]
         kv_valid = kpos[None, :] < kv_lens[:, None]  # [B, max_kv]
         self._q_idx = torch.where(q_valid, qo_start[:, None] + qpos[None, :], 0)
-        if (c := meta.cascade) is None:
+        if (c := meta.cascade) is None or meta.decode_from is not None:  # every row's slots in kv_indices
             kv_flat = torch.where(kv_valid, kv_start[:, None] + kpos[None, :], 0)
             self._kv_idx = torch.where(kv_valid, meta.kv_indices[kv_flat], 0)
         else:

@@ -85,6 +85,36 @@ def test_flashinfer_matches_torch_backend(mode: str, triton: bool, kv: str) -> N
         assert _rel_err(got[t:], expected[t:]) < 1e-2
 
 
+@pytest.mark.parametrize("triton", [False, True])
+@pytest.mark.parametrize("mode", ["decode", "extend", "extend_prefix", "mixed", "mixed_prefix", "cascade",
+                                  "mixed_cascade"])
+def test_flashinfer_on_the_cpu_tests_batches(mode: str, triton: bool) -> None:
+    """The batches tests/test_flashinfer_backend_cpu.py runs through a stand-in for
+    FlashInfer (tests/attn_batches.py), through FlashInfer itself and sgl's compiled Triton
+    decode kernel: eight of each shape against the torch reference, bf16."""
+    from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+    from sgl.kernels.torch_attention import TorchAttentionBackend
+    from tests.attn_batches import batch, on_device
+
+    dev, dt, hq, hkv, d, slots = torch.device("cuda"), torch.bfloat16, 16, 8, 128, 1000
+    g = torch.Generator(device=dev).manual_seed(0)
+    k_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt, generator=g)
+    v_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt, generator=g)
+    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, triton_decode=triton)
+    for seed in range(8):
+        meta, new_slots = batch(mode, random.Random(seed), slots)
+        meta = on_device(meta, dev)
+        q = torch.randn(len(new_slots), hq, d, device=dev, dtype=dt, generator=g)
+        k, v = k_cache[new_slots], v_cache[new_slots]
+        ref = TorchAttentionBackend()
+        ref.begin_forward(meta)
+        expected = ref.forward(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), d**-0.5)
+        fi.begin_forward(meta)
+        got = fi.forward(q, k, v, k_cache, v_cache, d**-0.5)
+        assert got.shape == expected.shape
+        assert _rel_err(got, expected) < 1e-2, (mode, seed)
+
+
 def test_flashinfer_cascade_matches_torch_backend() -> None:
     """Decode with a prefix shared by the whole batch: FlashInfer's shared block +
     per-request decode + merge against the torch reference, and against FlashInfer's

@@ -333,3 +333,37 @@ def test_a_mixed_batch_s_attention_metadata_splits_at_its_decode_rows(
         assert m.prefix_lens_host.tolist() == prefixes
         want = [s for i in range(d) for s in table[b.rows[i], :prefixes[i]].tolist()]
         assert m.prefix_indices.tolist() == want
+
+
+def test_a_mixed_batch_s_decode_rows_take_a_cascade_split_when_they_share_a_prefix(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows that begin with the same cached slots (two requests with one prompt
+    prefix) ride a prompt's chunks as a cascade, as a decode step of theirs would: the
+    shared slots once, each row's own suffix, and kv_indices still holding every row's slots
+    for the chunks and the reference backend. Outputs are those of separate forwards."""
+    from sgl.sched.runner import prepare as prep
+
+    monkeypatch.setattr(prep, "CASCADE_MIN_SAVED_TOKENS", 1)
+    model = tiny_model_dir(tmp_path_factory.mktemp("mixed-cascade"), "llama", vocab=128, seed=5)
+    rng = random.Random(6)
+    shared = [rng.randrange(1, 120) for _ in range(12)]
+    reqs = [("a", shared + [rng.randrange(1, 120) for _ in range(3)], 16),
+            ("b", shared + [rng.randrange(1, 120) for _ in range(2)], 14),
+            ("long", [rng.randrange(1, 120) for _ in range(90)], 4)]
+    kw: dict[str, Any] = {"chunked_prefill_size": 32, "max_total_tokens": 2048, "enable_cascade_attention": True}
+    ref, _ = _drive(model, reqs, overlap=False, arrive=[0, 2, 4], **kw)
+    prepared: list[Any] = []
+    out, _ = _drive(model, reqs, overlap=False, arrive=[0, 2, 4], enable_mixed_chunk=True, prepared=prepared, **kw)
+    assert out == ref
+    split = [(p, table) for p, table in prepared if p.batch.decode_from is not None and p.attn.cascade is not None]
+    assert split, "no mixed batch with a cascade split"
+    for p, table in split:
+        m, b, c = p.attn, p.batch, p.attn.cascade
+        d = b.decode_from
+        rows = b.rows[d:]
+        assert c.shared_len >= len(shared) and c.shared_indices.tolist() == table[rows[0], :c.shared_len].tolist()
+        assert all(table[r, :c.shared_len].tolist() == c.shared_indices.tolist() for r in rows)
+        own = c.suffix_indptr_host.tolist()
+        for i, r in enumerate(rows):
+            assert c.suffix_indices[own[i]:own[i + 1]].tolist() == table[r, c.shared_len:b.kv_lens[d + i]].tolist()
+        assert m.kv_indices.numel() == sum(b.kv_lens)

@@ -25,6 +25,7 @@ from sgl.sched.runner.prepare_beams import TrieGroup, beam_groups, trie_groups
 from sgl.sched.runner.sampler import SamplingBatch
 
 if TYPE_CHECKING:
+    from sgl.sched.req import Req
     from sgl.sched.runner.model_runner import ModelRunner
 
 # A decode batch goes through cascade attention when the shared prefix P of its B
@@ -110,8 +111,12 @@ class BatchPreparer:
         key = (tuple(batch.rows), tuple(q.rid for q in reqs), tuple(batch.epochs)) if batch.is_decode else ()
         # The shared prefix matters to cascade attention and to a backend's choice of decode kernel.
         wanted = r.cascade or len(r.attn_backend.decode_kernels(len(batch.rows))) > 1
-        shared = self._shared_len(batch, key, rows, kv_lens) if key and len(batch.rows) > 1 and wanted else 0
-        cascade = self._cascade(batch, shared, key, rows_dev, kv_lens, kv_lens_dev) if shared and r.cascade else None
+        shared = self._shared_len(reqs, key, rows, kv_lens) if key and len(batch.rows) > 1 and wanted else 0
+        cascade = None
+        if shared and r.cascade:
+            cascade = self._cascade(batch.rows, shared, key, rows_dev, kv_lens, kv_lens_dev)
+        elif batch.decode_from is not None and r.cascade:
+            cascade = self._mixed_cascade(batch, rows, rows_dev, kv_lens, kv_lens_dev)
         meta = self.attention(batch.is_decode, batch.qo_lens, batch.kv_lens, rows_dev, kv_lens_dev, cascade, shared,
                               batch.decode_from)
         same = self._sampling[1] if key and self._sampling[0] == key else None
@@ -179,7 +184,8 @@ class BatchPreparer:
             qo_indptr=up.get(at[0]),
             kv_indptr=up.get(at[1]),
             kv_indices=(gather(table, rows_dev, zeros, kv_lens_dev, int(kv_indptr[-1]))
-                        if cascade is None else torch.empty(0, dtype=torch.int32, device=self.runner.device)),
+                        if cascade is None or decode_from is not None
+                        else torch.empty(0, dtype=torch.int32, device=self.runner.device)),
             qo_lens=qo_lens,
             kv_lens=kv_lens,
             kv_indptr_host=kv_indptr,
@@ -245,30 +251,43 @@ class BatchPreparer:
                          max(r.top_logprobs_num for r in reqs), id_rows)
         return logits_rows, sample_rows, lp
 
-    def _shared_len(self, batch: ScheduleBatch, key: tuple, rows: torch.Tensor, kv_lens: torch.Tensor) -> int:
-        """The KV slots every row of a decode batch (two rows or more) begins with, short
-        of each row's last. Cached per batch identity: a running request's first slots
-        never change while it decodes."""
+    def _shared_len(self, reqs: list[Req], key: tuple, rows: torch.Tensor, kv_lens: torch.Tensor) -> int:
+        """The KV slots every decode row (two rows or more) begins with, short of each
+        row's last. Cached per batch identity: a running request's first slots never
+        change while it decodes."""
         if self._shared[0] != key:
             limit = int(kv_lens.min()) - 1
             # Past its prompt a beam's host row may lag its device row (beams move on the device).
-            limit = min([limit, *(len(q.origin_input_ids) for q in batch.reqs if q.beam is not None)])
+            limit = min([limit, *(len(q.origin_input_ids) for q in reqs if q.beam is not None)])
             self._shared = (key, shared_prefix_len(self.runner.req_to_token_pool.req_to_token, rows, limit))
         return self._shared[1]
 
-    def _cascade(self, batch: ScheduleBatch, p: int, key: tuple, rows_dev: torch.Tensor,
+    def _cascade(self, rows: list[int], p: int, key: tuple, rows_dev: torch.Tensor,
                  kv_lens: torch.Tensor, kv_lens_dev: torch.Tensor) -> CascadeMeta | None:
-        """The split of a decode batch over its p shared slots when reading them once
+        """The split of decode rows `rows` over their p shared slots when reading them once
         saves enough (see CASCADE_MIN_SAVED_TOKENS), else None."""
-        if p * (len(batch.rows) - 1) < CASCADE_MIN_SAVED_TOKENS:
+        if p * (len(rows) - 1) < CASCADE_MIN_SAVED_TOKENS:
             return None
         table = self.runner.req_to_token_pool.mirror
         self.cascade_steps += 1
         own = kv_lens - p
         indptr = self._host(indptr_of(own.tolist()))
-        return CascadeMeta(p, table[batch.rows[0], :p].clone(), indptr,
+        return CascadeMeta(p, table[rows[0], :p].clone(), indptr,
                            gather_kv_indices(table, rows_dev, torch.full_like(rows_dev, p), kv_lens_dev - p,
                                              int(indptr[-1])), (key, p))
+
+    def _mixed_cascade(self, batch: ScheduleBatch, rows: torch.Tensor, rows_dev: torch.Tensor,
+                       kv_lens: torch.Tensor, kv_lens_dev: torch.Tensor) -> CascadeMeta | None:
+        """A mixed batch's decode rows split as a decode step of those rows would be (a chat's
+        system prompt, read once for them all rather than once a row); None when they share
+        too little."""
+        d = batch.decode_from
+        assert d is not None
+        if len(batch.rows) - d < 2:
+            return None
+        key = ("mixed", tuple(batch.rows[d:]), tuple(q.rid for q in batch.reqs[d:]), tuple(batch.epochs[d:]))
+        p = self._shared_len(batch.reqs[d:], key, rows[d:], kv_lens[d:])
+        return self._cascade(batch.rows[d:], p, key, rows_dev[d:], kv_lens[d:], kv_lens_dev[d:]) if p else None
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return pinned(t, self.runner.device)
