@@ -249,9 +249,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._mode = "mixed" if d is not None else "extend_prefix" if self._extend_prefix else "extend"
 
     def _plan_mixed_decode(self, meta: AttnMetadata, d: int) -> None:
-        """A mixed batch's decode rows (d on): the Triton kernel reads their slice of the
-        batch's own indptr (offsets into its kv_indices), a FlashInfer decode plan the same
-        indptr from 0 over the slice of kv_indices it covers."""
+        """A mixed batch's decode rows (d on): with a cascade split, their shared block on a
+        paged wrapper of its own and their suffixes through FlashInfer's decode; else the
+        Triton kernel reads their slice of the batch's own indptr (offsets into its
+        kv_indices), or a FlashInfer decode plan the same indptr from 0 over the slice of
+        kv_indices it covers."""
         assert meta.qo_indptr_host is not None and meta.kv_indptr_host is not None
         self._extend_tokens = int(meta.qo_indptr_host[d])
         self._mixed_cascade = (c := meta.cascade) is not None
