@@ -10,11 +10,13 @@ and through the piecewise CUDA graphs (sgl.sched.runner.prefill_graph; lengths p
 their largest count, 2,048 by default, run eagerly in both). Then the kernels of one
 prefill by GPU time and their count, per variant. `--decode-rows N` puts N running
 requests (each `--decode-kv` tokens of KV) in every prefill's forward, as a mixed batch
-(enable_mixed_chunk) carries them. `--prefix P` gives each request P tokens of KV already
-written before its N new ones, as a prefix cache hit does (a chat's shared system prompt).
+(enable_mixed_chunk) carries them; `--decode-shared S` makes the first S of their slots the
+same ones (a shared system prompt: past enough rows, a cascade). `--prefix P` gives each
+request P tokens of KV already written before its N new ones, as a prefix cache hit does
+(a chat's shared system prompt).
 
     python -m benchmarks.prefill_cost [--lens 100,400,1000,4000] [--reps 20] [--model DIR]
-        [--decode-rows 0] [--decode-kv 1500] [--prefix 0]
+        [--decode-rows 0] [--decode-kv 1500] [--decode-shared 0] [--prefix 0]
 """
 
 from __future__ import annotations
@@ -32,14 +34,18 @@ from sgl.sched.req import Req
 from sgl.sched.runner.model_runner import ModelRunner
 
 
-def running(runner: ModelRunner, rows: int, kv: int) -> list[Req]:
-    """`rows` requests that decode, each with `kv` tokens of KV written."""
+def running(runner: ModelRunner, rows: int, kv: int, shared: int = 0) -> list[Req]:
+    """`rows` requests that decode, each with `kv` tokens of KV written, the first `shared`
+    of them in the same slots for all."""
     reqs = []
+    common = runner.allocator.alloc(shared) if shared else None
     for i in range(rows):
         r = Req(f"d{i}", [(5 * j + i) % 1000 + 10 for j in range(kv)], SamplingParams(temperature=0), False)
         r.req_pool_idx = runner.req_to_token_pool.alloc()
-        slots = runner.allocator.alloc(kv)
+        slots = runner.allocator.alloc(kv - shared)
         assert slots is not None and r.req_pool_idx is not None
+        if common is not None:
+            slots = torch.cat((common, slots))
         runner.req_to_token_pool.write(r.req_pool_idx, 0, slots)
         r.kv_len = kv
         reqs.append(r)
@@ -91,6 +97,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model folder (default: Qwen3-0.6B, dummy weights)")
     ap.add_argument("--decode-rows", type=int, default=0, help="running requests in each prefill's forward")
     ap.add_argument("--decode-kv", type=int, default=1500, help="each running request's KV tokens")
+    ap.add_argument("--decode-shared", type=int, default=0, help="of those, the slots they all share")
     ap.add_argument("--prefix", type=int, default=0, help="cached KV tokens before each prompt's new ones")
     a = ap.parse_args()
     lens = [int(x) for x in a.lens.split(",")]
@@ -103,7 +110,7 @@ def main() -> None:
                           random_seed=0, skip_tokenizer_init=True, chunked_prefill_size=max(lens) + a.decode_rows,
                           piecewise_cuda_graph_max_tokens=pieces)
         runner = ModelRunner(args, a.model or dummy_model_dir())
-        decoding = running(runner, a.decode_rows, a.decode_kv)
+        decoding = running(runner, a.decode_rows, a.decode_kv, a.decode_shared)
         prefix = runner.allocator.alloc(a.prefix) if a.prefix else None
         for n in lens:
             for _ in range(3):
@@ -113,6 +120,7 @@ def main() -> None:
             med = [sorted(col)[len(col) // 2] * 1e3 for col in zip(*times)]
             gpu = (runner.gpu_timeline.busy_s - busy0) / a.reps * 1e3 if cuda else float("nan")
             rows.append({"variant": variant, "tokens": n, "cached prefix": a.prefix, "decode rows": a.decode_rows,
+                         "shared": a.decode_shared,
                          "prepare ms": med[0],
                          "launch ms": med[1],
                          "wall ms": med[2], "GPU busy ms": gpu})
