@@ -13,6 +13,8 @@ import random
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -154,3 +156,54 @@ def test_graph_plans_read_what_their_buffers_hold(steps: list[tuple[str, int, in
                 fi.begin_graph_decode(bs, indptr, indices, fi.picks_tensor_cores(bs, indptr, 0))
             got = fi.forward(q, q, q, k_cache, v_cache, d**-0.5)[:b]
             assert torch.allclose(got.float(), want, atol=2e-3, rtol=2e-3), (kind, bs, which)
+
+
+@pytest.mark.parametrize("triton_decode", [False, True] if INTERPRETED else [False])
+def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path, triton_decode: bool) -> None:
+    """A whole engine (float16, the overlap loop) whose runner attends through the FlashInfer
+    backend over the stand-in: prompt chunks that carry the running requests' steps (mixed
+    batches), decode rows sharing a cached prefix (cascades, plain and mixed), prefix-cached
+    extends. Against the same engine on the torch backend, each request's top logprobs agree
+    to float16's precision up to its first near-tie flip."""
+    import sgl
+    from sgl.sched.runner import prepare as prep
+    from sgl.sched.runner.model_runner import ModelRunner
+    from tests.conftest import assert_kv_balanced, tiny_model_dir
+
+    model = tiny_model_dir(tmp_path, "qwen3", vocab=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    rng = random.Random(9)
+    shared = [rng.randrange(256) for _ in range(40)]
+    prompts = ([shared + [rng.randrange(256) for _ in range(n)] for n in (2, 5, 9, 3)]
+               + [[rng.randrange(256) for _ in range(n)] for n in (120, 7)])
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+    def run(flashinfer: bool) -> tuple[list[dict], dict]:
+        with sgl.Engine(model, transport="inproc", skip_tokenizer_init=True, dtype="float16", device="cpu",
+                        max_total_tokens=4000, chunked_prefill_size=48, enable_mixed_chunk=True,
+                        enable_cascade_attention=True, disable_overlap_schedule=False) as e:
+            e.generate(input_ids=shared + [1], sampling_params=params)  # caches the shared prefix
+            outs = e.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=3)
+            info = e.get_server_info()
+            assert_kv_balanced(info)
+        return outs, info
+
+    from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+
+    def backend(self: ModelRunner, args: object, m: Any) -> FlashInferAttentionBackend:
+        return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
+                                          self.max_total_tokens + 1, context_length=self.context_length,
+                                          triton_decode=triton_decode)
+
+    alone, _ = run(flashinfer=False)
+    with cpu_flashinfer(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelRunner, "_attention_backend", backend)
+        mp.setattr(prep, "CASCADE_MIN_SAVED_TOKENS", 1)
+        through, info = run(flashinfer=True)
+    assert info["mixed_steps"] > 0 and info["cascade_steps"] > 0, info
+    for m, a in zip(through, alone):
+        for j, (x, y) in enumerate(zip(m["output_ids"], a["output_ids"])):
+            mt, at = ([v for v, _, _ in o["meta_info"]["output_top_logprobs"][j]] for o in (m, a))
+            assert max(abs(p - q) for p, q in zip(mt, at)) < 0.02, (j, mt, at)
+            if x != y:
+                break
