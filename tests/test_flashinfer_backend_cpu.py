@@ -1,9 +1,10 @@
 """sgl's FlashInfer backend on the CPU, FlashInfer itself stood in for by
 tests/fake_flashinfer.py: every mode's plans and runs (decode, extend with and without
-cached prefixes, mixed batches whose decode rows take the decode kernel, cascade decode),
-with the Triton decode kernel under Triton's interpreter where CI runs it, against the
-torch reference backend on the same batches. What this checks is the backend's own
-bookkeeping: which rows, indptrs and slots each plan gets, and how the parts' outputs
+cached prefixes, mixed batches whose decode rows take the decode kernel or a cascade,
+cascade decode; the batches of tests/attn_batches.py), the CUDA-graph plans, and a whole
+engine attending through it, with the Triton decode kernel under Triton's interpreter
+where CI runs it, against the torch reference backend. What this checks is the backend's
+own bookkeeping: which rows, indptrs and slots each plan gets, and how the parts' outputs
 are put back together. The real kernels are tests/test_gpu.py's."""
 
 from __future__ import annotations
