@@ -261,23 +261,17 @@ def test_cuda_graph_replay_equals_eager(qwen3_dir: str, kv: str, decode: str) ->
     assert graphs == eager
 
 
-@pytest.mark.parametrize("decode", ["triton", "flashinfer"])
-def test_mixed_batches_agree_with_separate_forwards(qwen3_dir: str, decode: str) -> None:
-    """enable_mixed_chunk: prompt chunks share their forward with the running requests'
-    next tokens, whose attention runs through the decode kernel (either one), prompt
-    chunks with cached prefixes among them; against the same requests without mixed
-    batches, each request's top logprobs agree to bf16's precision up to its first
-    near-tie flip, under CUDA graphs and the overlap loop."""
-    rng = random.Random(5)
-    shared = [rng.randrange(2000) for _ in range(200)]
-    prompts = ([[rng.randrange(2000) for _ in range(n)] for n in (5, 20, 300, 700, 40, 900)]
-               + [shared + [rng.randrange(2000) for _ in range(n)] for n in (3, 150, 400)])
+def _mixed_against_separate(model_dir: str, decode: str, shared: list[int], prompts: list[list[int]],
+                            chunk: int) -> tuple[dict, dict]:
+    """The same requests with mixed batches and without (flashinfer attention, `decode`'s
+    kernel, CUDA graphs and the overlap loop, `shared` cached first): each request's top
+    logprobs agree to bf16's precision up to its first near-tie flip; each engine's info."""
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
     def run(mixed: bool) -> tuple[list[dict], dict]:
-        with sgl.Engine(qwen3_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
+        with sgl.Engine(model_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
                         attention_backend="flashinfer", decode_attention_backend=decode, max_total_tokens=20000,
-                        chunked_prefill_size=128, enable_mixed_chunk=mixed) as e:
+                        chunked_prefill_size=chunk, enable_mixed_chunk=mixed) as e:
             e.generate(input_ids=shared + [1], sampling_params=params)  # caches the shared prefix
             outs = e.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=3)
             info = e.get_server_info()
@@ -285,8 +279,22 @@ def test_mixed_batches_agree_with_separate_forwards(qwen3_dir: str, decode: str)
         return outs, info
 
     (mixed, info), (alone, alone_info) = run(True), run(False)
-    assert info["mixed_steps"] > 0 and alone_info["mixed_steps"] == 0
     assert_top_logprobs_agree(mixed, alone, tol=0.05)
+    return info, alone_info
+
+
+@pytest.mark.parametrize("decode", ["triton", "flashinfer"])
+def test_mixed_batches_agree_with_separate_forwards(qwen3_dir: str, decode: str) -> None:
+    """enable_mixed_chunk: prompt chunks share their forward with the running requests'
+    next tokens, whose attention runs through the decode kernel (either one), prompt
+    chunks with cached prefixes among them; against the same requests without mixed
+    batches."""
+    rng = random.Random(5)
+    shared = [rng.randrange(2000) for _ in range(200)]
+    prompts = ([[rng.randrange(2000) for _ in range(n)] for n in (5, 20, 300, 700, 40, 900)]
+               + [shared + [rng.randrange(2000) for _ in range(n)] for n in (3, 150, 400)])
+    info, alone_info = _mixed_against_separate(qwen3_dir, decode, shared, prompts, chunk=128)
+    assert info["mixed_steps"] > 0 and alone_info["mixed_steps"] == 0
 
 
 @pytest.mark.parametrize("decode", ["triton", "flashinfer"])
@@ -295,8 +303,7 @@ def test_mixed_batches_keep_the_cascade_of_a_shared_prefix(qwen3_dir: str, decod
     """Requests that share a cached prefix and another's long prompt in chunks: with mixed
     batches the sharing rows ride the chunks as a cascade (the threshold lowered so that
     these few rows take one; on the CPU, 15 of 16 mixed forwards), without them they decode
-    once the chunks are done; each request's top logprobs agree to bf16's precision up to
-    its first near-tie flip."""
+    once the chunks are done; against the same requests without mixed batches."""
     from sgl.sched.runner import prepare as prep
 
     monkeypatch.setattr(prep, "CASCADE_MIN_SAVED_TOKENS", 1)
@@ -304,21 +311,8 @@ def test_mixed_batches_keep_the_cascade_of_a_shared_prefix(qwen3_dir: str, decod
     shared = [rng.randrange(2000) for _ in range(200)]
     prompts = ([shared + [rng.randrange(2000) for _ in range(n)] for n in (3, 9, 17, 30)]
                + [[rng.randrange(2000) for _ in range(900)]])
-    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-
-    def run(mixed: bool) -> tuple[list[dict], dict]:
-        with sgl.Engine(qwen3_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
-                        attention_backend="flashinfer", decode_attention_backend=decode, max_total_tokens=20000,
-                        chunked_prefill_size=64, enable_mixed_chunk=mixed) as e:
-            e.generate(input_ids=shared + [1], sampling_params=params)  # caches the shared prefix
-            outs = e.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=3)
-            info = e.get_server_info()
-            assert_kv_balanced(info)
-        return outs, info
-
-    (mixed, info), (alone, alone_info) = run(True), run(False)
+    info, alone_info = _mixed_against_separate(qwen3_dir, decode, shared, prompts, chunk=64)
     assert info["mixed_steps"] > 0 and info["cascade_steps"] > 0 and alone_info["mixed_steps"] == 0
-    assert_top_logprobs_agree(mixed, alone, tol=0.05)
 
 
 def test_triton_decode_agrees_with_flashinfer_decode(qwen3_g2_dir: str) -> None:
