@@ -102,6 +102,17 @@ def null_continuation(last: int, n: int) -> list[int]:
     return continuation(last, n, NULL_VOCAB)
 
 
+def generate_after_prefix(e: Any, shared: list[int], prompts: list[list[int]],
+                          params: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """On engine `e`: one request of `shared` (so the radix cache holds it), then `prompts`
+    with their top logprobs; their outputs and the engine's info, its KV balanced."""
+    e.generate(input_ids=shared + [1], sampling_params=params)
+    outs = e.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=3)
+    info = e.get_server_info()
+    assert_kv_balanced(info)
+    return outs, info
+
+
 def assert_top_logprobs_agree(a: list[dict[str, Any]], b: list[dict[str, Any]], tol: float = 0.02) -> int:
     """Two greedy runs of one batch that compute in other shapes or orders (other kernels,
     graphs' padded GEMMs, prefix-cached prefill) round apart in bf16 or fp16, and a random

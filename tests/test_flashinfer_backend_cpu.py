@@ -169,7 +169,7 @@ def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path,
     import sgl
     from sgl.sched.runner import prepare as prep
     from sgl.sched.runner.model_runner import ModelRunner
-    from tests.conftest import assert_kv_balanced, assert_top_logprobs_agree, tiny_model_dir
+    from tests.conftest import assert_top_logprobs_agree, generate_after_prefix, tiny_model_dir
 
     model = tiny_model_dir(tmp_path, "qwen3", vocab=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, intermediate_size=128)
@@ -183,11 +183,7 @@ def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path,
         with sgl.Engine(model, transport="inproc", skip_tokenizer_init=True, dtype="float16", device="cpu",
                         max_total_tokens=4000, chunked_prefill_size=48, enable_mixed_chunk=True,
                         enable_cascade_attention=True, disable_overlap_schedule=False) as e:
-            e.generate(input_ids=shared + [1], sampling_params=params)  # caches the shared prefix
-            outs = e.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=3)
-            info = e.get_server_info()
-            assert_kv_balanced(info)
-        return outs, info
+            return generate_after_prefix(e, shared, prompts, params)
 
     from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
 

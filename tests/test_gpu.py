@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sgl
-from tests.conftest import assert_kv_balanced, assert_top_logprobs_agree, tiny_model_dir
+from tests.conftest import assert_kv_balanced, assert_top_logprobs_agree, generate_after_prefix, tiny_model_dir
 
 pytestmark = [
     pytest.mark.gpu,
@@ -272,11 +272,7 @@ def _mixed_against_separate(model_dir: str, decode: str, shared: list[int], prom
         with sgl.Engine(model_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
                         attention_backend="flashinfer", decode_attention_backend=decode, max_total_tokens=20000,
                         chunked_prefill_size=chunk, enable_mixed_chunk=mixed) as e:
-            e.generate(input_ids=shared + [1], sampling_params=params)  # caches the shared prefix
-            outs = e.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=3)
-            info = e.get_server_info()
-            assert_kv_balanced(info)
-        return outs, info
+            return generate_after_prefix(e, shared, prompts, params)
 
     (mixed, info), (alone, alone_info) = run(True), run(False)
     assert_top_logprobs_agree(mixed, alone, tol=0.05)
