@@ -13,15 +13,19 @@ requests (each `--decode-kv` tokens of KV) in every prefill's forward, as a mixe
 (enable_mixed_chunk) carries them; `--decode-shared S` makes the first S of their slots the
 same ones (a shared system prompt: past enough rows, a cascade). `--prefix P` gives each
 request P tokens of KV already written before its N new ones, as a prefix cache hit does
-(a chat's shared system prompt).
+(a chat's shared system prompt). With decode rows, the row of 0 tokens is their decode step
+alone: a mixed forward pays where it costs less than the prefill alone plus that step.
+`--server-args` passes engine options (JSON), e.g. the decode kernel the rows run.
 
     python -m benchmarks.prefill_cost [--lens 100,400,1000,4000] [--reps 20] [--model DIR]
-        [--decode-rows 0] [--decode-kv 1500] [--decode-shared 0] [--prefix 0]
+        [--decode-rows 0] [--decode-kv 1500] [--decode-shared 0] [--prefix 0] [--variants eager,pieces]
+        [--server-args JSON]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -56,7 +60,9 @@ def prefill(runner: ModelRunner, n: int, decoding: list[Req] | None = None,
             prefix: torch.Tensor | None = None) -> tuple[float, float, float]:
     """One request's prefill of n tokens (with a decode step of `decoding`: a mixed batch;
     over the cached KV slots `prefix`, if given), the KV it wrote freed after; (prepare,
-    launch, wall) seconds."""
+    launch, wall) seconds. n = 0: the decode step of `decoding` alone."""
+    if n == 0:
+        return decode_alone(runner, decoding or [])
     p = 0 if prefix is None else prefix.numel()
     r = Req("p", [(7 * i + 3) % 1000 + 10 for i in range(p + n)], SamplingParams(temperature=0, max_new_tokens=1),
             False)
@@ -90,6 +96,25 @@ def prefill(runner: ModelRunner, n: int, decoding: list[Req] | None = None,
     return t1 - t0, t2 - t1, t3 - t0
 
 
+def decode_alone(runner: ModelRunner, decoding: list[Req]) -> tuple[float, float, float]:
+    """A decode step of the running requests by themselves (what a prefill's forward saves
+    them when it carries them); (prepare, launch, wall) seconds."""
+    pool = runner.req_to_token_pool
+    step = runner.allocator.alloc(len(decoding))
+    assert step is not None
+    t0 = time.perf_counter()
+    p = runner.prepare(ScheduleBatch.decode(decoding, step, pool))
+    t1 = time.perf_counter()
+    launched = runner.launch(p)
+    t2 = time.perf_counter()
+    launched.result()
+    t3 = time.perf_counter()
+    runner.allocator.free(step)
+    for d in decoding:
+        d.kv_len -= 1
+    return t1 - t0, t2 - t1, t3 - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lens", default="100,400,1000,4000")
@@ -99,16 +124,23 @@ def main() -> None:
     ap.add_argument("--decode-kv", type=int, default=1500, help="each running request's KV tokens")
     ap.add_argument("--decode-shared", type=int, default=0, help="of those, the slots they all share")
     ap.add_argument("--prefix", type=int, default=0, help="cached KV tokens before each prompt's new ones")
+    ap.add_argument("--variants", default="eager,pieces", help="eager, pieces (the piecewise CUDA graphs), or both")
+    ap.add_argument("--server-args", default="{}",
+                    help="engine options as JSON, e.g. '{\"decode_attention_backend\": \"flashinfer\"}'")
     a = ap.parse_args()
     lens = [int(x) for x in a.lens.split(",")]
+    if a.decode_rows:
+        lens = [0, *lens]  # the rows' decode step alone first: mixed pays where it costs less than that step
     cuda = torch.cuda.is_available()
     rows = []
-    for variant, pieces in (("eager", 0), ("pieces", ServerArgs().piecewise_cuda_graph_max_tokens)):
+    variants = {"eager": 0, "pieces": ServerArgs().piecewise_cuda_graph_max_tokens}
+    for variant in a.variants.split(","):
+        pieces = variants[variant]
         kv_total = 4 * max(lens) + 64 + a.decode_rows * (a.decode_kv + 1) + a.prefix
         # The chunk (which bounds the pieces) holds the longest prompt with its decode rows.
         args = ServerArgs(load_format="dummy", max_total_tokens=kv_total, max_running_requests=8 + a.decode_rows,
                           random_seed=0, skip_tokenizer_init=True, chunked_prefill_size=max(lens) + a.decode_rows,
-                          piecewise_cuda_graph_max_tokens=pieces)
+                          piecewise_cuda_graph_max_tokens=pieces, **json.loads(a.server_args))
         runner = ModelRunner(args, a.model or dummy_model_dir())
         decoding = running(runner, a.decode_rows, a.decode_kv, a.decode_shared)
         prefix = runner.allocator.alloc(a.prefix) if a.prefix else None

@@ -17,7 +17,7 @@
 #   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w7fp8 w6 w8 tp startup looplag priority
 #   A/B         old w3old w7old w7fp8old w8old specold grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
-#   profiles    fp8gemm prefillcost streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b vllmprof8b
+#   profiles    fp8gemm prefillcost prefillcostold streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b vllmprof8b
 #               decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy w8spy (py-spy's wheel in .whl/)
 #   real model  model fp8acc smolhf spec (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
@@ -457,6 +457,11 @@ for step in "$@"; do
     # time per prompt length, and the kernels of one prefill (what a lone request's TTFT costs);
     # PREFILL_ARGS="--decode-rows N" puts N running requests in each prefill's forward.
     prefillcost) run 200 python3 -m benchmarks.prefill_cost ${PREFILL_ARGS:-} ;;
+    # prefillcostold: the same benchmark (this checkout's) through the engine of .old/ (see `old`).
+    prefillcostold)
+      if old_site benchmarks; then
+        (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH && run 200 python3 -m benchmarks.prefill_cost ${PREFILL_ARGS:-})
+      fi ;;
     # Stream gaps inside the engine, no HTTP (benchmarks/stream_gaps.py): TTFT, each request's
     # first gap and its later ones at concurrency 1, 4 and 16, for the default engine and with
     # mixed batches (GAPS_VARIANTS: other engine options, a JSON list; GAPS_ARGS: more options);
