@@ -15,11 +15,13 @@ same ones (a shared system prompt: past enough rows, a cascade). `--prefix P` gi
 request P tokens of KV already written before its N new ones, as a prefix cache hit does
 (a chat's shared system prompt). With decode rows, the row of 0 tokens is their decode step
 alone: a mixed forward pays where it costs less than the prefill alone plus that step.
-`--server-args` passes engine options (JSON), e.g. the decode kernel the rows run.
+`--server-args` passes engine options (JSON), e.g. the decode kernel the rows run;
+`--paged-extend-max N` sets the FlashInfer backend's rule for extends with cached prefixes
+(one paged prefill up to N new tokens, else ragged + paged + merge).
 
     python -m benchmarks.prefill_cost [--lens 100,400,1000,4000] [--reps 20] [--model DIR]
         [--decode-rows 0] [--decode-kv 1500] [--decode-shared 0] [--prefix 0] [--variants eager,pieces]
-        [--server-args JSON]
+        [--server-args JSON] [--paged-extend-max N]
 """
 
 from __future__ import annotations
@@ -125,6 +127,9 @@ def main() -> None:
     ap.add_argument("--decode-shared", type=int, default=0, help="of those, the slots they all share")
     ap.add_argument("--prefix", type=int, default=0, help="cached KV tokens before each prompt's new ones")
     ap.add_argument("--variants", default="eager,pieces", help="eager, pieces (the piecewise CUDA graphs), or both")
+    ap.add_argument("--paged-extend-max", type=int, default=None,
+                    help="FlashInfer: extends with cached prefixes up to N tokens as one paged prefill "
+                         "(default: the backend's PAGED_EXTEND_MAX_TOKENS; 0: always ragged + paged + merge)")
     ap.add_argument("--server-args", default="{}",
                     help="engine options as JSON, e.g. '{\"decode_attention_backend\": \"flashinfer\"}'")
     a = ap.parse_args()
@@ -142,6 +147,8 @@ def main() -> None:
                           random_seed=0, skip_tokenizer_init=True, chunked_prefill_size=max(lens) + a.decode_rows,
                           piecewise_cuda_graph_max_tokens=pieces, **json.loads(a.server_args))
         runner = ModelRunner(args, a.model or dummy_model_dir())
+        if a.paged_extend_max is not None and hasattr(runner.attn_backend, "paged_extend_max_tokens"):
+            runner.attn_backend.paged_extend_max_tokens = a.paged_extend_max
         decoding = running(runner, a.decode_rows, a.decode_kv, a.decode_shared)
         prefix = runner.allocator.alloc(a.prefix) if a.prefix else None
         for n in lens:

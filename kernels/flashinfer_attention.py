@@ -2,8 +2,13 @@
 
 - decode: paged decode over each request's KV slots;
 - extend without any cached prefix: ragged prefill over the new tokens (causal);
-- extend on a cached prefix: ragged prefill over the new tokens (causal) merged
-  with paged prefill over the prefix (non-causal) by their log-sum-exp;
+- extend on a cached prefix: up to `paged_extend_max_tokens` new tokens in the batch,
+  one causal paged prefill over each request's whole KV (its new tokens' K/V are in the
+  pool already); past that, ragged prefill over the new tokens (causal) merged with
+  paged prefill over the prefix (non-causal) by their log-sum-exp. Between the pieces
+  of a prefill's CUDA graphs attention runs eagerly, so each layer's call is the host's:
+  one call where the split takes three (two runs and the merge), for a chat's short
+  turn over a long cached system prompt;
 - cascade decode (a prefix shared by the whole batch): paged prefill of all B
   queries as one block over the shared slots (read once), paged decode over each
   request's suffix, merged by log-sum-exp (on unless `enable_cascade_attention=False`);
@@ -61,6 +66,11 @@ from sgl.kernels.triton_decode import decode_attention as triton_decode_attentio
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 TENSOR_CORE_MIN_BATCH = 48
+# New tokens in an extend batch with cached prefixes up to which one paged prefill over
+# each request's whole KV runs instead of ragged + paged + merge: below it the host's two
+# more calls a layer cost more than the ragged kernel saves on the new tokens
+# (`python -m benchmarks.prefill_cost --prefix P --paged-extend-max N` times both sides).
+PAGED_EXTEND_MAX_TOKENS = 4096
 
 
 class _HostLens(torch.Tensor):
@@ -96,12 +106,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
         max_kv_tokens: int, context_length: int | None = None, tensor_core_min_batch: int = TENSOR_CORE_MIN_BATCH,
         kv_dtype: torch.dtype | None = None, triton_decode: bool = False,
+        paged_extend_max_tokens: int = PAGED_EXTEND_MAX_TOKENS,
     ) -> None:
         """max_kv_tokens: KV slots in the pool (slot 0 included); context_length: the most
         slots one request reads (None: max_kv_tokens); tensor_core_min_batch: decode
         batches of at least this many rows may run the tensor-core kernel; kv_dtype: the
         pool's element type (None: dtype; FP8 pools are read unscaled); triton_decode:
-        plain decode through sgl's Triton kernel (see the module's docstring)."""
+        plain decode through sgl's Triton kernel (see the module's docstring);
+        paged_extend_max_tokens: see PAGED_EXTEND_MAX_TOKENS."""
         import flashinfer
 
         if dtype not in (torch.bfloat16, torch.float16):
@@ -119,6 +131,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.tensor_cores = num_qo_heads // num_kv_heads >= 4
         self.tensor_core_min_batch = tensor_core_min_batch
         self.triton_decode = triton_decode
+        self.paged_extend_max_tokens = paged_extend_max_tokens
         self._graph_indptr: dict[int, torch.Tensor] = {}  # triton: batch size -> its graph's indptr buffer
         self._triton_args: tuple[torch.Tensor, torch.Tensor] | None = None  # triton: (kv_indptr, kv_indices)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -144,11 +157,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         # Each wrapper's plan writes its schedule into a pinned buffer and queues a copy
         # from it: the next plan may overwrite that buffer only once the copy has run.
         self._plan_copied: torch.cuda.Event | None = None
-        # A mixed batch: its extend rows' query tokens, whether they have cached prefixes,
-        # and its decode rows' KV indptr from 0 (pinned, rewritten per plan like the
-        # shared block's inputs) for a FlashInfer decode plan.
+        # How an extend's rows attend: "ragged" (no cached prefix), "paged" (one call over
+        # their whole KV) or "split" (ragged + paged over the prefix, merged).
+        self._extend_kind = "ragged"
+        # A mixed batch: its extend rows' query tokens, and its decode rows' KV indptr from
+        # 0 (pinned, rewritten per plan like the shared block's inputs) for a FlashInfer
+        # decode plan.
         self._extend_tokens = 0
-        self._extend_prefix = False
         self._mixed_shared: object | None = None  # a mixed batch's shared-block wrapper, made when first needed
         self._mixed_cascade = False
         self._decode_indptr = torch.zeros(4097, dtype=torch.int32).pin_memory()
@@ -238,15 +253,23 @@ class FlashInferAttentionBackend(AttentionBackend):
         if d is not None:
             qo = qo[: d + 1]
             self._plan_mixed_decode(meta, d)
-        self.ragged.plan(qo, qo, self.hq, self.hkv, self.d, causal=True, q_data_type=self.dtype,
-                         kv_data_type=self.dtype)
-        self._extend_prefix = meta.prefix_indptr_host is not None
-        if self._extend_prefix:
-            b = qo.numel() - 1
+        b = qo.numel() - 1
+        if meta.prefix_indptr_host is None:
+            self._extend_kind = "ragged"
+        elif int(qo[-1]) <= self.paged_extend_max_tokens:
+            self._extend_kind = "paged"
+            # kv_indptr_host[: b + 1] bounds the extend rows' slots, which come first in kv_indices.
+            self.paged.plan(qo, meta.kv_indptr_host[: b + 1], meta.kv_indices, self._last_page_len(b), self.hq,
+                            self.hkv, self.d, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+        else:
+            self._extend_kind = "split"
             self.paged.plan(qo, meta.prefix_indptr_host, meta.prefix_indices, self._last_page_len(b), self.hq,
                             self.hkv, self.d, 1, causal=False, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                             seq_lens=meta.prefix_lens_host)
-        self._mode = "mixed" if d is not None else "extend_prefix" if self._extend_prefix else "extend"
+        if self._extend_kind != "paged":
+            self.ragged.plan(qo, qo, self.hq, self.hkv, self.d, causal=True, q_data_type=self.dtype,
+                             kv_data_type=self.dtype)
+        self._mode = "mixed" if d is not None else "extend"
 
     def _plan_mixed_decode(self, meta: AttnMetadata, d: int) -> None:
         """A mixed batch's decode rows (d on): with a cascade split, their shared block on a
@@ -364,13 +387,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self._mode == "decode":
             return self._active_decode.run(q, kv)  # type: ignore[attr-defined]
         if self._mode == "extend":
-            return self.ragged.run(q, k, v)
+            return self._extend(q, k, v, kv)
         if self._mode == "cascade":
             return self._cascade(self._active_shared, self._active_decode, q, kv)
         if self._mode == "mixed":
             t = self._extend_tokens
-            qe, ke, ve = q[:t], k[:t], v[:t]
-            head = self._extend(qe, ke, ve, kv) if self._extend_prefix else self.ragged.run(qe, ke, ve)
+            head = self._extend(q[:t], k[:t], v[:t], kv)
             if self._mixed_cascade:
                 tail = self._cascade(self._mixed_shared, self.decode, q[t:], kv)
             elif self.triton_decode:
@@ -379,7 +401,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             else:
                 tail = self._active_decode.run(q[t:], kv)  # type: ignore[attr-defined]
             return torch.cat((head, tail))
-        return self._extend(q, k, v, kv)
+        raise AssertionError(f"unknown mode {self._mode!r}")
 
     def _cascade(self, shared: object, own: object, q: torch.Tensor,
                  kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -390,7 +412,12 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """New tokens over themselves (causal) and over their cached prefixes, merged."""
+        """An extend's new tokens over their cached prefixes and themselves (causal): by
+        the planned kind (see _plan_extend)."""
+        if self._extend_kind == "ragged":
+            return self.ragged.run(q, k, v)
+        if self._extend_kind == "paged":
+            return self.paged.run(q, kv)  # type: ignore[attr-defined]
         o_new, lse_new = self.ragged.run(q, k, v, return_lse=True)
         o_pre, lse_pre = self.paged.run(q, kv, return_lse=True)
         return self.fi.merge_state(o_new, lse_new, o_pre, lse_pre)[0]

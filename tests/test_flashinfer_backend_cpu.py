@@ -54,10 +54,13 @@ def cpu_flashinfer() -> Iterator[None]:
 @settings(PROFILE, max_examples=25, deadline=None)
 @given(mode=st.sampled_from(MODES), heads=st.sampled_from([(4, 2), (8, 2), (2, 2), (8, 1)]),
        d=st.sampled_from([16, 32]), triton_decode=st.booleans() if INTERPRETED else st.just(False),
-       seed=st.integers(0, 2**16))
-@example(mode="mixed_cascade", heads=(4, 2), d=16, triton_decode=False, seed=3)
+       seed=st.integers(0, 2**16), paged_extend=st.booleans())
+@example(mode="mixed_cascade", heads=(4, 2), d=16, triton_decode=False, seed=3, paged_extend=True)
+@example(mode="mixed_prefix", heads=(4, 2), d=16, triton_decode=False, seed=3, paged_extend=False)
 def test_every_mode_equals_the_torch_reference(mode: str, heads: tuple[int, int], d: int, triton_decode: bool,
-                                               seed: int) -> None:
+                                               seed: int, paged_extend: bool) -> None:
+    """paged_extend: extends with cached prefixes as one paged prefill (these batches are
+    short), else as ragged + paged + merge."""
     rng = random.Random(seed)
     hq, hkv = heads
     slots = 400
@@ -74,16 +77,19 @@ def test_every_mode_equals_the_torch_reference(mode: str, heads: tuple[int, int]
         from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
 
         fi = FlashInferAttentionBackend(hq, hkv, d, torch.float16, torch.device("cpu"), slots + 1,
-                                        triton_decode=triton_decode)
+                                        triton_decode=triton_decode,
+                                        paged_extend_max_tokens=10**6 if paged_extend else 0)
         fi.begin_forward(meta)
         got = fi.forward(q, k, v, k_cache, v_cache, d**-0.5)
     assert got.shape == want.shape and got.dtype == torch.float16
     assert torch.allclose(got.float(), want, atol=2e-3, rtol=2e-3), (mode, (got.float() - want).abs().max())
 
 
-def test_a_mixed_batch_plans_its_parts_apart() -> None:
-    """The extend rows' plans see those rows alone (their query tokens, their prefixes), and
-    FlashInfer's decode plan the decode rows' KV from 0 over their slice of the indices."""
+@pytest.mark.parametrize("paged_extend", [False, True])
+def test_a_mixed_batch_plans_its_parts_apart(paged_extend: bool) -> None:
+    """The extend rows' plans see those rows alone (their query tokens, their prefixes or
+    their whole KV), and FlashInfer's decode plan the decode rows' KV from 0 over their
+    slice of the indices."""
     rng = random.Random(7)
     for _ in range(20):
         meta, _ = batch("mixed_prefix", rng, 400)
@@ -92,11 +98,16 @@ def test_a_mixed_batch_plans_its_parts_apart() -> None:
         with cpu_flashinfer():
             from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
 
-            fi = FlashInferAttentionBackend(4, 2, 16, torch.float16, torch.device("cpu"), 401)
+            fi = FlashInferAttentionBackend(4, 2, 16, torch.float16, torch.device("cpu"), 401,
+                                            paged_extend_max_tokens=10**6 if paged_extend else 0)
             fi.begin_forward(meta)
         assert fi._mode == "mixed"
-        assert fi.ragged.qo == meta.qo_indptr_host[: d + 1].tolist()
-        assert fi.paged._kv()[0] == meta.prefix_indptr_host.tolist()
+        if paged_extend:
+            assert fi.paged.qo == meta.qo_indptr_host[: d + 1].tolist() and fi.paged.causal
+            assert fi.paged._kv()[0] == meta.kv_indptr_host[: d + 1].tolist()
+        else:
+            assert fi.ragged.qo == meta.qo_indptr_host[: d + 1].tolist()
+            assert fi.paged._kv()[0] == meta.prefix_indptr_host.tolist() and not fi.paged.causal
         start = int(meta.kv_indptr_host[d])
         indptr, indices = fi.decode._kv()
         assert indptr == (meta.kv_indptr_host[d:] - start).tolist()

@@ -27,14 +27,17 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @pytest.mark.parametrize("kv", sorted(KV_DTYPES))
-@pytest.mark.parametrize(("mode", "triton"), [("decode", False), ("extend", False), ("extend_prefix", False),
-                                              ("mixed", False), ("mixed", True), ("mixed_prefix", False),
-                                              ("mixed_prefix", True)])
-def test_flashinfer_matches_torch_backend(mode: str, triton: bool, kv: str) -> None:
+@pytest.mark.parametrize(("mode", "triton", "paged_extend"),
+                         [("decode", False, True), ("extend", False, True), ("extend_prefix", False, True),
+                          ("extend_prefix", False, False), ("mixed", False, True), ("mixed", True, True),
+                          ("mixed_prefix", False, True), ("mixed_prefix", True, True),
+                          ("mixed_prefix", True, False)])
+def test_flashinfer_matches_torch_backend(mode: str, triton: bool, paged_extend: bool, kv: str) -> None:
     """Each mode against the reference, over a bf16 pool and an FP8 one (the reference
     reads the same FP8 values; new tokens' K/V reach the ragged kernel in bf16). A mixed
     batch's last rows are decode rows (one token over a context), run through FlashInfer's
-    decode kernel or sgl's Triton one; its extend rows have cached prefixes or not."""
+    decode kernel or sgl's Triton one; its extend rows have cached prefixes or not, and
+    attend as one paged prefill or as ragged + paged + merge (paged_extend)."""
     from sgl.kernels.attention import AttnMetadata
     from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
     from sgl.kernels.torch_attention import TorchAttentionBackend
@@ -73,7 +76,8 @@ def test_flashinfer_matches_torch_backend(mode: str, triton: bool, kv: str) -> N
     ref = TorchAttentionBackend()
     ref.begin_forward(meta)
     expected = ref.forward(q.float(), k, v, k_cache.float(), v_cache.float(), d**-0.5)
-    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, kv_dtype=KV_DTYPES[kv], triton_decode=triton)
+    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, kv_dtype=KV_DTYPES[kv], triton_decode=triton,
+                                    paged_extend_max_tokens=10**6 if paged_extend else 0)
     if mode.startswith("mixed"):
         meta.decode_from = extends
     fi.begin_forward(meta)
@@ -91,7 +95,8 @@ def test_flashinfer_matches_torch_backend(mode: str, triton: bool, kv: str) -> N
 def test_flashinfer_on_the_cpu_tests_batches(mode: str, triton: bool) -> None:
     """The batches tests/test_flashinfer_backend_cpu.py runs through a stand-in for
     FlashInfer (tests/attn_batches.py), through FlashInfer itself and sgl's compiled Triton
-    decode kernel: eight of each shape against the torch reference, bf16."""
+    decode kernel: eight of each shape against the torch reference, bf16 (extends with
+    cached prefixes as one paged prefill in even ones, as ragged + paged + merge in odd)."""
     from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
     from sgl.kernels.torch_attention import TorchAttentionBackend
     from tests.attn_batches import batch, on_device
@@ -102,6 +107,7 @@ def test_flashinfer_on_the_cpu_tests_batches(mode: str, triton: bool) -> None:
     v_cache = torch.randn(slots + 1, hkv, d, device=dev, dtype=dt, generator=g)
     fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, triton_decode=triton)
     for seed in range(8):
+        fi.paged_extend_max_tokens = 0 if seed % 2 else 10**6
         meta, new_slots = batch(mode, random.Random(seed), slots)
         meta = on_device(meta, dev)
         q = torch.randn(len(new_slots), hq, d, device=dev, dtype=dt, generator=g)
