@@ -247,8 +247,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                      kv_data_type=self.kv_dtype, seq_lens=self._shared_len)
 
     def _plan_extend(self, meta: AttnMetadata) -> None:
-        qo = meta.qo_indptr_host
-        assert qo is not None
+        qo, kv_indptr = meta.qo_indptr_host, meta.kv_indptr_host
+        assert qo is not None and kv_indptr is not None
         d = meta.decode_from
         if d is not None:
             qo = qo[: d + 1]
@@ -259,7 +259,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         elif int(qo[-1]) <= self.paged_extend_max_tokens:
             self._extend_kind = "paged"
             # kv_indptr_host[: b + 1] bounds the extend rows' slots, which come first in kv_indices.
-            self.paged.plan(qo, meta.kv_indptr_host[: b + 1], meta.kv_indices, self._last_page_len(b), self.hq,
+            self.paged.plan(qo, kv_indptr[: b + 1], meta.kv_indices, self._last_page_len(b), self.hq,
                             self.hkv, self.d, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         else:
             self._extend_kind = "split"
@@ -417,7 +417,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self._extend_kind == "ragged":
             return self.ragged.run(q, k, v)
         if self._extend_kind == "paged":
-            return self.paged.run(q, kv)  # type: ignore[attr-defined]
+            return self.paged.run(q, kv)
         o_new, lse_new = self.ragged.run(q, k, v, return_lse=True)
         o_pre, lse_pre = self.paged.run(q, kv, return_lse=True)
         return self.fi.merge_state(o_new, lse_new, o_pre, lse_pre)[0]
