@@ -14,7 +14,8 @@
   request's suffix, merged by log-sum-exp (on unless `enable_cascade_attention=False`);
 - mixed (an extend whose forward also steps running requests): the extend rows as
   above, the decode rows through the decode kernel, or as a cascade when they share
-  enough (as a decode step of theirs would). Run as one paged prefill, each decode row
+  enough (as a decode step of theirs would; their suffixes, short, one query a row
+  through paged prefill, whose plan never waits). Run as one paged prefill, each decode row
   would be a query tile of its own over its whole context, with no split of the KV:
   43 us a layer for 8 rows of 2,000 slots plus the merge, more than those rows' own
   decode step (benchmarks/RESULTS.md, 2026-12-04).
@@ -164,9 +165,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         # 0 (pinned, rewritten per plan like the shared block's inputs) for a FlashInfer
         # decode plan.
         self._extend_tokens = 0
-        self._mixed_shared: object | None = None  # a mixed batch's shared-block wrapper, made when first needed
+        # A mixed batch's cascade: its shared block's wrapper and its suffixes' (one query a
+        # row, through paged prefill: its plan, unlike the eager decode plan, copies nothing
+        # from pageable memory), made when first needed.
+        self._mixed_shared: object | None = None
+        self._mixed_suffix: object | None = None
         self._mixed_cascade = False
         self._decode_indptr = torch.zeros(4097, dtype=torch.int32).pin_memory()
+        # KV lengths handed to paged prefill plans (pinned, rewritten per plan): without them
+        # FlashInfer derives them into pageable memory, whose copy to the device waits for
+        # the stream. A paged extend's rows', a mixed cascade's suffixes'; and 0, 1, 2, ...
+        # (the suffixes' query indptr).
+        self._pinned = {"extend": torch.zeros(4096, dtype=torch.int32).pin_memory(),
+                        "suffix": torch.zeros(4096, dtype=torch.int32).pin_memory()}
+        self._range = torch.arange(4097, dtype=torch.int32).pin_memory()
 
     # ---- planning --------------------------------------------------------------
 
@@ -258,9 +270,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._extend_kind = "ragged"
         elif int(qo[-1]) <= self.paged_extend_max_tokens:
             self._extend_kind = "paged"
-            # kv_indptr_host[: b + 1] bounds the extend rows' slots, which come first in kv_indices.
+            # kv_indptr[: b + 1] bounds the extend rows' slots, which come first in kv_indices.
             self.paged.plan(qo, kv_indptr[: b + 1], meta.kv_indices, self._last_page_len(b), self.hq,
-                            self.hkv, self.d, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+                            self.hkv, self.d, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+                            seq_lens=self._lens("extend", kv_indptr[: b + 1]))
         else:
             self._extend_kind = "split"
             self.paged.plan(qo, meta.prefix_indptr_host, meta.prefix_indices, self._last_page_len(b), self.hq,
@@ -271,9 +284,18 @@ class FlashInferAttentionBackend(AttentionBackend):
                              kv_data_type=self.dtype)
         self._mode = "mixed" if d is not None else "extend"
 
+    def _lens(self, key: str, indptr: torch.Tensor) -> torch.Tensor:
+        """The row lengths of a host indptr, in the pinned buffer `key` (grown as needed)."""
+        b = indptr.numel() - 1
+        if b > self._pinned[key].numel():
+            self._pinned[key] = torch.zeros(b, dtype=torch.int32).pin_memory()
+        lens = self._pinned[key][:b]
+        torch.sub(indptr[1:], indptr[:-1], out=lens)
+        return lens
+
     def _plan_mixed_decode(self, meta: AttnMetadata, d: int) -> None:
-        """A mixed batch's decode rows (d on): with a cascade split, their shared block on a
-        paged wrapper of its own and their suffixes through FlashInfer's decode; else the
+        """A mixed batch's decode rows (d on): with a cascade split, their shared block and
+        their suffixes each on a paged prefill wrapper of its own; else the
         Triton kernel reads their slice of the batch's own indptr (offsets into its
         kv_indices), or a FlashInfer decode plan the same indptr from 0 over the slice of
         kv_indices it covers."""
@@ -283,8 +305,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         if c is not None:
             if self._mixed_shared is None:
                 self._mixed_shared = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
-            self._plan_shared(self._mixed_shared, c.suffix_indptr_host.numel() - 1, c.shared_len, c.shared_indices)
-            self._plan_decode(self.decode, c.suffix_indptr_host, c.suffix_indices)
+                self._mixed_suffix = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+            b = c.suffix_indptr_host.numel() - 1
+            self._plan_shared(self._mixed_shared, b, c.shared_len, c.shared_indices)
+            if b + 1 > self._range.numel():
+                self._range = torch.arange(b + 1, dtype=torch.int32).pin_memory()
+            assert self._mixed_suffix is not None
+            self._mixed_suffix.plan(  # type: ignore[attr-defined]
+                self._range[: b + 1], c.suffix_indptr_host, c.suffix_indices, self._last_page_len(b), self.hq,
+                self.hkv, self.d, 1, causal=False, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+                seq_lens=self._lens("suffix", c.suffix_indptr_host))
             return
         if self.triton_decode:
             self._triton_args = (meta.kv_indptr[d:], meta.kv_indices)
@@ -394,7 +424,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             t = self._extend_tokens
             head = self._extend(q[:t], k[:t], v[:t], kv)
             if self._mixed_cascade:
-                tail = self._cascade(self._mixed_shared, self.decode, q[t:], kv)
+                tail = self._cascade(self._mixed_shared, self._mixed_suffix, q[t:], kv)
             elif self.triton_decode:
                 assert self._triton_args is not None
                 tail = triton_decode_attention(q[t:], k_cache, v_cache, *self._triton_args, scale)

@@ -121,6 +121,39 @@ def test_flashinfer_on_the_cpu_tests_batches(mode: str, triton: bool) -> None:
         assert _rel_err(got, expected) < 1e-2, (mode, seed)
 
 
+@pytest.mark.parametrize("paged_extend", [False, True])
+@pytest.mark.parametrize("mode", ["extend", "extend_prefix", "mixed", "mixed_prefix", "mixed_cascade"])
+def test_extend_plans_never_wait_for_the_gpu(mode: str, paged_extend: bool) -> None:
+    """The overlap loop plans the next batch while the last one's forward runs: an
+    extend's plans (and a mixed batch's, its decode rows on the Triton kernel or as a
+    cascade) must queue their copies behind that work, never wait for it. Planned behind
+    a kernel that keeps the GPU busy for a good fraction of a second, begin_forward
+    returns long before it ends. (FlashInfer's eager decode plan copies from pageable
+    memory of its own and waits: see sgl.kernels.flashinfer_attention.)"""
+    import time
+
+    from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+    from tests.attn_batches import batch, on_device
+
+    dev, dt, hq, hkv, d, slots = torch.device("cuda"), torch.bfloat16, 16, 8, 128, 1000
+    fi = FlashInferAttentionBackend(hq, hkv, d, dt, dev, slots + 1, triton_decode=True,
+                                    paged_extend_max_tokens=10**6 if paged_extend else 0)
+    meta = on_device(batch(mode, random.Random(1), slots)[0], dev)
+    fi.begin_forward(meta)  # the first plan's one-off set-up
+    torch.cuda.synchronize()
+    busy = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    busy[0].record()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU clock cycles
+    busy[1].record()
+    t = time.perf_counter()
+    fi.begin_forward(meta)
+    planned = time.perf_counter() - t
+    torch.cuda.synchronize()
+    gpu = busy[0].elapsed_time(busy[1]) / 1e3
+    assert gpu > 0.1, gpu  # the kernel did keep the GPU busy
+    assert planned < gpu / 4, (planned, gpu)
+
+
 def test_flashinfer_cascade_matches_torch_backend() -> None:
     """Decode with a prefix shared by the whole batch: FlashInfer's shared block +
     per-request decode + merge against the torch reference, and against FlashInfer's
