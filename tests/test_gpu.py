@@ -123,7 +123,7 @@ def test_flashinfer_on_the_cpu_tests_batches(mode: str, triton: bool) -> None:
 
 @pytest.mark.parametrize("paged_extend", [False, True])
 @pytest.mark.parametrize("mode", ["extend", "extend_prefix", "mixed", "mixed_prefix", "mixed_cascade"])
-def test_extend_plans_never_wait_for_the_gpu(mode: str, paged_extend: bool) -> None:
+def test_flashinfer_extend_plans_never_wait_for_the_gpu(mode: str, paged_extend: bool) -> None:
     """The overlap loop plans the next batch while the last one's forward runs: an
     extend's plans (and a mixed batch's, its decode rows on the Triton kernel or as a
     cascade) must queue their copies behind that work, never wait for it. Planned behind
