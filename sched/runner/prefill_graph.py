@@ -134,9 +134,10 @@ class PrefillGraphs:
             self.positions[n:t].zero_()
             self.out_cache_loc[n:t].zero_()
         pieces = self.pieces[t]
+        q, k, v, o = self.q[:n], self.k[:n], self.v[:n], self.o[:n]
         pieces[0]()
         for layer, piece in zip(self.layers, pieces[1:]):
-            self.o[:n].copy_(layer.self_attn.attend(self.q[:n], self.k[:n], self.v[:n], fb))
+            o.copy_(layer.self_attn.attend(q, k, v, fb))
             piece()
         hidden = self.hidden[:t]
         if fb.pool is not None:
