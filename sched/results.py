@@ -264,7 +264,7 @@ class ResultProcessor:
         # steps again only once this is processed (its device input is stale), so its KV ends
         # with this step's rows; one without may be in a later step already, and has none to free.
         if n > 1:
-            self.kv.truncate(req, int(batch.positions[i]) + taken)
+            self.kv.truncate(req, batch.kv_lens[i] - 1 + taken)  # kv_lens[i] - 1: row i's position
         spec.record(req, n - 1, taken)
         if reason is not None:
             self.finish(req, reason)
