@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -58,63 +59,63 @@ def running(runner: ModelRunner, rows: int, kv: int, shared: int = 0) -> list[Re
     return reqs
 
 
+def timed(runner: ModelRunner, build: Callable[[], ScheduleBatch]) -> tuple[float, float, float]:
+    """Build and prepare a batch, launch it and wait for its tokens: (prepare, launch,
+    wall) seconds."""
+    t0 = time.perf_counter()
+    p = runner.prepare(build())
+    t1 = time.perf_counter()
+    launched = runner.launch(p)
+    t2 = time.perf_counter()
+    launched.result()
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t0
+
+
+def rewind(runner: ModelRunner, decoding: list[Req], step: torch.Tensor) -> None:
+    """Undo a decode step of `decoding`: the same context next time."""
+    runner.allocator.free(step)
+    for d in decoding:
+        d.kv_len -= 1
+
+
 def prefill(runner: ModelRunner, n: int, decoding: list[Req] | None = None,
             prefix: torch.Tensor | None = None) -> tuple[float, float, float]:
     """One request's prefill of n tokens (with a decode step of `decoding`: a mixed batch;
     over the cached KV slots `prefix`, if given), the KV it wrote freed after; (prepare,
-    launch, wall) seconds. n = 0: the decode step of `decoding` alone."""
+    launch, wall) seconds. n = 0: the decode step of `decoding` alone (what a prefill's
+    forward saves them when it carries them)."""
+    pool = runner.req_to_token_pool
+    decoding = decoding or []
+    step = runner.allocator.alloc(len(decoding)) if decoding else None
+    assert step is not None or not decoding
     if n == 0:
-        return decode_alone(runner, decoding or [])
+        assert step is not None
+        times = timed(runner, lambda: ScheduleBatch.decode(decoding, step, pool))
+        rewind(runner, decoding, step)
+        return times
     p = 0 if prefix is None else prefix.numel()
     r = Req("p", [(7 * i + 3) % 1000 + 10 for i in range(p + n)], SamplingParams(temperature=0, max_new_tokens=1),
             False)
-    r.req_pool_idx = runner.req_to_token_pool.alloc()
-    pool = runner.req_to_token_pool
+    r.req_pool_idx = pool.alloc()
     assert r.req_pool_idx is not None
     if prefix is not None:
         pool.write(r.req_pool_idx, 0, prefix)
         r.kv_len = p
     r.extend_len = n
     out = runner.allocator.alloc(n)
-    step = runner.allocator.alloc(len(decoding)) if decoding else None
     assert out is not None
-    t0 = time.perf_counter()
-    batch = ScheduleBatch.extend([r], out, pool)
-    if decoding:
-        assert step is not None
-        batch = ScheduleBatch.mixed(batch, ScheduleBatch.decode(decoding, step, pool))
-    p = runner.prepare(batch)
-    t1 = time.perf_counter()
-    launched = runner.launch(p)
-    t2 = time.perf_counter()
-    launched.result()
-    t3 = time.perf_counter()
+
+    def build() -> ScheduleBatch:
+        batch = ScheduleBatch.extend([r], out, pool)
+        return batch if step is None else ScheduleBatch.mixed(batch, ScheduleBatch.decode(decoding, step, pool))
+
+    times = timed(runner, build)
     runner.allocator.free(out)
     pool.free(r.req_pool_idx)
-    if decoding:
-        runner.allocator.free(step)
-        for d in decoding:
-            d.kv_len -= 1  # the same context next time
-    return t1 - t0, t2 - t1, t3 - t0
-
-
-def decode_alone(runner: ModelRunner, decoding: list[Req]) -> tuple[float, float, float]:
-    """A decode step of the running requests by themselves (what a prefill's forward saves
-    them when it carries them); (prepare, launch, wall) seconds."""
-    pool = runner.req_to_token_pool
-    step = runner.allocator.alloc(len(decoding))
-    assert step is not None
-    t0 = time.perf_counter()
-    p = runner.prepare(ScheduleBatch.decode(decoding, step, pool))
-    t1 = time.perf_counter()
-    launched = runner.launch(p)
-    t2 = time.perf_counter()
-    launched.result()
-    t3 = time.perf_counter()
-    runner.allocator.free(step)
-    for d in decoding:
-        d.kv_len -= 1
-    return t1 - t0, t2 - t1, t3 - t0
+    if step is not None:
+        rewind(runner, decoding, step)
+    return times
 
 
 def main() -> None:
