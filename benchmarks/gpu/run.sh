@@ -195,7 +195,10 @@ for step in "$@"; do
     # Every FlashInfer module, built in parallel, skipped when installed (benchmarks/build_kernels.py).
     jit) run 420 python3 -m benchmarks.build_kernels ;;
     # The GPU tests (-m gpu) of every file that has some; GPU_TESTS names some files only.
-    tests) run 400 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
+    # After `jit` on a fresh H100 the tests still spent minutes in ninja at a ragged prefill
+    # plan (a module build_kernels does not build, or one ninja rebuilt): ninja's commands are
+    # printed (FLASHINFER_JIT_VERBOSE) so that the log names it.
+    tests) FLASHINFER_JIT_VERBOSE=1 run 400 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
              ${GPU_TESTS:-$(grep -l "pytest.mark.gpu" tests/*.py)} ;;
     # W1/W2 (benchmarks/w1_w2_gpu.py); w12ov adds each without the overlap loop, w1hf and w2hf
     # add Hugging Face's generate in the same run.
