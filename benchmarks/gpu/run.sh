@@ -33,8 +33,8 @@
 # - Never pipe a step into `tail`: tail prints nothing until its input ends, so a step killed
 #   at its limit shows nothing at all. And a command that pipes this script's output returns
 #   only when every process holding the pipe has ended (see stacks_after).
-# - Built kernels are installed as FlashInfer AOT modules. Restored as a JIT cache they are
-#   not enough: FlashInfer runs ninja on every load, and the fresh wheel install makes its
+# - Built kernels are installed as FlashInfer AOT modules: those brought along, at the start,
+#   and those step `jit` builds, right after it. Restored as a JIT cache they are not enough: FlashInfer runs ninja on every load, and the fresh wheel install makes its
 #   headers newer than the cached objects, so ninja rebuilds (decode ~10 s, each prefill
 #   module ~90 s, sampling ~100 s).
 # - The first engine on a fresh host compiles Triton kernels inside its timed runs: its
@@ -69,14 +69,20 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 ws=$FLASHINFER_WORKSPACE_BASE
 if [ -f .ficache/cache.tar.gz ]; then mkdir -p "$ws" && tar xzf .ficache/cache.tar.gz -C "$ws"; fi
 aot=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)")
-n=0
-for so in "$ws"/.cache/flashinfer/*/*/cached_ops/*/*.so; do
-  [ -f "$so" ] || continue
-  uri=$(basename "$(dirname "$so")")
-  [ "$(basename "$so" .so)" = "$uri" ] || continue
-  mkdir -p "$aot/$uri" && cp "$so" "$aot/$uri/" && n=$((n + 1))
-done
-echo "kernel cache: $n modules installed as AOT in $aot"
+# install_aot: every module built in the workspace installed as AOT, which FlashInfer loads
+# without running ninja (loaded as JIT, a module built by `jit` is built again at first use:
+# minutes of the tests' budget went to that).
+install_aot() {
+  local n=0 so uri
+  for so in "$ws"/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+    [ -f "$so" ] || continue
+    uri=$(basename "$(dirname "$so")")
+    [ "$(basename "$so" .so)" = "$uri" ] || continue
+    mkdir -p "$aot/$uri" && cp "$so" "$aot/$uri/" && n=$((n + 1))
+  done
+  echo "kernel cache: $n modules installed as AOT in $aot"
+}
+install_aot
 built() { find "$ws" -name '*.so' 2>/dev/null | wc -l; }
 before=$(built)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -193,11 +199,10 @@ for step in "$@"; do
   echo "=== $step ($(date +%T), ${SECONDS}s into the run)"
   case $step in
     # Every FlashInfer module, built in parallel, skipped when installed (benchmarks/build_kernels.py).
-    jit) run 420 python3 -m benchmarks.build_kernels ;;
+    jit) run 420 python3 -m benchmarks.build_kernels; install_aot ;;
     # The GPU tests (-m gpu) of every file that has some; GPU_TESTS names some files only.
-    # After `jit` on a fresh H100 the tests still spent minutes in ninja at a ragged prefill
-    # plan (a module build_kernels does not build, or one ninja rebuilt): ninja's commands are
-    # printed (FLASHINFER_JIT_VERBOSE) so that the log names it.
+    # ninja's commands are printed (FLASHINFER_JIT_VERBOSE): a module the tests build at first
+    # use (one build_kernels lacks) is named in the log.
     tests) FLASHINFER_JIT_VERBOSE=1 run 400 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=120 -m gpu \
              ${GPU_TESTS:-$(grep -l "pytest.mark.gpu" tests/*.py)} ;;
     # W1/W2 (benchmarks/w1_w2_gpu.py); w12ov adds each without the overlap loop, w1hf and w2hf
