@@ -85,6 +85,16 @@ install_aot() {
 install_aot
 built() { find "$ws" -name '*.so' 2>/dev/null | wc -l; }
 before=$(built)
+# save_cache: the kernel cache into the output folder when it holds modules the brought-along
+# one lacked (after `jit`, and at the end), so that a run cut short still gives it back.
+save_cache() {
+  if [ -d "$ws/.cache" ] && [ "$(built)" != "$before" ]; then
+    rm -f "$results"/ficache.part.*
+    tar cz -C "$ws" .cache | split -b 15M - "$results/ficache.part."
+    before=$(built)
+    echo "kernel cache grew: $results/ficache.part.* -> cat > .ficache/cache.tar.gz"
+  fi
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 # run LIMIT CMD...: CMD under the smaller of LIMIT and the budget left, output unfiltered but for info logs.
@@ -199,7 +209,7 @@ for step in "$@"; do
   echo "=== $step ($(date +%T), ${SECONDS}s into the run)"
   case $step in
     # Every FlashInfer module, built in parallel, skipped when installed (benchmarks/build_kernels.py).
-    jit) run 420 python3 -m benchmarks.build_kernels; install_aot ;;
+    jit) run 420 python3 -m benchmarks.build_kernels; install_aot; save_cache ;;
     # The GPU tests (-m gpu) of every file that has some; GPU_TESTS names some files only.
     # ninja's commands are printed (FLASHINFER_JIT_VERBOSE): a module the tests build at first
     # use (one build_kernels lacks) is named in the log.
@@ -530,9 +540,5 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac
 done
-# Leave the kernel cache in the output folder only when this run built a module the brought-along one lacked.
-if [ -d "$ws/.cache" ] && [ "$(built)" != "$before" ]; then
-  tar cz -C "$ws" .cache | split -b 15M - "$results/ficache.part."
-  echo "kernel cache grew: $results/ficache.part.* -> cat > .ficache/cache.tar.gz"
-fi
+save_cache
 echo "=== done (${SECONDS}s)"
