@@ -68,9 +68,9 @@ from sgl.kernels.triton_decode import decode_attention as triton_decode_attentio
 WORKSPACE_BYTES = 256 * 1024 * 1024
 TENSOR_CORE_MIN_BATCH = 48
 # New tokens in an extend batch with cached prefixes up to which one paged prefill over
-# each request's whole KV runs instead of ragged + paged + merge: below it the host's two
-# more calls a layer cost more than the ragged kernel saves on the new tokens
-# (`python -m benchmarks.prefill_cost --prefix P --paged-extend-max N` times both sides).
+# each request's whole KV runs instead of ragged + paged + merge: one host call a layer
+# where the split takes three; past it the split keeps the ragged kernel for long runs of
+# new tokens (`python -m benchmarks.prefill_cost --prefix P --paged-extend-max N` times both).
 PAGED_EXTEND_MAX_TOKENS = 4096
 
 
@@ -161,24 +161,19 @@ class FlashInferAttentionBackend(AttentionBackend):
         # How an extend's rows attend: "ragged" (no cached prefix), "paged" (one call over
         # their whole KV) or "split" (ragged + paged over the prefix, merged).
         self._extend_kind = "ragged"
-        # A mixed batch: its extend rows' query tokens, and its decode rows' KV indptr from
-        # 0 (pinned, rewritten per plan like the shared block's inputs) for a FlashInfer
-        # decode plan.
-        self._extend_tokens = 0
+        self._extend_tokens = 0  # a mixed batch's extend rows' query tokens
         # A mixed batch's cascade: its shared block's wrapper and its suffixes' (one query a
         # row, through paged prefill: its plan, unlike the eager decode plan, copies nothing
         # from pageable memory), made when first needed.
         self._mixed_shared: object | None = None
         self._mixed_suffix: object | None = None
         self._mixed_cascade = False
-        self._decode_indptr = torch.zeros(4097, dtype=torch.int32).pin_memory()
-        # KV lengths handed to paged prefill plans (pinned, rewritten per plan): without them
-        # FlashInfer derives them into pageable memory, whose copy to the device waits for
-        # the stream. A paged extend's rows', a mixed cascade's suffixes'; and 0, 1, 2, ...
-        # (the suffixes' query indptr).
-        self._pinned = {"extend": torch.zeros(4096, dtype=torch.int32).pin_memory(),
-                        "suffix": torch.zeros(4096, dtype=torch.int32).pin_memory()}
-        self._range = torch.arange(4097, dtype=torch.int32).pin_memory()
+        # Pinned int32 inputs that plans compute (rewritten per plan, like the shared block's,
+        # and grown as needed; see _scratch): a mixed batch's decode rows' KV indptr from 0,
+        # a paged extend's KV lengths, a mixed cascade's suffixes' query indptr and lengths.
+        # Left to FlashInfer, the lengths would be derived into pageable memory, whose copy
+        # to the device waits for the stream.
+        self._pinned: dict[str, torch.Tensor] = {}
 
     # ---- planning --------------------------------------------------------------
 
@@ -271,9 +266,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         elif int(qo[-1]) <= self.paged_extend_max_tokens:
             self._extend_kind = "paged"
             # kv_indptr[: b + 1] bounds the extend rows' slots, which come first in kv_indices.
-            self.paged.plan(qo, kv_indptr[: b + 1], meta.kv_indices, self._last_page_len(b), self.hq,
-                            self.hkv, self.d, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
-                            seq_lens=self._lens("extend", kv_indptr[: b + 1]))
+            kv = kv_indptr[: b + 1]
+            self.paged.plan(qo, kv, meta.kv_indices, self._last_page_len(b), self.hq, self.hkv, self.d, 1,
+                            causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+                            seq_lens=self._lens("extend_lens", kv))
         else:
             self._extend_kind = "split"
             self.paged.plan(qo, meta.prefix_indptr_host, meta.prefix_indices, self._last_page_len(b), self.hq,
@@ -284,12 +280,17 @@ class FlashInferAttentionBackend(AttentionBackend):
                              kv_data_type=self.dtype)
         self._mode = "mixed" if d is not None else "extend"
 
+    def _scratch(self, key: str, n: int) -> torch.Tensor:
+        """n int32 of the pinned buffer `key`, which each plan rewrites (`_before_plan` saw the
+        last plan's copies done)."""
+        buf = self._pinned.get(key)
+        if buf is None or n > buf.numel():
+            buf = self._pinned[key] = torch.zeros(max(n, 4097), dtype=torch.int32).pin_memory()
+        return buf[:n]
+
     def _lens(self, key: str, indptr: torch.Tensor) -> torch.Tensor:
-        """The row lengths of a host indptr, in the pinned buffer `key` (grown as needed)."""
-        b = indptr.numel() - 1
-        if b > self._pinned[key].numel():
-            self._pinned[key] = torch.zeros(b, dtype=torch.int32).pin_memory()
-        lens = self._pinned[key][:b]
+        """The row lengths of a host indptr, in the pinned buffer `key`."""
+        lens = self._scratch(key, indptr.numel() - 1)
         torch.sub(indptr[1:], indptr[:-1], out=lens)
         return lens
 
@@ -308,22 +309,18 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self._mixed_suffix = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
             b = c.suffix_indptr_host.numel() - 1
             self._plan_shared(self._mixed_shared, b, c.shared_len, c.shared_indices)
-            if b + 1 > self._range.numel():
-                self._range = torch.arange(b + 1, dtype=torch.int32).pin_memory()
+            one_each = torch.arange(b + 1, dtype=torch.int32, out=self._scratch("suffix_qo", b + 1))
             assert self._mixed_suffix is not None
             self._mixed_suffix.plan(  # type: ignore[attr-defined]
-                self._range[: b + 1], c.suffix_indptr_host, c.suffix_indices, self._last_page_len(b), self.hq,
+                one_each, c.suffix_indptr_host, c.suffix_indices, self._last_page_len(b), self.hq,
                 self.hkv, self.d, 1, causal=False, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
-                seq_lens=self._lens("suffix", c.suffix_indptr_host))
+                seq_lens=self._lens("suffix_lens", c.suffix_indptr_host))
             return
         if self.triton_decode:
             self._triton_args = (meta.kv_indptr[d:], meta.kv_indices)
             return
         kv = meta.kv_indptr_host[d:]
-        if kv.numel() > self._decode_indptr.numel():
-            self._decode_indptr = torch.zeros(kv.numel(), dtype=torch.int32).pin_memory()
-        indptr = self._decode_indptr[: kv.numel()]
-        torch.sub(kv, kv[0], out=indptr)
+        indptr = torch.sub(kv, kv[0], out=self._scratch("decode_indptr", kv.numel()))
         self._active_decode = self.decode
         self._plan_decode(self.decode, indptr, meta.kv_indices[int(kv[0]):])
 
