@@ -34,9 +34,10 @@
 #   at its limit shows nothing at all. And a command that pipes this script's output returns
 #   only when every process holding the pipe has ended (see stacks_after).
 # - Built kernels are installed as FlashInfer AOT modules: those brought along, at the start,
-#   and those step `jit` builds, right after it. Restored as a JIT cache they are not enough: FlashInfer runs ninja on every load, and the fresh wheel install makes its
-#   headers newer than the cached objects, so ninja rebuilds (decode ~10 s, each prefill
-#   module ~90 s, sampling ~100 s).
+#   and those step `jit` builds, right after it. Restored as a JIT cache they are not enough:
+#   FlashInfer runs ninja on every load, and the fresh wheel install makes its headers newer
+#   than the cached objects, so ninja rebuilds (decode ~10 s, each prefill module ~90 s,
+#   sampling ~100 s).
 # - The first engine on a fresh host compiles Triton kernels inside its timed runs: its
 #   grammar06 ratio came out 0.1-0.2 under the next run's. Run an A/B as base, change, base,
 #   change and compare the later pairs.
@@ -70,8 +71,8 @@ ws=$FLASHINFER_WORKSPACE_BASE
 if [ -f .ficache/cache.tar.gz ]; then mkdir -p "$ws" && tar xzf .ficache/cache.tar.gz -C "$ws"; fi
 aot=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)")
 # install_aot: every module built in the workspace installed as AOT, which FlashInfer loads
-# without running ninja (loaded as JIT, a module built by `jit` is built again at first use:
-# minutes of the tests' budget went to that).
+# without running ninja (a JIT load runs ninja in the module's own build folder, which lacks
+# the log of `jit`'s combined build, and a test then spent minutes in it at its first plan).
 install_aot() {
   local n=0 so uri
   for so in "$ws"/.cache/flashinfer/*/*/cached_ops/*/*.so; do
