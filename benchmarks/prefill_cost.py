@@ -17,7 +17,8 @@ request P tokens of KV already written before its N new ones, as a prefix cache 
 alone: a mixed forward pays where it costs less than the prefill alone plus that step.
 `--server-args` passes engine options (JSON), e.g. the decode kernel the rows run;
 `--paged-extend-max N` sets the FlashInfer backend's rule for extends with cached prefixes
-(one paged prefill up to N new tokens, else ragged + paged + merge).
+and for mixed forwards (one paged prefill over every row up to N tokens, else ragged +
+paged + merge for the extend rows and the decode kernel for the decode rows).
 
     python -m benchmarks.prefill_cost [--lens 100,400,1000,4000] [--reps 20] [--model DIR]
         [--decode-rows 0] [--decode-kv 1500] [--decode-shared 0] [--prefix 0] [--variants eager,pieces]
@@ -129,8 +130,8 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=0, help="cached KV tokens before each prompt's new ones")
     ap.add_argument("--variants", default="eager,pieces", help="eager, pieces (the piecewise CUDA graphs), or both")
     ap.add_argument("--paged-extend-max", type=int, default=None,
-                    help="FlashInfer: extends with cached prefixes up to N tokens as one paged prefill "
-                         "(default: the backend's PAGED_EXTEND_MAX_TOKENS; 0: always ragged + paged + merge)")
+                    help="FlashInfer: extends with cached prefixes and mixed forwards up to N tokens as one "
+                         "paged prefill (default: the backend's PAGED_EXTEND_MAX_TOKENS; 0: never)")
     ap.add_argument("--server-args", default="{}",
                     help="engine options as JSON, e.g. '{\"decode_attention_backend\": \"flashinfer\"}'")
     a = ap.parse_args()

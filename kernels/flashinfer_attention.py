@@ -12,13 +12,17 @@
 - cascade decode (a prefix shared by the whole batch): paged prefill of all B
   queries as one block over the shared slots (read once), paged decode over each
   request's suffix, merged by log-sum-exp (on unless `enable_cascade_attention=False`);
-- mixed (an extend whose forward also steps running requests): the extend rows as
-  above, the decode rows through the decode kernel, or as a cascade when they share
-  enough (as a decode step of theirs would; their suffixes, short, one query a row
-  through paged prefill, whose plan never waits). Run as one paged prefill, each decode row
-  would be a query tile of its own over its whole context, with no split of the KV:
-  43 us a layer for 8 rows of 2,000 slots plus the merge, more than those rows' own
-  decode step (benchmarks/RESULTS.md, 2026-12-04).
+- mixed (an extend whose forward also steps running requests): up to
+  `paged_extend_max_tokens` tokens and no prefix shared by the decode rows, one causal
+  paged prefill over every row's whole KV, a decode row being one query: one call a
+  layer. Else the extend rows as above and the decode rows through the decode kernel,
+  or as a cascade when they share enough (as a decode step of theirs would; their
+  suffixes, short, one query a row through paged prefill, whose plan never waits). In
+  the paged prefill each decode row is a query tile of its own over its whole context:
+  43 us a layer for 8 rows of 2,000 slots on an H200 (benchmarks/RESULTS.md,
+  2026-12-04), more than those rows' own decode step; the decode kernel spares that GPU
+  time for host time (its launches and a concatenation a layer, between the graph's
+  pieces).
 Plans run on the host, once per batch, before the layers. Under CUDA graphs each
 captured batch size has its own decode wrapper (and, with cascade, its own
 shared-block prefill wrapper) in graph mode, reading index buffers that all sizes
@@ -67,10 +71,11 @@ from sgl.kernels.triton_decode import decode_attention as triton_decode_attentio
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 TENSOR_CORE_MIN_BATCH = 48
-# New tokens in an extend batch with cached prefixes up to which one paged prefill over
-# each request's whole KV runs instead of ragged + paged + merge: one host call a layer
-# where the split takes three; past it the split keeps the ragged kernel for long runs of
-# new tokens (`python -m benchmarks.prefill_cost --prefix P --paged-extend-max N` times both).
+# Query tokens in an extend batch with cached prefixes, or in a mixed batch, up to which
+# one paged prefill over each row's whole KV runs instead of ragged + paged + merge (and
+# the decode kernel): one host call a layer where the split takes three or more; past it
+# the split keeps the ragged kernel for long runs of new tokens
+# (`python -m benchmarks.prefill_cost --paged-extend-max N` times both).
 PAGED_EXTEND_MAX_TOKENS = 4096
 
 
@@ -257,19 +262,25 @@ class FlashInferAttentionBackend(AttentionBackend):
         qo, kv_indptr = meta.qo_indptr_host, meta.kv_indptr_host
         assert qo is not None and kv_indptr is not None
         d = meta.decode_from
-        if d is not None:
+        paged = int(qo[-1]) <= self.paged_extend_max_tokens
+        # A mixed batch's decode rows run apart (decode kernel or cascade) when they share a
+        # prefix or the batch is past the paged threshold; else they join the paged prefill,
+        # one query each over its whole KV: one call a layer, not three and a cat.
+        apart = d is not None and (meta.cascade is not None or not paged)
+        if apart:
+            assert d is not None
             qo = qo[: d + 1]
             self._plan_mixed_decode(meta, d)
         b = qo.numel() - 1
-        if meta.prefix_indptr_host is None:
-            self._extend_kind = "ragged"
-        elif int(qo[-1]) <= self.paged_extend_max_tokens:
+        if paged and (meta.prefix_indptr_host is not None or d is not None):
             self._extend_kind = "paged"
-            # kv_indptr[: b + 1] bounds the extend rows' slots, which come first in kv_indices.
+            # kv_indptr[: b + 1] bounds the planned rows' slots, which come first in kv_indices.
             kv = kv_indptr[: b + 1]
             self.paged.plan(qo, kv, meta.kv_indices, self._last_page_len(b), self.hq, self.hkv, self.d, 1,
                             causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                             seq_lens=self._lens("extend_lens", kv))
+        elif meta.prefix_indptr_host is None:
+            self._extend_kind = "ragged"
         else:
             self._extend_kind = "split"
             self.paged.plan(qo, meta.prefix_indptr_host, meta.prefix_indices, self._last_page_len(b), self.hq,
@@ -278,7 +289,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self._extend_kind != "paged":
             self.ragged.plan(qo, qo, self.hq, self.hkv, self.d, causal=True, q_data_type=self.dtype,
                              kv_data_type=self.dtype)
-        self._mode = "mixed" if d is not None else "extend"
+        self._mode = "mixed" if apart else "extend"
 
     def _scratch(self, key: str, n: int) -> torch.Tensor:
         """n int32 of the pinned buffer `key`, which each plan rewrites (`_before_plan` saw the

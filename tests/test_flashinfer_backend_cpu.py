@@ -86,28 +86,31 @@ def test_every_mode_equals_the_torch_reference(mode: str, heads: tuple[int, int]
 
 
 @pytest.mark.parametrize("paged_extend", [False, True])
-def test_a_mixed_batch_plans_its_parts_apart(paged_extend: bool) -> None:
-    """The extend rows' plans see those rows alone (their query tokens, their prefixes or
-    their whole KV), and FlashInfer's decode plan the decode rows' KV from 0 over their
-    slice of the indices."""
+def test_a_mixed_batch_plans_its_parts(paged_extend: bool) -> None:
+    """Under the paged threshold a mixed batch without a cascade is one causal paged
+    prefill over every row's whole KV (a decode row: one query); past it, the extend rows'
+    plans see those rows alone (their query tokens and their prefixes), and FlashInfer's
+    decode plan the decode rows' KV from 0 over their slice of the indices."""
     rng = random.Random(7)
     for _ in range(20):
         meta, _ = batch("mixed_prefix", rng, 400)
         d = meta.decode_from
-        assert d is not None
+        assert d is not None and meta.cascade is None
         with cpu_flashinfer():
             from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
 
             fi = FlashInferAttentionBackend(4, 2, 16, torch.float16, torch.device("cpu"), 401,
                                             paged_extend_max_tokens=10**6 if paged_extend else 0)
             fi.begin_forward(meta)
-        assert fi._mode == "mixed"
         if paged_extend:
-            assert fi.paged.qo == meta.qo_indptr_host[: d + 1].tolist() and fi.paged.causal
-            assert fi.paged._kv()[0] == meta.kv_indptr_host[: d + 1].tolist()
-        else:
-            assert fi.ragged.qo == meta.qo_indptr_host[: d + 1].tolist()
-            assert fi.paged._kv()[0] == meta.prefix_indptr_host.tolist() and not fi.paged.causal
+            assert fi._mode == "extend" and fi._extend_kind == "paged"
+            assert fi.paged.qo == meta.qo_indptr_host.tolist() and fi.paged.causal
+            assert fi.paged._kv()[0] == meta.kv_indptr_host.tolist()
+            assert not fi.decode.planned
+            continue
+        assert fi._mode == "mixed" and fi._extend_kind == "split"
+        assert fi.ragged.qo == meta.qo_indptr_host[: d + 1].tolist()
+        assert fi.paged._kv()[0] == meta.prefix_indptr_host.tolist() and not fi.paged.causal
         start = int(meta.kv_indptr_host[d])
         indptr, indices = fi.decode._kv()
         assert indptr == (meta.kv_indptr_host[d:] - start).tolist()
