@@ -2,7 +2,7 @@
 
 - decode: paged decode over each request's KV slots;
 - extend without any cached prefix: ragged prefill over the new tokens (causal);
-- extend on a cached prefix: up to `paged_extend_max_tokens` new tokens in the batch,
+- extend on a cached prefix: up to `paged_extend_max_tokens` tokens in the batch,
   one causal paged prefill over each request's whole KV (its new tokens' K/V are in the
   pool already); past that, ragged prefill over the new tokens (causal) merged with
   paged prefill over the prefix (non-causal) by their log-sum-exp. Between the pieces
@@ -15,14 +15,11 @@
 - mixed (an extend whose forward also steps running requests): up to
   `paged_extend_max_tokens` tokens and no prefix shared by the decode rows, one causal
   paged prefill over every row's whole KV, a decode row being one query: one call a
-  layer. Else the extend rows as above and the decode rows through the decode kernel,
-  or as a cascade when they share enough (as a decode step of theirs would; their
-  suffixes, short, one query a row through paged prefill, whose plan never waits). In
-  the paged prefill each decode row is a query tile of its own over its whole context:
-  43 us a layer for 8 rows of 2,000 slots on an H200 (benchmarks/RESULTS.md,
-  2026-12-04), more than those rows' own decode step; the decode kernel spares that GPU
-  time for host time (its launches and a concatenation a layer, between the graph's
-  pieces).
+  layer (with 16 running requests of 2,000 tokens, a 40-token chunk's forward took
+  5.0 ms where the split took 9.1 and a decode step alone 3.4, on an H100). Else the
+  extend rows as above and the decode rows through the decode kernel, or as a cascade
+  when they share enough (as a decode step of theirs would; their suffixes, short, one
+  query a row through paged prefill, whose plan never waits).
 Plans run on the host, once per batch, before the layers. Under CUDA graphs each
 captured batch size has its own decode wrapper (and, with cascade, its own
 shared-block prefill wrapper) in graph mode, reading index buffers that all sizes
@@ -73,10 +70,12 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 TENSOR_CORE_MIN_BATCH = 48
 # Query tokens in an extend batch with cached prefixes, or in a mixed batch, up to which
 # one paged prefill over each row's whole KV runs instead of ragged + paged + merge (and
-# the decode kernel): one host call a layer where the split takes three or more; past it
-# the split keeps the ragged kernel for long runs of new tokens
-# (`python -m benchmarks.prefill_cost --paged-extend-max N` times both).
-PAGED_EXTEND_MAX_TOKENS = 4096
+# the decode kernel for a mixed batch's decode rows). Measured on an H100 (RESULTS.md,
+# 2026-12-05, `python -m benchmarks.prefill_cost --prefix 1000 --paged-extend-max N`):
+# the one call saves host time at every size (between the prefill graph's pieces each
+# call is launched from Python) and the split's kernels GPU time past about a thousand
+# tokens (its ragged prefill runs FlashInfer's Hopper kernel; the paged one fa2).
+PAGED_EXTEND_MAX_TOKENS = 1024
 
 
 class _HostLens(torch.Tensor):
