@@ -33,6 +33,7 @@ from benchmarks.grammar_cost import SCHEMA
 from sgl.core.protocol import GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
+from sgl.runtime.child import gpu_scheduler_process
 from sgl.sched.models.default_model import default_model_dir
 from sgl.sched.results import ResultProcessor
 from sgl.sched.runner import grammar_masks
@@ -188,6 +189,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--skip", type=float, default=0.2, help="share of turns cut at each end")
     a = ap.parse_args()
+    if torch.cuda.is_available():
+        gpu_scheduler_process()  # the settings of a served engine's scheduler process
     sys.setswitchinterval(0.0002)  # as the scheduler's own process (sgl.runtime.child)
     model = with_architecture(a.model or default_model_dir(), a.config)
     tl = Timeline()

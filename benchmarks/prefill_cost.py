@@ -37,6 +37,7 @@ import torch
 from benchmarks.common import dummy_model_dir, machine, table
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
+from sgl.runtime.child import gpu_scheduler_process
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.req import Req
 from sgl.sched.runner.model_runner import ModelRunner
@@ -135,6 +136,8 @@ def main() -> None:
     ap.add_argument("--server-args", default="{}",
                     help="engine options as JSON, e.g. '{\"decode_attention_backend\": \"flashinfer\"}'")
     a = ap.parse_args()
+    if torch.cuda.is_available():
+        gpu_scheduler_process()  # the settings of a served engine's scheduler process
     lens = [int(x) for x in a.lens.split(",")]
     if a.decode_rows:
         lens = [0, *lens]  # the rows' decode step alone first: mixed pays where it costs less than that step

@@ -34,6 +34,7 @@ from benchmarks.w3_shared_prefix import w3_prompts
 from sgl.core.protocol import GenerateReqInput
 from sgl.core.sampling_params import SamplingParams
 from sgl.core.server_args import ServerArgs
+from sgl.runtime.child import gpu_scheduler_process
 from sgl.sched.runner import step as step_mod
 from sgl.sched.scheduler import Scheduler
 from sgl.transports.inproc import InprocReceiver, InprocSender
@@ -100,6 +101,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--no-trace", action="store_true", help="only the per-batch table (no torch.profiler)")
     a = ap.parse_args()
+    if torch.cuda.is_available():
+        gpu_scheduler_process()  # the settings of a served engine's scheduler process
     if a.workload == "W3":
         prompts = w3_prompts(a.requests)
         outs, temp = [128] * a.requests, 0.0

@@ -25,7 +25,10 @@ import argparse
 import asyncio
 import time
 
+import torch
+
 import sgl
+from sgl.runtime.child import gpu_scheduler_process
 from sgl.testing.engines import null_continuation
 
 KEYS = ("build_s", "wait_s", "process_s", "gpu_decode_busy_s", "gpu_decode_idle_s", "gpu_busy_s", "gpu_idle_s")
@@ -96,6 +99,8 @@ def main() -> None:
     ap.add_argument("--closed-loop", type=int, default=None, metavar="N",
                     help="N requests through the C workers, joining out of step (see above)")
     a = ap.parse_args()
+    if torch.cuda.is_available():
+        gpu_scheduler_process()  # the settings of a served engine's scheduler process
     k = a.draft_tokens
     specs: list[dict[str, object]] = [{}, {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": k}]
     if a.draft:

@@ -87,6 +87,15 @@ def single_threaded_host_ops() -> None:
     torch.set_num_threads(1)
 
 
+def gpu_scheduler_process() -> None:
+    """What a GPU scheduler's process sets for itself: the short GIL switch interval (see
+    main) and one intra-op thread. Benchmarks that run the scheduler in their own process
+    and time its host work call it too (where CUDA is available), to time what a served
+    engine runs."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    single_threaded_host_ops()
+
+
 def _on_gpu(device: str) -> bool:
     if device not in ("auto", "cuda"):
         return False
@@ -105,17 +114,16 @@ def main() -> None:
     threading.Thread(target=_exit_when_parent_dies, args=(cfg.addresses.ipc_dir,), name="parent-watch",
                      daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which shuts us down
-    gpu_scheduler = cfg.role == "scheduler" and _on_gpu(cfg.server_args.device)
-    if cfg.role == "detokenizer" or gpu_scheduler:
-        # Threads that run a few lines of Python between GIL-free native calls wait, at the
-        # default 5 ms interval, up to that for the process's busy loop at each line: the
-        # detokenizer's tokenizer threads (a prompt's encode took 12 ms p50 beside a busy
-        # loop, 1.8 ms at this interval: benchmarks/tokenizer_turns.py) and the
-        # scheduler's grammar fill thread (sgl.sched.runner.grammar_masks). Not in a CPU
-        # scheduler, whose forward runs on a thread of its own and would pay the turns.
+    # Threads that run a few lines of Python between GIL-free native calls wait, at the
+    # default 5 ms interval, up to that for the process's busy loop at each line: the
+    # detokenizer's tokenizer threads (a prompt's encode took 12 ms p50 beside a busy loop,
+    # 1.8 ms at this interval: benchmarks/tokenizer_turns.py) and a GPU scheduler's grammar
+    # fill thread (sgl.sched.runner.grammar_masks). Not in a CPU scheduler, whose forward
+    # runs on a thread of its own and would pay the turns.
+    if cfg.role == "detokenizer":
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-    if gpu_scheduler:
-        single_threaded_host_ops()
+    elif cfg.role == "scheduler" and _on_gpu(cfg.server_args.device):
+        gpu_scheduler_process()
 
     def report(status: dict[str, Any]) -> None:
         if status.get("status") == "ready":
