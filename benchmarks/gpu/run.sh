@@ -14,7 +14,7 @@
 # Steps (each is one case below; the comment beside it says what it measures):
 #   set-up      jit tests beamtests cpuinfo parts
 #   control     control control8b (memory release and resume, weight updates)
-#   workloads   w1 w2 w12ov w1hf w2hf w3 w3c16k w3rep w7 w7fp8 w6 w8 tp startup looplag priority
+#   workloads   w1 w2 w12ov w12mixed w1hf w2hf w3 w3c16k w3rep w7 w7fp8 w6 w8 tp startup looplag priority
 #   A/B         old w3old w7old w7fp8old w8old specold grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    fp8gemm prefillcost prefillcostold streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b vllmprof8b
@@ -234,6 +234,9 @@ for step in "$@"; do
     control) run 300 python3 -m benchmarks.control_gpu ;;
     control8b) run 400 python3 -m benchmarks.control_gpu --config qwen3-8b --requests 64 --mem-fraction 0.6 ;;
     w12ov) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1,W2 --no-hf --overlap-off ;;
+    # w12mixed: W2 and W1 with and without mixed forwards (enable_mixed_chunk), in turn, twice.
+    w12mixed) run 500 python3 -m benchmarks.w1_w2_gpu --workloads W2,W1 --no-hf --variant '{}' \
+                --variant '{"enable_mixed_chunk": true}' --variant '{}' --variant '{"enable_mixed_chunk": true}' ;;
     w1hf) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W1 --overlap-off ;;
     w2) run 400 python3 -m benchmarks.w1_w2_gpu --workloads W2 --no-hf ;;
     w2hf) run 500 python3 -m benchmarks.w1_w2_gpu --workloads W2 ;;
