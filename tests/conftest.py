@@ -83,14 +83,18 @@ def assert_kv_balanced(info: dict[str, Any]) -> None:
     assert_no_leaks(info)
 
 
-def other_rank_failed() -> Any:
-    """A tensor-parallel group in which another rank failed its part of every call: each
-    agreement (`min_int`, `all_ok`) comes back failed, with no second process."""
+def other_rank_failed(only: int | None = None) -> Any:
+    """A tensor-parallel group in which another rank failed its part of every call, or of
+    the `only`-th agreement alone (counting from 1): each such agreement (`min_int`,
+    `all_ok`) comes back failed, with no second process."""
     from sgl.sched.models.parallel import TPGroup
 
     class OtherRankFailed(TPGroup):
+        agreed = 0
+
         def min_int(self, n: int) -> int:
-            return 0
+            self.agreed += 1
+            return 0 if only is None or self.agreed == only else n
 
     return OtherRankFailed()
 

@@ -243,6 +243,48 @@ def test_a_memory_call_another_rank_failed_is_undone_here(models: dict[str, str]
         r.close()
 
 
+def test_a_recapture_that_failed_on_any_rank_is_undone_on_every_rank(models: dict[str, str]) -> None:
+    """Once nothing is released, resume_memory captures the CUDA graphs again; when that
+    failed on another rank, this one drops the graphs it captured and releases again, as
+    the failed rank does, and raises; when it failed here, the same. (The capture stands in
+    for a GPU's; on a GPU each rank's capture runs the model's collectives.)"""
+    from sgl.sched.models.parallel import TPGroup
+    from sgl.sched.runner.model_runner import ModelRunner
+
+    r = ModelRunner(sgl.ServerArgs(max_total_tokens=64), models["a"])
+    try:
+        weights = [p.clone() for p in r.model.parameters()]
+        r.release_memory({"weights"})
+        captured: list[int] = []
+
+        def capture() -> None:
+            captured.append(1)
+            r.graphs = object()  # type: ignore[assignment]
+
+        r.graph_bs = 2
+        r._capture_graphs = capture  # type: ignore[method-assign]
+        r.tp = other_rank_failed(only=2)  # the memory's agreement holds, the capture's fails
+        with pytest.raises(RuntimeError, match="another tensor-parallel rank"):
+            r.resume_memory({"weights"})
+        assert captured and r.graphs is None and r.released == frozenset({"weights"})
+
+        def no_memory() -> None:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (planted)")
+
+        r.tp = TPGroup()
+        r._capture_graphs = no_memory  # type: ignore[method-assign]
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            r.resume_memory({"weights"})
+        assert r.graphs is None and r.released == frozenset({"weights"})
+        r._capture_graphs = capture  # type: ignore[method-assign]
+        r.resume_memory({"weights"})
+        assert r.graphs is not None and r.released == frozenset()
+        assert all(torch.equal(p, w) for p, w in zip(r.model.parameters(), weights, strict=True))
+        r.graphs, r.graph_bs = None, None
+    finally:
+        r.close()
+
+
 # ---- pausing, on the null model ----
 
 LOAD = 12

@@ -290,21 +290,26 @@ class ModelRunner:
     def resume_memory(self, tags: set[str]) -> None:
         """Allocate the tagged parts again (the weights' values come back, the KV cache
         is empty); once nothing is released the CUDA graphs are captured again. On
-        failure (out of memory) the tags stay released."""
+        failure (out of memory) the tags stay released, on every tensor-parallel rank:
+        a capture that failed on one rank is undone on all (MemoryHolders' rule)."""
         todo = self._tags(tags, released=True)
         t0 = time.perf_counter()
         holders = self._holders(todo)
         holders.resume()
-        try:
-            self.memory_stats["resume_s"] = time.perf_counter() - t0
-            if not self.released and self.graphs is None and self.graph_bs is not None:
-                t1 = time.perf_counter()
+        self.memory_stats["resume_s"] = time.perf_counter() - t0
+        failure: BaseException | None = None
+        if not self.released and self.graphs is None and self.graph_bs is not None:
+            t1 = time.perf_counter()
+            try:
                 self._capture_graphs()
-                self.memory_stats["recapture_s"] = time.perf_counter() - t1
-        except BaseException:
+            except BaseException as e:  # noqa: BLE001 - raised below, once the ranks agree
+                failure = e
+            self.memory_stats["recapture_s"] = time.perf_counter() - t1
+        # Asked by every rank, captured or not: the ranks ask in step.
+        if not self.tp.all_ok(failure is None):
             self._drop_graphs()
             holders.release()
-            raise
+            raise failure or RuntimeError(_OTHER_RANK)
         self.log.info("memory resumed", tags=todo, released=sorted(self.released),
                       seconds=round(self.memory_stats["resume_s"], 3))
 
