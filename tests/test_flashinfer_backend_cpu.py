@@ -117,6 +117,26 @@ def test_a_mixed_batch_plans_its_parts(paged_extend: bool) -> None:
         assert torch.equal(indices, meta.kv_indices[start:])
 
 
+@pytest.mark.parametrize("mode", ["extend_prefix", "mixed", "mixed_prefix"])
+def test_the_paged_threshold_counts_every_query_token(mode: str) -> None:
+    """One paged prefill up to paged_extend_max_tokens query tokens in the batch, decode
+    rows included; one token more and the batch splits."""
+    rng = random.Random(11)
+    for _ in range(10):
+        meta, _ = batch(mode, rng, 400)
+        tokens = int(meta.qo_indptr_host[-1])
+        for limit, kind in ((tokens, "paged"), (tokens - 1, "split" if meta.prefix_indptr_host is not None
+                                                           else "ragged")):
+            with cpu_flashinfer():
+                from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+
+                fi = FlashInferAttentionBackend(4, 2, 16, torch.float16, torch.device("cpu"), 401,
+                                                paged_extend_max_tokens=limit)
+                fi.begin_forward(meta)
+            assert fi._extend_kind == kind, (mode, limit, tokens)
+            assert fi._mode == ("extend" if kind == "paged" or meta.decode_from is None else "mixed")
+
+
 @settings(PROFILE, max_examples=15, deadline=None)
 @given(steps=st.lists(st.tuples(st.sampled_from(["decode", "cascade"]), st.sampled_from([4, 2]),
                                 st.integers(0, 2), st.integers(0, 2**16)), min_size=2, max_size=8),
