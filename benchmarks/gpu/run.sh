@@ -216,8 +216,17 @@ spec_plots() {
   done
   [ ${#files[@]} = 0 ] || python3 -m benchmarks.w8_online --plot "${files[@]}" --out "$results/spec"
 }
+# leftovers: Python processes alive between steps (a step's engines or servers that outlived
+# it), with their CPU use: they take the host's cores from the next step's timings.
+leftovers() {
+  local pids
+  pids=$(pgrep -d, -f "^[^ ]*python[0-9.]* ") || return 0
+  echo "still running before this step:"
+  ps -o pid,pcpu,etime,args -p "$pids" | cut -c1-160
+}
 for step in "$@"; do
   echo "=== $step ($(date +%T), ${SECONDS}s into the run)"
+  leftovers
   case $step in
     # Every FlashInfer module, built in parallel, skipped when installed (benchmarks/build_kernels.py).
     jit) run 420 python3 -m benchmarks.build_kernels; install_aot; save_cache ;;
