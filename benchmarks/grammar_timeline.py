@@ -189,8 +189,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--skip", type=float, default=0.2, help="share of turns cut at each end")
     a = ap.parse_args()
-    if torch.cuda.is_available():
-        gpu_scheduler_process()  # the settings of a served engine's scheduler process
+    gpu_scheduler_process()  # the settings of a served engine's scheduler process
     sys.setswitchinterval(0.0002)  # as the scheduler's own process (sgl.runtime.child)
     model = with_architecture(a.model or default_model_dir(), a.config)
     tl = Timeline()

@@ -136,8 +136,7 @@ def main() -> None:
     ap.add_argument("--server-args", default="{}",
                     help="engine options as JSON, e.g. '{\"decode_attention_backend\": \"flashinfer\"}'")
     a = ap.parse_args()
-    if torch.cuda.is_available():
-        gpu_scheduler_process()  # the settings of a served engine's scheduler process
+    gpu_scheduler_process()  # the settings of a served engine's scheduler process
     lens = [int(x) for x in a.lens.split(",")]
     if a.decode_rows:
         lens = [0, *lens]  # the rows' decode step alone first: mixed pays where it costs less than that step

@@ -91,8 +91,7 @@ def main() -> None:
     ap.add_argument("--shared", type=int, default=0, help="leading slots all requests share (cascade decode)")
     ap.add_argument("--no-graphs", action="store_true")
     a = ap.parse_args()
-    if torch.cuda.is_available():
-        gpu_scheduler_process()  # the settings of a served engine's scheduler process
+    gpu_scheduler_process()  # the settings of a served engine's scheduler process
     cuda = torch.cuda.is_available()
     runner = make_runner(a.bs, a.ctx, 4 * a.steps + 8, graphs=cuda and not a.no_graphs, cascade=a.shared > 0)
     reqs = make_reqs(runner, a.bs, a.ctx, a.temperature, a.shared)

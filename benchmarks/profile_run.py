@@ -101,8 +101,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--no-trace", action="store_true", help="only the per-batch table (no torch.profiler)")
     a = ap.parse_args()
-    if torch.cuda.is_available():
-        gpu_scheduler_process()  # the settings of a served engine's scheduler process
+    gpu_scheduler_process()  # the settings of a served engine's scheduler process
     if a.workload == "W3":
         prompts = w3_prompts(a.requests)
         outs, temp = [128] * a.requests, 0.0

@@ -87,11 +87,13 @@ def single_threaded_host_ops() -> None:
     torch.set_num_threads(1)
 
 
-def gpu_scheduler_process() -> None:
-    """What a GPU scheduler's process sets for itself: the short GIL switch interval (see
-    main) and one intra-op thread. Benchmarks that run the scheduler in their own process
-    and time its host work call it too (where CUDA is available), to time what a served
-    engine runs."""
+def gpu_scheduler_process(device: str = "auto") -> None:
+    """What a scheduler's process sets for itself when it drives a GPU (`device`, as
+    ServerArgs.device names it): the short GIL switch interval (see main) and one intra-op
+    thread; nothing on a CPU. Benchmarks that run the scheduler in their own process and
+    time its host work call it too, to time what a served engine runs."""
+    if not _on_gpu(device):
+        return
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     single_threaded_host_ops()
 
@@ -122,8 +124,8 @@ def main() -> None:
     # runs on a thread of its own and would pay the turns.
     if cfg.role == "detokenizer":
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-    elif cfg.role == "scheduler" and _on_gpu(cfg.server_args.device):
-        gpu_scheduler_process()
+    elif cfg.role == "scheduler":
+        gpu_scheduler_process(cfg.server_args.device)
 
     def report(status: dict[str, Any]) -> None:
         if status.get("status") == "ready":
