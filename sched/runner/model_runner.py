@@ -302,9 +302,9 @@ class ModelRunner:
             t1 = time.perf_counter()
             try:
                 self._capture_graphs()
+                self.memory_stats["recapture_s"] = time.perf_counter() - t1
             except BaseException as e:  # noqa: BLE001 - raised below, once the ranks agree
                 failure = e
-            self.memory_stats["recapture_s"] = time.perf_counter() - t1
         # Asked by every rank, captured or not: the ranks ask in step.
         if not self.tp.all_ok(failure is None):
             self._drop_graphs()
