@@ -123,6 +123,7 @@ run() {
   [ "$rc" = 124 ] && echo "timed out after ${cap}s"
   return "$rc"  # never the status of the test above: `run A && run B` skipped B when A passed
 }
+python_procs='^[^ ]*python[0-9.]* '  # pgrep -f: the host's Python processes (each step's, none of run.sh's)
 stacks_after() {
   # The sleep is a child of its own: `kill` of this subshell alone would leave it running,
   # holding the run's output open until it ended, so a piped run whose steps end early
@@ -132,7 +133,7 @@ stacks_after() {
   wait "$nap" || return 0
   echo "--- still running after ${1}s: every Python process's stacks"
   command -v py-spy >/dev/null || { echo "(no py-spy: bring its wheel in .whl/)"; return; }
-  for p in $(pgrep -f "^[^ ]*python[0-9.]* "); do
+  for p in $(pgrep -f "$python_procs"); do
     echo "--- pid $p: $(tr '\0' ' ' < /proc/"$p"/cmdline 2>/dev/null | cut -c1-120)"
     timeout 10 py-spy dump --pid "$p" 2>&1 | head -80
   done
@@ -220,7 +221,7 @@ spec_plots() {
 # it), with their CPU use: they take the host's cores from the next step's timings.
 leftovers() {
   local pids
-  pids=$(pgrep -d, -f "^[^ ]*python[0-9.]* ") || return 0
+  pids=$(pgrep -d, -f "$python_procs") || return 0
   echo "still running before this step:"
   ps -o pid,pcpu,etime,args -p "$pids" | cut -c1-160
 }
