@@ -193,13 +193,16 @@ def test_graph_plans_read_what_their_buffers_hold(steps: list[tuple[str, int, in
             assert torch.allclose(got.float(), want, atol=2e-3, rtol=2e-3), (kind, bs, which)
 
 
+@pytest.mark.parametrize("paged_extend", [False, True])
 @pytest.mark.parametrize("triton_decode", [False, True] if INTERPRETED else [False])
-def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path, triton_decode: bool) -> None:
+def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path, triton_decode: bool,
+                                                                 paged_extend: bool) -> None:
     """A whole engine (float16, the overlap loop) whose runner attends through the FlashInfer
     backend over the stand-in: prompt chunks that carry the running requests' steps (mixed
-    batches), decode rows sharing a cached prefix (cascades, plain and mixed), prefix-cached
-    extends. Against the same engine on the torch backend, each request's top logprobs agree
-    to float16's precision up to its first near-tie flip."""
+    batches: one paged prefill, or the chunks' kernels and the decode kernel, by
+    `paged_extend`), decode rows sharing a cached prefix (cascades, plain and mixed),
+    prefix-cached extends. Against the same engine on the torch backend, each request's top
+    logprobs agree to float16's precision up to its first near-tie flip."""
     import sgl
     from sgl.sched.runner import prepare as prep
     from sgl.sched.runner.model_runner import ModelRunner
@@ -224,7 +227,8 @@ def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path,
     def backend(self: ModelRunner, args: object, m: Any) -> FlashInferAttentionBackend:
         return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
                                           self.max_total_tokens + 1, context_length=self.context_length,
-                                          triton_decode=triton_decode)
+                                          triton_decode=triton_decode,
+                                          paged_extend_max_tokens=10**6 if paged_extend else 0)
 
     alone, _ = run(flashinfer=False)
     with cpu_flashinfer(), pytest.MonkeyPatch.context() as mp:

@@ -318,12 +318,26 @@ def _mixed_against_separate(model_dir: str, decode: str, shared: list[int], prom
     return info, alone_info
 
 
+@pytest.mark.parametrize("paged_extend", [True, False])
 @pytest.mark.parametrize("decode", ["triton", "flashinfer"])
-def test_mixed_batches_agree_with_separate_forwards(qwen3_dir: str, decode: str) -> None:
+def test_mixed_batches_agree_with_separate_forwards(qwen3_dir: str, decode: str, paged_extend: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """enable_mixed_chunk: prompt chunks share their forward with the running requests'
-    next tokens, whose attention runs through the decode kernel (either one), prompt
-    chunks with cached prefixes among them; against the same requests without mixed
-    batches."""
+    next tokens, whose attention runs with the chunks' in one paged prefill
+    (`paged_extend`, these chunks being under its threshold) or through the decode kernel
+    (either one), prompt chunks with cached prefixes among them; against the same requests
+    without mixed batches."""
+    if not paged_extend:
+        from sgl.sched.runner.model_runner import ModelRunner
+
+        make = ModelRunner._attention_backend
+
+        def split(self: ModelRunner, args: sgl.ServerArgs, m: object) -> object:
+            backend = make(self, args, m)  # type: ignore[arg-type]
+            backend.paged_extend_max_tokens = 0  # type: ignore[attr-defined]
+            return backend
+
+        monkeypatch.setattr(ModelRunner, "_attention_backend", split)
     rng = random.Random(5)
     shared = [rng.randrange(2000) for _ in range(200)]
     prompts = ([[rng.randrange(2000) for _ in range(n)] for n in (5, 20, 300, 700, 40, 900)]
