@@ -35,9 +35,10 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 def test_flashinfer_matches_torch_backend(mode: str, triton: bool, paged_extend: bool, kv: str) -> None:
     """Each mode against the reference, over a bf16 pool and an FP8 one (the reference
     reads the same FP8 values; new tokens' K/V reach the ragged kernel in bf16). A mixed
-    batch's last rows are decode rows (one token over a context), run through FlashInfer's
-    decode kernel or sgl's Triton one; its extend rows have cached prefixes or not, and
-    attend as one paged prefill or as ragged + paged + merge (paged_extend)."""
+    batch's last rows are decode rows (one token over a context); its extend rows have
+    cached prefixes or not. With paged_extend an extend with prefixes, or a mixed batch, is
+    one paged prefill; else ragged + paged + merge, and a mixed batch's decode rows run
+    through FlashInfer's decode kernel or sgl's Triton one."""
     from sgl.kernels.attention import AttnMetadata
     from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
     from sgl.kernels.torch_attention import TorchAttentionBackend
@@ -125,8 +126,8 @@ def test_flashinfer_on_the_cpu_tests_batches(mode: str, triton: bool) -> None:
 @pytest.mark.parametrize("mode", ["extend", "extend_prefix", "mixed", "mixed_prefix", "mixed_cascade"])
 def test_flashinfer_extend_plans_never_wait_for_the_gpu(mode: str, paged_extend: bool) -> None:
     """The overlap loop plans the next batch while the last one's forward runs: an
-    extend's plans (and a mixed batch's, its decode rows on the Triton kernel or as a
-    cascade) must queue their copies behind that work, never wait for it. Planned behind
+    extend's plans (and a mixed batch's, its decode rows in the paged prefill, on the Triton
+    kernel or as a cascade) must queue their copies behind that work, never wait for it. Planned behind
     a kernel that keeps the GPU busy for a good fraction of a second, begin_forward
     returns long before it ends. (FlashInfer's eager decode plan copies from pageable
     memory of its own and waits: see sgl.kernels.flashinfer_attention.)"""
