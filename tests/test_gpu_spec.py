@@ -56,7 +56,7 @@ def test_speculative_steps_under_graphs_and_overlap_equal_plain_greedy(model_dir
     spec, info = _run(model_dir, speculative_algorithm=algorithm, speculative_num_draft_tokens=5,
                       speculative_disable_by_batch_size=limit, **draft)
     assert info["spec_accept_length"] > 1.5
-    if algorithm == "STANDALONE":  # the draft's own graphs (decode, and pieces for its catch-up) ran
+    if algorithm == "STANDALONE":  # the draft's own graphs ran (decode: guesses, short catch-ups; pieces: prompts)
         assert info["spec_draft_graph_forwards"] > 0
         # Its proposals are the target's tokens but for bf16 near-ties (the draft's graphs and
         # the verify rows round apart); wrong inputs to its forwards leave about a tenth taken.

@@ -90,9 +90,11 @@ def test_pooled_rows_of_pieces_equal_the_whole_forward(qwen3_dir: str, monkeypat
 
 def _eager_draft_pieces(runner: ModelRunner) -> None:
     """In place of ModelRunner._capture_graphs: a draft model's catch-up through its own
-    pieces, eagerly (the target's forwards stay whole)."""
+    pieces, eagerly (the target's forwards stay whole), the short ones too (which take
+    decode rows otherwise)."""
     assert runner.draft is not None
     runner.draft.prefill_graphs = PrefillGraphs(runner.draft, PIECE_TOKENS, capture=False)
+    runner.draft.catch_up_rows = 0
 
 
 def test_a_draft_models_pieces_propose_what_its_whole_forward_does(qwen3_dir: str,

@@ -448,6 +448,39 @@ def test_unseeded_samples_come_from_the_same_distribution(tmp_path_factory: pyte
     assert (worse + 1) / (trials + 1) > 0.01
 
 
+# ---- a draft model's catch-up ----
+
+def test_a_drafts_short_catch_up_as_decode_rows_equals_one_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft's short catch-ups (a step's bonus token and the proposals it did not feed
+    back) run as decode rows, one a token, each attending to the rows before it; the logits
+    after each request's last token are those of the same catch-up as one prefill. Each
+    catch-up runs both ways on the same state (the prefill first: both write the same KV)."""
+    from sgl.sched.runner.draft import DraftModel
+
+    catch_up = DraftModel._catch_up
+    seen: list[tuple[list[int], float]] = []
+
+    def both_ways(self: DraftModel, rows: list[int], works: list[Any], ends: list[int]) -> Any:
+        lens = [len(w.tokens) for w in works]
+        if max(lens) > self.catch_up_rows:
+            return catch_up(self, rows, works, ends)
+        keep, self.catch_up_rows = self.catch_up_rows, 0
+        one_prefill = catch_up(self, rows, works, ends).clone()
+        self.catch_up_rows = keep
+        out = catch_up(self, rows, works, ends)
+        seen.append((lens, float((out - one_prefill).abs().max())))
+        return out
+
+    monkeypatch.setattr(DraftModel, "_catch_up", both_ways)
+    with sgl.Engine(transport="inproc", random_seed=1, speculative_algorithm="STANDALONE",
+                    speculative_num_draft_tokens=5, speculative_draft_model_path=default_model_dir()) as e:
+        outs = e.generate(PROMPTS, {"max_new_tokens": 40, "temperature": 0})
+        assert all(len(o["output_ids"]) == 40 for o in outs)
+    assert any(max(lens) > 1 for lens, _ in seen)  # rows of one request that attend to each other
+    assert any(len(lens) > 1 for lens, _ in seen)  # several requests in one catch-up
+    assert max(d for _, d in seen) < 1e-3
+
+
 # ---- a draft model's arguments and memory ----
 
 def test_draft_arguments_are_checked() -> None:

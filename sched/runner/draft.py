@@ -6,7 +6,10 @@ outputs stay those of plain decoding).
 
 Per step: one forward over each request's tokens the draft has not seen (through its
 last token), then one decode forward per further proposal, each feeding back the
-token it proposed last; every proposal is the draft's most likely token, kept on the
+token it proposed last. The first runs as decode rows, one a token, while every
+request's unseen tokens are few (a verify's rows at most: its bonus token and the
+proposals it did not feed back), each row attending to those before it as a verify's
+rows do; as one prefill otherwise (a new request's prompt); every proposal is the draft's most likely token, kept on the
 device as the next forward's input and the verify rows' input (the host gets its copy
 with the step's results; a grammar's matcher takes each on the host, so a step with
 grammar requests waits for each pick). The forwards run on the scheduler's side of
@@ -29,12 +32,13 @@ from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.cache.req_to_token_pool import ReqToTokenPool
 from sgl.core.host_copy import to_device, to_host
 from sgl.kernels.attention import AttentionBackend
-from sgl.sched.batch import ScheduleBatch
+from sgl.sched.batch import DraftInput, ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
 from sgl.sched.models.lora_layers import LoraSpec
 from sgl.sched.req import Req
 from sgl.sched.runner.grammar_masks import apply_masks
 from sgl.sched.runner.prefill_graph import PrefillGraphs, supports_pieces
+from sgl.sched.runner.prepare import indptr_of
 from sgl.sched.runner.weights import WeightManager
 
 if TYPE_CHECKING:
@@ -51,7 +55,7 @@ class DraftModel:
 
     def __init__(self, model: CausalLM, weights: WeightManager, kv_pool: MHATokenToKVPool,
                  backend: AttentionBackend, table: ReqToTokenPool, preparer: BatchPreparer, vocab_size: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, catch_up_rows: int) -> None:
         self.model = model
         self.weights = weights  # its memory, released and resumed with the target's
         self.kv_pool = kv_pool
@@ -61,6 +65,10 @@ class DraftModel:
         self.table = table  # the target's request table
         self.preparer = preparer  # the target's: attention metadata from the table's mirror
         self.vocab_size = vocab_size  # ids it may propose: the target's vocabulary (a draft's may be padded wider)
+        # A catch-up of at most this many tokens a request runs as decode rows: on a GPU one
+        # decode graph's replay, where a prefill runs its attention eagerly between graph
+        # pieces (a launch a layer, several times the forward's kernels at these sizes).
+        self.catch_up_rows = catch_up_rows
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_forwards = 0  # forwards that replayed graphs (decode or pieces), for server info
@@ -90,10 +98,7 @@ class DraftModel:
         table.sync()
         rows = [batch.rows[w.entry] for w in works]
         ends = [w.start + len(w.tokens) for w in works]  # positions the draft's KV reaches after catching up
-        slots = torch.cat([table.req_to_token[row, w.start:end] for row, w, end in zip(rows, works, ends)])
-        positions = torch.cat([torch.arange(w.start, end, dtype=torch.int64) for w, end in zip(works, ends)])
-        logits = self._forward(rows, torch.tensor([t for w in works for t in w.tokens], dtype=torch.int64), positions,
-                               slots, [len(w.tokens) for w in works], ends, is_decode=False)
+        logits = self._catch_up(rows, works, ends)
         drafting = [i for i, w in enumerate(works) if w.k]
         guide = DraftGrammars([batch.reqs[works[i].entry] for i in drafting], drafting)
         last = guide.pick(logits, list(range(len(works))))  # each work's latest pick, on the device
@@ -124,6 +129,22 @@ class DraftModel:
             return None
         batch.proposed = (entries, to_host(tokens))
         return to_device(torch.tensor(entries, dtype=torch.int64), dev), tokens
+
+    def _catch_up(self, rows: list[int], works: list[DraftInput], ends: list[int]) -> torch.Tensor:
+        """The draft's forward over each work's unseen tokens (row i's from works[i].start to
+        ends[i]); the logits after each work's last."""
+        table = self.table
+        lens = [len(w.tokens) for w in works]
+        slots = torch.cat([table.req_to_token[row, w.start:end] for row, w, end in zip(rows, works, ends)])
+        positions = torch.cat([torch.arange(w.start, end, dtype=torch.int64) for w, end in zip(works, ends)])
+        ids = torch.tensor([t for w in works for t in w.tokens], dtype=torch.int64)
+        n = len(ids)
+        if max(lens) > self.catch_up_rows or (self.graphs is not None and not self.graphs.can_run(n)):
+            return self._forward(rows, ids, positions, slots, lens, ends, is_decode=False)
+        token_rows = [row for row, k in zip(rows, lens) for _ in range(k)]
+        logits = self._forward(token_rows, ids, positions, slots, [1] * n, (positions + 1).tolist(), is_decode=True)
+        lasts = indptr_of(lens)[1:].to(torch.int64) - 1
+        return logits if n == len(works) else logits[to_device(lasts, self.device)]
 
     def _forward(self, rows: list[int], input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  qo_lens: list[int], kv_lens: list[int], is_decode: bool) -> torch.Tensor:

@@ -193,7 +193,8 @@ class ModelRunner:
                                     MHATokenToKVPool(self.max_total_tokens, draft.num_layers, draft.num_kv_heads,
                                                      draft.head_dim, self.kv_dtype, self.device),
                                     self._attention_backend(args, draft), self.req_to_token_pool, self.preparer,
-                                    min(self.vocab_size, draft.vocab_size), self.dtype)
+                                    min(self.vocab_size, draft.vocab_size), self.dtype,
+                                    args.speculative_num_draft_tokens)
         self.sampling = SamplingState(self.device, self.req_to_token_pool.size, self.vocab_size, self.dtype,
                                       args.random_seed or 0, self.eos_ids, self.processors,
                                       masks=args.grammar_backend != "none", tp=tp)
