@@ -9,14 +9,15 @@ last token), then one decode forward per further proposal, each feeding back the
 token it proposed last. The first runs as decode rows, one a token, while every
 request's unseen tokens are few (a verify's rows at most: its bonus token and the
 proposals it did not feed back), each row attending to those before it as a verify's
-rows do; as one prefill otherwise (a new request's prompt); every proposal is the draft's most likely token, kept on the
-device as the next forward's input and the verify rows' input (the host gets its copy
-with the step's results; a grammar's matcher takes each on the host, so a step with
-grammar requests waits for each pick). The forwards run on the scheduler's side of
-the loop, before the step's own forward is queued. On a GPU
-they replay CUDA graphs of the draft's own, as the target's do: its decode forwards
-through decode graphs, its catch-up through the piecewise prefill graphs; a draft
-forward's host work would otherwise outlast its kernels several times over.
+rows do; as one prefill otherwise (a new request's prompt). Every proposal is the
+draft's most likely token, kept on the device as the next forward's input and the
+verify rows' input (the host gets its copy with the step's results; a grammar's matcher
+takes each on the host, so a step with grammar requests waits for each pick). The
+forwards run on the scheduler's side of the loop, before the step's own forward is
+queued. On a GPU they replay CUDA graphs of the draft's own, as the target's do: its
+decode forwards (decode-row catch-ups too) through decode graphs, a prefill catch-up
+through the piecewise prefill graphs; a draft forward's host work would otherwise
+outlast its kernels several times over.
 
 It decides nothing: which requests propose, how many tokens and from which position
 the draft catches up come with the batch (ScheduleBatch.drafts). It never allocates
