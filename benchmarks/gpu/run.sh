@@ -17,7 +17,7 @@
 #   workloads   w1 w2 w12ov w12mixed w1hf w2hf w3 w3c16k w3rep w7 w7fp8 w6 w8 tp startup looplag priority
 #   A/B         old w3old w7old w7fp8old w8old specold grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
-#   profiles    fp8gemm prefillcost prefillcostold streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b vllmprof8b
+#   profiles    fp8gemm prefillcost prefillcostold streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b vllmprof8b vllmprof2
 #               decodebal drawcost
 #   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy w8spy (py-spy's wheel in .whl/)
 #   real model  model fp8acc smolhf spec (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
@@ -364,9 +364,11 @@ for step in "$@"; do
     prof8b) run 300 python3 -m benchmarks.profile_run --workload W2 --config qwen3-8b ;;
     # vllmprof8b: the same W2 at 8B through the vLLM peer under the torch profiler
     # (benchmarks/vllm_profile.py: the peer's own inputs and settings), its kernels by the same
-    # kinds as prof8b's; the traces stay in /tmp/vllm-profile.
+    # kinds as prof8b's; the traces stay in /tmp/vllm-profile. vllmprof2: W2 at 0.6B, beside prof2.
     vllmprof8b) (vllm_env && run 540 python3 -m benchmarks.vllm_profile --kit .peer/vllm/kit \
                    --config benchmarks/configs/qwen3-8b.json --workload W2 --out /tmp/vllm-profile) ;;
+    vllmprof2) (vllm_env && run 540 python3 -m benchmarks.vllm_profile --kit .peer/vllm/kit \
+                  --workload W2 --out /tmp/vllm-profile) ;;
     # The vLLM peer's bench.py on W1-W3 (vllm8b: W1 and W2 at 8B), once its parts are
     # unpacked in /tmp (../shared/peers/vllm/README.md); JSON results in the output folder.
     vllm) run 540 bash .peer/vllm/kit/unpack.sh .peer/vllm -- --timeout 520 --json "$results/vllm.json" ;;
