@@ -15,7 +15,7 @@
 #   set-up      jit tests beamtests cpuinfo parts
 #   control     control control8b (memory release and resume, weight updates)
 #   workloads   w1 w2 w12ov w12mixed w1hf w2hf w3 w3c16k w3rep w7 w7fp8 w6 w8 tp startup looplag priority
-#   A/B         old w3old w7old w7fp8old w8old specold grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
+#   A/B         old w3old w7old w7fp8old w8old specold speccostold grammar06old grammarw2old tcab tritonab fp8 (engines in turn, see README.md)
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    fp8gemm prefillcost prefillcostold streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b vllmprof8b vllmprof2
 #               decodebal drawcost
@@ -494,6 +494,14 @@ for step in "$@"; do
     # adds options (e.g. --closed-loop 32: requests joining out of step).
     speccost) run 300 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} --draft .lt \
                 ${SPECCOST_ARGS:-} ;;
+    # speccostold: the same benchmark (this checkout's) through the engine of .old/ (see `old`).
+    speccostold)
+      if old_site benchmarks; then
+        lt=$PWD/.lt
+        (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
+          && run 300 python3 -m benchmarks.spec_step_cost "$lt" --concurrency ${SPECCOST_C:-1,8} --draft "$lt" \
+               ${SPECCOST_ARGS:-})
+      fi ;;
     # tablesync: the request table's host cost per decode and speculative step, its mirror on
     # the GPU (benchmarks/table_sync.py; seconds).
     tablesync) run 60 python3 -m benchmarks.table_sync --device cuda ;;
