@@ -31,7 +31,7 @@ import torch
 
 from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.cache.req_to_token_pool import ReqToTokenPool
-from sgl.core.host_copy import to_device, to_host
+from sgl.core.host_copy import Uploads, to_device, to_host
 from sgl.kernels.attention import AttentionBackend
 from sgl.sched.batch import DraftInput, ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
@@ -152,12 +152,15 @@ class DraftModel:
         """One forward over request-table rows: each row's qo_lens[i] new tokens (written at
         `slots`) ending at kv_lens[i]; the logits after each row's last, over the target's ids."""
         dev = self.device
-        rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), dev)
-        meta = self.preparer.attention(is_decode, qo_lens, kv_lens, rows_dev,
-                                       to_device(torch.tensor(kv_lens, dtype=torch.int64), dev))
+        up = Uploads(dev)  # one copy for the step's host inputs (a guess step's ids are on the device)
+        host = [torch.tensor(rows, dtype=torch.int64), torch.tensor(kv_lens, dtype=torch.int64), positions,
+                slots.to(torch.int64)]
+        at = [up.add(t) for t in (host if input_ids.is_cuda else [*host, input_ids])]
+        up.send()
+        rows_dev, kv_lens_dev, positions, slots = (up.get(i) for i in at[:4])
+        ids = input_ids if input_ids.is_cuda else up.get(at[4])
+        meta = self.preparer.attention(is_decode, qo_lens, kv_lens, rows_dev, kv_lens_dev)
         assert meta.qo_indptr_host is not None
-        ids = to_device(input_ids, dev)
-        positions, slots = to_device(positions, dev), to_device(slots.to(torch.int64), dev)
         if is_decode and self.graphs is not None and self.graphs.can_run(len(rows)):
             self.graph_forwards += 1
             return self.graphs.replay(meta, ids, positions, slots)[:, : self.vocab_size]
