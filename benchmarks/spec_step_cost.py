@@ -17,7 +17,7 @@ workers instead, each sending its next when its last ends, output lengths spread
 as an online server's do (the time is then the whole run's, first send to last end).
 
     python -m benchmarks.spec_step_cost MODEL [--concurrency 1,8] [--load-format dummy] [--draft DIR]
-        [--closed-loop N]"""
+        [--closed-loop N] [--algorithms plain,NGRAM,STANDALONE]"""
 
 from __future__ import annotations
 
@@ -96,13 +96,17 @@ def main() -> None:
     ap.add_argument("--draft", help="a draft model's directory: STANDALONE runs too")
     ap.add_argument("--closed-loop", type=int, default=None, metavar="N",
                     help="N requests through the C workers, joining out of step (see above)")
+    ap.add_argument("--algorithms", default="plain,NGRAM,STANDALONE",
+                    help="which to run (STANDALONE only with --draft), e.g. NGRAM alone under a profiler")
     a = ap.parse_args()
     gpu_scheduler_process()  # the settings of a served engine's scheduler process
     k = a.draft_tokens
+    chosen = a.algorithms.split(",")
     specs: list[dict[str, object]] = [{}, {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": k}]
     if a.draft:
         specs.append({"speculative_algorithm": "STANDALONE", "speculative_num_draft_tokens": k,
                       "speculative_draft_model_path": a.draft})
+    specs = [s for s in specs if s.get("speculative_algorithm", "plain") in chosen]
     for c in (int(x) for x in a.concurrency.split(",")):
         for spec in specs:
             print(asyncio.run(run(a.model, c, spec, a.load_format, a.new_tokens, a.closed_loop)), flush=True)

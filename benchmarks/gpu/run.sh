@@ -19,7 +19,7 @@
 #   structured  grammar grammar06 grammarw2 grammartimeline grammarthreads
 #   profiles    fp8gemm prefillcost prefillcostold streamgaps profile profile2 cascadeprof prof1 prof2 prof3 prof8b vllmprof8b vllmprof2
 #               decodebal drawcost
-#   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy w8spy (py-spy's wheel in .whl/)
+#   py-spy      w3spy w3oldspy startupspy grammarspy gapsspy w8spy specspy (py-spy's wheel in .whl/)
 #   real model  model fp8acc smolhf spec (SmolLM2's GGUF, brought in parts: benchmarks/gpu/model_parts.sh)
 #   vLLM        vllm vllm8b vllm8bfp8 vllmfp8 vllmw8 vllmspec (the vLLM peer's parts unpacked in /tmp: ../shared/peers/vllm)
 #   LoRA        lorakernels lora vllmlora (the kernels; multi-LoRA throughput: sgl, then the vLLM peer)
@@ -494,6 +494,11 @@ for step in "$@"; do
     # adds options (e.g. --closed-loop 32: requests joining out of step).
     speccost) run 300 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} --draft .lt \
                 ${SPECCOST_ARGS:-} ;;
+    # specspy: NGRAM's steps at concurrency 1 (speccost's set-up, 2,048 tokens) under py-spy, every
+    # thread apart (the scheduler's is the one whose host time a step waits for); specspy.txt.
+    specspy) run 200 py-spy record -r 1000 --nonblocking --threads --format raw -o "$results/specspy.txt" -- \
+               python3 -m benchmarks.spec_step_cost .lt --concurrency 1 --algorithms ${SPECSPY_ALGORITHMS:-NGRAM} \
+               --new-tokens 2048 ;;
     # speccostold: the same benchmark (this checkout's) through the engine of .old/ (see `old`).
     speccostold)
       if old_site benchmarks; then
