@@ -1,7 +1,7 @@
 """sgl's Triton kernels run by Triton's interpreter on the CPU (TRITON_INTERPRET=1), so
 CI, which has no GPU, checks their indexing: the decode kernel's chunks, masks and
-head-group padding for any lengths, split counts and head shapes, and the fused
-norm + rotary + KV write for head sizes that are and are not powers of two, against the
+head-group padding for any lengths, split counts and head shapes, the KV slots gathered
+in one launch, and the fused norm + rotary + KV write for head sizes that are and are not powers of two, against the
 torch reference path, and the FP8 weight-only product's tiles. Interpreted, products run in
 numpy at full precision; the GPU
 tests (tests/test_gpu_triton_decode.py, tests/test_gpu.py) check the compiled kernels,
@@ -43,6 +43,23 @@ def test_decode_kernel_matches_the_reference(heads: tuple[int, int], d: int, len
     got = decode_attention(q, k, v, indptr, indices, d**-0.5, splits=splits, block_n=32)
     expected = decode_reference(q, k, v, lens, indices, d**-0.5)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4), (got - expected).abs().max()
+
+
+@settings(PROFILE, max_examples=15)
+@given(lens=st.lists(st.integers(0, 1200), min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_kv_slots_in_one_launch_equal_the_torch_gather(lens: list[int], seed: int) -> None:
+    """Each row's first n slots, rows in any order, lengths of none to past one iteration
+    of the kernel's block, the table's tail left unread: equal to the torch ops' gather."""
+    from sgl.cache.req_to_token_pool import gather_kv_indices
+    from sgl.kernels.kv_indices import gather_rows
+
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, 2**31 - 1, (len(lens) + 3, 1300), generator=g, dtype=torch.int32)
+    rows = torch.randperm(len(lens) + 3, generator=g)[: len(lens)]
+    indptr = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    got = gather_rows(table, rows, indptr, sum(lens))
+    want = gather_kv_indices(table, rows, torch.zeros_like(rows), torch.tensor(lens), sum(lens))
+    assert got.dtype == torch.int32 and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -153,13 +153,12 @@ class DraftModel:
         `slots`) ending at kv_lens[i]; the logits after each row's last, over the target's ids."""
         dev = self.device
         up = Uploads(dev)  # one copy for the step's host inputs (a guess step's ids are on the device)
-        host = [torch.tensor(rows, dtype=torch.int64), torch.tensor(kv_lens, dtype=torch.int64), positions,
-                slots.to(torch.int64)]
+        host = [torch.tensor(rows, dtype=torch.int64), positions, slots.to(torch.int64)]
         at = [up.add(t) for t in (host if input_ids.is_cuda else [*host, input_ids])]
         up.send()
-        rows_dev, kv_lens_dev, positions, slots = (up.get(i) for i in at[:4])
-        ids = input_ids if input_ids.is_cuda else up.get(at[4])
-        meta = self.preparer.attention(is_decode, qo_lens, kv_lens, rows_dev, kv_lens_dev)
+        rows_dev, positions, slots = (up.get(i) for i in at[:3])
+        ids = input_ids if input_ids.is_cuda else up.get(at[3])
+        meta = self.preparer.attention(is_decode, qo_lens, kv_lens, rows_dev)
         assert meta.qo_indptr_host is not None
         if is_decode and self.graphs is not None and self.graphs.can_run(len(rows)):
             self.graph_forwards += 1

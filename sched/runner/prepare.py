@@ -16,6 +16,8 @@ import torch
 from sgl.cache.req_to_token_pool import gather_kv_indices
 from sgl.core.host_copy import Uploads, pinned, to_device
 from sgl.kernels.attention import AttnMetadata, CascadeMeta
+from sgl.kernels.kv_indices import available as kv_indices_kernel_available
+from sgl.kernels.kv_indices import gather_rows
 from sgl.kernels.lora import LoraBatch
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import PoolRows
@@ -83,6 +85,7 @@ class BatchPreparer:
         # (decode batch identity, its LoRA blocks): a request keeps its adapter slot while it holds KV.
         self._lora: tuple[tuple, LoraBatch | None] = ((), None)
         self.cascade_steps = 0  # decode steps that ran cascade attention
+        self._one_launch = kv_indices_kernel_available(runner.device)  # KV slots gathered by one kernel
 
     def prepare(self, batch: ScheduleBatch,
                 proposals: tuple[torch.Tensor, torch.Tensor] | None = None) -> PreparedBatch:
@@ -117,7 +120,7 @@ class BatchPreparer:
             cascade = self._cascade(batch.rows, shared, key, rows_dev, kv_lens, kv_lens_dev)
         elif batch.decode_from is not None and r.cascade:
             cascade = self._mixed_cascade(batch, rows, rows_dev, kv_lens, kv_lens_dev)
-        meta = self.attention(batch.is_decode, batch.qo_lens, batch.kv_lens, rows_dev, kv_lens_dev, cascade, shared,
+        meta = self.attention(batch.is_decode, batch.qo_lens, batch.kv_lens, rows_dev, cascade, shared,
                               batch.decode_from)
         same = self._sampling[1] if key and self._sampling[0] == key else None
         sampling = SamplingBatch.from_reqs(reqs, r.vocab_size, dev, r.eos_ids, r.processors, batch.decode_start,
@@ -159,31 +162,28 @@ class BatchPreparer:
         )
 
     def attention(self, is_decode: bool, qo_lens: list[int], kv_lens: list[int], rows_dev: torch.Tensor,
-                  kv_lens_dev: torch.Tensor, cascade: CascadeMeta | None = None, shared: int = 0,
+                  cascade: CascadeMeta | None = None, shared: int = 0,
                   decode_from: int | None = None) -> AttnMetadata:
         """The attention metadata of request-table rows `rows_dev`: row i's qo_lens[i] new
-        tokens over its first kv_lens[i] slots (kv_lens_dev: the same, on the device), or
-        over `cascade`'s split; an extend's cached prefixes apart, those of its rows before
-        `decode_from` alone in a mixed batch (the rest are decode rows). The table's mirror
-        must be synced."""
+        tokens over its first kv_lens[i] slots, or over `cascade`'s split; an extend's cached
+        prefixes apart, those of its rows before `decode_from` alone in a mixed batch (the
+        rest are decode rows). The table's mirror must be synced."""
         table = self.runner.req_to_token_pool.mirror
-        gather = gather_kv_indices if self.runner.attends else _no_indices
         qo_indptr = self._host(indptr_of(qo_lens))
         kv_indptr = self._host(indptr_of(kv_lens))
         extends = len(qo_lens) if decode_from is None else decode_from
         prefix_lens = [k - q for k, q in zip(kv_lens[:extends], qo_lens[:extends])]
-        prefix = not is_decode and any(prefix_lens)
+        prefix_indptr = self._host(indptr_of(prefix_lens)) if not is_decode and any(prefix_lens) else None
         up = Uploads(self.runner.device)
         at = [up.add(qo_indptr), up.add(kv_indptr)]
-        plens = torch.tensor(prefix_lens, dtype=torch.int64) if prefix else None
-        at_plens = None if plens is None else up.add(plens)
+        at_prefix = None if prefix_indptr is None else up.add(prefix_indptr)
         up.send()
-        zeros = torch.zeros_like(rows_dev)
+        kv_indptr_dev = up.get(at[1])
         meta = AttnMetadata(
             is_decode=is_decode,
             qo_indptr=up.get(at[0]),
-            kv_indptr=up.get(at[1]),
-            kv_indices=(gather(table, rows_dev, zeros, kv_lens_dev, int(kv_indptr[-1]))
+            kv_indptr=kv_indptr_dev,
+            kv_indices=(self._slots(table, rows_dev, kv_indptr_dev, int(kv_indptr[-1]))
                         if cascade is None or decode_from is not None
                         else torch.empty(0, dtype=torch.int32, device=self.runner.device)),
             qo_lens=qo_lens,
@@ -194,13 +194,22 @@ class BatchPreparer:
             shared_len=shared,
             decode_from=decode_from,
         )
-        if plens is not None and at_plens is not None:
-            prefix_indptr = self._host(indptr_of(prefix_lens))
+        if prefix_indptr is not None and at_prefix is not None:
             meta.prefix_indptr_host = prefix_indptr
-            meta.prefix_lens_host = self._host(plens.to(torch.int32))
-            meta.prefix_indices = gather(table, rows_dev[:extends], zeros[:extends], up.get(at_plens),
-                                         int(prefix_indptr[-1]))
+            meta.prefix_lens_host = self._host(torch.tensor(prefix_lens, dtype=torch.int32))
+            meta.prefix_indices = self._slots(table, rows_dev[:extends], up.get(at_prefix), int(prefix_indptr[-1]))
         return meta
+
+    def _slots(self, table: torch.Tensor, rows_dev: torch.Tensor, indptr_dev: torch.Tensor,
+               total: int) -> torch.Tensor:
+        """Each row's first indptr[i + 1] - indptr[i] slots of `table`, concatenated: one
+        launch on a GPU (sgl.kernels.kv_indices), torch's ops elsewhere; none for a model
+        that never attends (the null model)."""
+        if not self.runner.attends:
+            return torch.empty(0, dtype=table.dtype, device=table.device)
+        if self._one_launch:
+            return gather_rows(table, rows_dev, indptr_dev, total)
+        return gather_kv_indices(table, rows_dev, torch.zeros_like(rows_dev), indptr_dev.diff().long(), total)
 
     def _lora_batch(self, batch: ScheduleBatch, key: tuple) -> LoraBatch:
         """Each row's adapter slot, in blocks; reused for a decode batch of the same requests."""
@@ -296,17 +305,9 @@ class BatchPreparer:
         return to_device(t, self.runner.device)
 
 
-def _no_indices(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                total: int) -> torch.Tensor:
-    """gather_kv_indices' stand-in for a model that never attends (the null model)."""
-    return torch.empty(0, dtype=table.dtype, device=table.device)
-
-
 def indptr_of(lens: list[int]) -> torch.Tensor:
     """[0, l0, l0 + l1, ...] as int32 on the host."""
-    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
-    return out
+    return torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
 
 
 def shared_prefix_len(req_to_token: torch.Tensor, rows: torch.Tensor, limit: int) -> int:

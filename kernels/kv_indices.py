@@ -1,0 +1,58 @@
+"""A batch's KV slots gathered from the request table in one launch: row i's first
+indptr[i + 1] - indptr[i] slots, table[rows[i], :n], written at out[indptr[i]:indptr[i + 1]].
+In Triton, for CUDA tensors.
+
+Why: the same in torch ops (sgl.cache.req_to_token_pool.gather_kv_indices: two
+repeat_interleaves, a cumsum, an arange, a subtraction and an index) is seven launches
+from Python, and every forward's attention metadata needs it on the host's critical path
+while the host is the slower side (small decode batches): on an H100 it took a tenth of
+the scheduler thread's time at one request (benchmarks/RESULTS.md, 2026-12-05). The
+offsets are the indptr the attention metadata uploads anyway.
+
+It reads the table only: which slots a request owns is the KV cache's business."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from sgl.kernels.triton_decode import installed
+
+BLOCK = 512  # slots a program copies per iteration
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_rows(table_ptr, stride, rows_ptr, indptr_ptr, out_ptr, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        src = table_ptr + tl.load(rows_ptr + i).to(tl.int64) * stride
+        lo = tl.load(indptr_ptr + i)
+        n = tl.load(indptr_ptr + i + 1) - lo
+        dst = out_ptr + lo
+        for j in range(0, n, BLOCK):
+            offs = j + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+    return gather_rows
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel runs on `device`: CUDA, with Triton installed."""
+    return torch.device(device).type == "cuda" and installed()
+
+
+def gather_rows(table: torch.Tensor, rows: torch.Tensor, indptr: torch.Tensor, total: int) -> torch.Tensor:
+    """table: [R, C] with a unit last stride; rows: [B] row numbers; indptr: [B + 1] int32
+    offsets starting at 0, total = indptr[-1] (known to the caller: no host sync). Returns
+    the [total] slots, in table's dtype, on its device."""
+    out = torch.empty(total, dtype=table.dtype, device=table.device)
+    if rows.numel() and total:
+        _kernel()[(rows.numel(),)](table, table.stride(0), rows, indptr, out, BLOCK=BLOCK)
+    return out
