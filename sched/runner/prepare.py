@@ -86,6 +86,9 @@ class BatchPreparer:
         self._lora: tuple[tuple, LoraBatch | None] = ((), None)
         self.cascade_steps = 0  # decode steps that ran cascade attention
         self._one_launch = kv_indices_kernel_available(runner.device)  # KV slots gathered by one kernel
+        if self._one_launch:  # compiled now, not inside the first request's step
+            one = torch.tensor([0, 1], dtype=torch.int32, device=runner.device)
+            gather_rows(runner.req_to_token_pool.mirror, one[:1].long(), one, 1)
 
     def prepare(self, batch: ScheduleBatch,
                 proposals: tuple[torch.Tensor, torch.Tensor] | None = None) -> PreparedBatch:
