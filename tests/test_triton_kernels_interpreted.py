@@ -1,8 +1,8 @@
 """sgl's Triton kernels run by Triton's interpreter on the CPU (TRITON_INTERPRET=1), so
 CI, which has no GPU, checks their indexing: the decode kernel's chunks, masks and
 head-group padding for any lengths, split counts and head shapes, the KV slots gathered
-in one launch, and the fused norm + rotary + KV write for head sizes that are and are not powers of two, against the
-torch reference path, and the FP8 weight-only product's tiles. Interpreted, products run in
+in one launch, and the fused norm + rotary + KV write for head sizes that are and are not
+powers of two, against the torch reference path, and the FP8 weight-only product's tiles. Interpreted, products run in
 numpy at full precision; the GPU
 tests (tests/test_gpu_triton_decode.py, tests/test_gpu.py) check the compiled kernels,
 FP8 pools included (numpy has no FP8)."""
@@ -48,8 +48,8 @@ def test_decode_kernel_matches_the_reference(heads: tuple[int, int], d: int, len
 @settings(PROFILE, max_examples=15)
 @given(lens=st.lists(st.integers(0, 1200), min_size=1, max_size=6), seed=st.integers(0, 2**16))
 def test_kv_slots_in_one_launch_equal_the_torch_gather(lens: list[int], seed: int) -> None:
-    """Each row's first n slots, rows in any order, lengths of none to past one iteration
-    of the kernel's block, the table's tail left unread: equal to the torch ops' gather."""
+    """Each row's first n slots, rows in any order, lengths from none to past one iteration
+    of the kernel's block: equal to the torch ops' gather."""
     from sgl.cache.req_to_token_pool import gather_kv_indices
     from sgl.kernels.kv_indices import gather_rows
 
