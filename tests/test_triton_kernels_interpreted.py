@@ -2,10 +2,10 @@
 CI, which has no GPU, checks their indexing: the decode kernel's chunks, masks and
 head-group padding for any lengths, split counts and head shapes, the KV slots gathered
 in one launch, and the fused norm + rotary + KV write for head sizes that are and are not
-powers of two, against the torch reference path, and the FP8 weight-only product's tiles. Interpreted, products run in
-numpy at full precision; the GPU
-tests (tests/test_gpu_triton_decode.py, tests/test_gpu.py) check the compiled kernels,
-FP8 pools included (numpy has no FP8)."""
+powers of two, against the torch reference path, and the FP8 weight-only product's tiles.
+Interpreted, products run in numpy at full precision; the GPU tests
+(tests/test_gpu_triton_decode.py, tests/test_gpu.py) check the compiled kernels, FP8 pools
+included (numpy has no FP8)."""
 
 from __future__ import annotations
 
