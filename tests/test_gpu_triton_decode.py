@@ -1,8 +1,9 @@
 """sgl's Triton decode attention (kernels/triton_decode.py) against the torch reference
 backend, on bf16 and FP8 pools, for the head shapes of the engine's models and a head size
 that is not a power of two, rows from one slot to several thousand, and every split count
-(marked gpu; skipped without CUDA). Without a GPU, tests/test_triton_kernels_interpreted.py
-runs the same kernel in Triton's interpreter."""
+(marked gpu; skipped without CUDA); and the one-launch gather of a batch's KV slots. Without
+a GPU, tests/test_triton_kernels_interpreted.py runs the same kernels in Triton's
+interpreter."""
 
 from __future__ import annotations
 
@@ -73,3 +74,19 @@ def test_triton_decode_replays_in_a_cuda_graph_with_new_lengths() -> None:
         g.replay()
         expected = decode_reference(q, k_cache, v_cache, lens, new, d**-0.5)
         assert float((out.float() - expected).norm() / expected.norm()) < 1e-2
+
+
+def test_kv_slots_in_one_launch_equal_the_torch_gather_on_a_gpu() -> None:
+    """kernels/kv_indices.py compiled: rows of no slot to several of the kernel's blocks,
+    in any order, equal to the torch ops' gather."""
+    from sgl.cache.req_to_token_pool import gather_kv_indices
+    from sgl.kernels.kv_indices import gather_rows
+
+    dev = torch.device("cuda")
+    lens = [0, 1, 511, 512, 513, 3000, 40]
+    table = torch.randint(0, 2**31 - 1, (len(lens) + 5, 4096), dtype=torch.int32, device=dev)
+    rows = torch.randperm(len(lens) + 5, device=dev)[: len(lens)]
+    indptr = torch.tensor([0, *lens], dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)
+    got = gather_rows(table, rows, indptr, sum(lens))
+    want = gather_kv_indices(table, rows, torch.zeros_like(rows), torch.tensor(lens, device=dev), sum(lens))
+    assert torch.equal(got, want)
