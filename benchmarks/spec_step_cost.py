@@ -102,6 +102,8 @@ def main() -> None:
     gpu_scheduler_process()  # the settings of a served engine's scheduler process
     k = a.draft_tokens
     chosen = a.algorithms.split(",")
+    if unknown := set(chosen) - {"plain", "NGRAM", "STANDALONE"}:
+        ap.error(f"--algorithms: unknown {sorted(unknown)}; choose among plain, NGRAM, STANDALONE")
     specs: list[dict[str, object]] = [{}, {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": k}]
     if a.draft:
         specs.append({"speculative_algorithm": "STANDALONE", "speculative_num_draft_tokens": k,

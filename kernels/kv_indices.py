@@ -3,10 +3,10 @@ indptr[i + 1] - indptr[i] slots, table[rows[i], :n], written at out[indptr[i]:in
 In Triton, for CUDA tensors.
 
 Why: the same in torch ops (sgl.cache.req_to_token_pool.gather_kv_indices: two
-repeat_interleaves, a cumsum, an arange, a subtraction and an index) is seven launches
-from Python, and every forward's attention metadata needs it on the host's critical path
-while the host is the slower side (small decode batches): on an H100 it took a tenth of
-the scheduler thread's time at one request (benchmarks/RESULTS.md, 2026-12-05). The
+repeat_interleaves, a cumsum, an arange, three subtractions and an index) is eight
+launches from Python, and every forward's attention metadata needs it on the host's
+critical path while the host is the slower side (small decode batches): on an H100 it took
+a tenth of the scheduler thread's time at one request (benchmarks/RESULTS.md, 2026-12-05). The
 offsets are the indptr the attention metadata uploads anyway.
 
 It reads the table only: which slots a request owns is the KV cache's business."""
