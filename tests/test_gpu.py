@@ -409,7 +409,9 @@ def test_tensor_core_decode_graphs_equal_eager(qwen3_g2_dir: str, lengths: str) 
 def test_cascade_under_cuda_graphs_equals_plain_decode(model: str, decode: str, request: pytest.FixtureRequest,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Cascade decode replayed from its CUDA graphs (padded sizes included), on by
-    default with flashinfer, gives the tokens of cascade run eagerly and of plain decode.
+    default with flashinfer, gives the tokens of cascade run eagerly; against plain decode
+    (other kernels, summing in other orders) every step's top logprobs agree to bf16's
+    precision up to a request's first near-tie flip, and most requests agree token for token.
     The cascade graphs' suffixes run FlashInfer's decode kernel; plain decode runs the
     Triton kernel, or (two query heads per KV head, both FlashInfer kernels from 4 rows)
     either of FlashInfer's. Without the overlap loop: with it, which requests share a
@@ -426,23 +428,23 @@ def test_cascade_under_cuda_graphs_equals_plain_decode(model: str, decode: str, 
     prompts = [shared + [rng.randrange(2000) for _ in range(rng.randint(1, 40))] for _ in range(6)]
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
-    def run(**kw: object) -> tuple[list[list[int]], int]:
+    def run(**kw: object) -> tuple[list[dict], int]:
         with sgl.Engine(qwen3_dir, transport="inproc", skip_tokenizer_init=True, dtype="bfloat16",
                         attention_backend="flashinfer", max_total_tokens=20000, cuda_graph_max_bs=8,
                         tensor_core_decode_min_batch=4, decode_attention_backend=decode,
                         disable_overlap_schedule=True, **kw) as e:
             e.generate(input_ids=prompts[0], sampling_params=params)  # caches the shared prefix first
-            outs = e.generate(input_ids=prompts, sampling_params=params)
+            outs = e.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
             info = e.get_server_info()
             assert_kv_balanced(info)
-        return [o["output_ids"] for o in outs], info["cascade_steps"]
+        return outs, info["cascade_steps"]
 
     plain, plain_steps = run(enable_cascade_attention=False)
     graphs, steps = run()
     eager, eager_steps = run(enable_cascade_attention=True, disable_cuda_graph=True)
     assert plain_steps == 0 and steps > 0 and eager_steps > 0
-    assert graphs == eager
-    assert graphs == plain
+    assert [o["output_ids"] for o in graphs] == [o["output_ids"] for o in eager]
+    assert assert_top_logprobs_agree(graphs, plain) <= 1
 
 
 def test_graph_decode_of_a_shared_prefix_past_the_pool(qwen3_dir: str) -> None:
