@@ -1,6 +1,7 @@
-"""A batch's KV slots gathered from the request table in one launch: row i's first
-indptr[i + 1] - indptr[i] slots, table[rows[i], :n], written at out[indptr[i]:indptr[i + 1]].
-In Triton, for CUDA tensors.
+"""A batch's KV slots gathered from the request table in one launch: row i's
+n = indptr[i + 1] - indptr[i] slots from column `start` on, table[rows[i], start:start + n],
+written at out[indptr[i]:indptr[i + 1]]. In Triton, for CUDA tensors. Start 0 gives a
+forward's slots; a cascade's shared prefix length gives each row's own slots past it.
 
 Why: the same in torch ops (sgl.cache.req_to_token_pool.gather_kv_indices: two
 repeat_interleaves, a cumsum, an arange, three subtractions and an index) is eight
@@ -29,9 +30,9 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def gather_rows(table_ptr, stride, rows_ptr, indptr_ptr, out_ptr, BLOCK: tl.constexpr):
+    def gather_rows(table_ptr, stride, start, rows_ptr, indptr_ptr, out_ptr, BLOCK: tl.constexpr):
         i = tl.program_id(0)
-        src = table_ptr + tl.load(rows_ptr + i).to(tl.int64) * stride
+        src = table_ptr + tl.load(rows_ptr + i).to(tl.int64) * stride + start
         lo = tl.load(indptr_ptr + i)
         n = tl.load(indptr_ptr + i + 1) - lo
         dst = out_ptr + lo
@@ -48,11 +49,12 @@ def available(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" and installed()
 
 
-def gather_rows(table: torch.Tensor, rows: torch.Tensor, indptr: torch.Tensor, total: int) -> torch.Tensor:
+def gather_rows(table: torch.Tensor, rows: torch.Tensor, indptr: torch.Tensor, total: int,
+                start: int = 0) -> torch.Tensor:
     """table: [R, C] with a unit last stride; rows: [B] row numbers; indptr: [B + 1] int32
-    offsets starting at 0, total = indptr[-1] (known to the caller: no host sync). Returns
-    the [total] slots, in table's dtype, on its device."""
+    offsets starting at 0, total = indptr[-1] (known to the caller: no host sync); each row
+    read from column `start`. Returns the [total] slots, in table's dtype, on its device."""
     out = torch.empty(total, dtype=table.dtype, device=table.device)
     if rows.numel() and total:
-        _kernel()[(rows.numel(),)](table, table.stride(0), rows, indptr, out, BLOCK=BLOCK)
+        _kernel()[(rows.numel(),)](table, table.stride(0), start, rows, indptr, out, BLOCK=BLOCK)
     return out

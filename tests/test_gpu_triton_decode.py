@@ -76,9 +76,10 @@ def test_triton_decode_replays_in_a_cuda_graph_with_new_lengths() -> None:
         assert float((out.float() - expected).norm() / expected.norm()) < 1e-2
 
 
-def test_kv_slots_in_one_launch_equal_the_torch_gather_on_a_gpu() -> None:
+@pytest.mark.parametrize("start", [0, 300])
+def test_kv_slots_in_one_launch_equal_the_torch_gather_on_a_gpu(start: int) -> None:
     """kernels/kv_indices.py compiled: rows of no slot to several of the kernel's blocks,
-    in any order, equal to the torch ops' gather."""
+    in any order, from column `start` on, equal to the torch ops' gather."""
     from sgl.cache.req_to_token_pool import gather_kv_indices
     from sgl.kernels.kv_indices import gather_rows
 
@@ -87,6 +88,6 @@ def test_kv_slots_in_one_launch_equal_the_torch_gather_on_a_gpu() -> None:
     table = torch.randint(0, 2**31 - 1, (len(lens) + 5, 4096), dtype=torch.int32, device=dev)
     rows = torch.randperm(len(lens) + 5, device=dev)[: len(lens)]
     indptr = torch.tensor([0, *lens], dtype=torch.int32, device=dev).cumsum(0).to(torch.int32)
-    got = gather_rows(table, rows, indptr, sum(lens))
-    want = gather_kv_indices(table, rows, torch.zeros_like(rows), torch.tensor(lens, device=dev), sum(lens))
+    got = gather_rows(table, rows, indptr, sum(lens), start)
+    want = gather_kv_indices(table, rows, torch.full_like(rows, start), torch.tensor(lens, device=dev), sum(lens))
     assert torch.equal(got, want)

@@ -46,10 +46,12 @@ def test_decode_kernel_matches_the_reference(heads: tuple[int, int], d: int, len
 
 
 @settings(PROFILE, max_examples=15)
-@given(lens=st.lists(st.integers(0, 1200), min_size=1, max_size=6), seed=st.integers(0, 2**16))
-def test_kv_slots_in_one_launch_equal_the_torch_gather(lens: list[int], seed: int) -> None:
-    """Each row's first n slots, rows in any order, lengths from none to past one iteration
-    of the kernel's block: equal to the torch ops' gather."""
+@given(lens=st.lists(st.integers(0, 1200), min_size=1, max_size=6), start=st.integers(0, 90),
+       seed=st.integers(0, 2**16))
+def test_kv_slots_in_one_launch_equal_the_torch_gather(lens: list[int], start: int, seed: int) -> None:
+    """Each row's n slots from column `start` on (0: a forward's; P: a cascade's own slots
+    past its shared prefix), rows in any order, lengths from none to past one iteration of
+    the kernel's block: equal to the torch ops' gather."""
     from sgl.cache.req_to_token_pool import gather_kv_indices
     from sgl.kernels.kv_indices import gather_rows
 
@@ -57,8 +59,8 @@ def test_kv_slots_in_one_launch_equal_the_torch_gather(lens: list[int], seed: in
     table = torch.randint(0, 2**31 - 1, (len(lens) + 3, 1300), generator=g, dtype=torch.int32)
     rows = torch.randperm(len(lens) + 3, generator=g)[: len(lens)]
     indptr = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
-    got = gather_rows(table, rows, indptr, sum(lens))
-    want = gather_kv_indices(table, rows, torch.zeros_like(rows), torch.tensor(lens), sum(lens))
+    got = gather_rows(table, rows, indptr, sum(lens), start)
+    want = gather_kv_indices(table, rows, torch.full_like(rows, start), torch.tensor(lens), sum(lens))
     assert got.dtype == torch.int32 and torch.equal(got, want)
 
 

@@ -107,22 +107,22 @@ class BatchPreparer:
             logits_rows, sample_rows, lp = self._logprob_plan(batch, qo_indptr)
         # The batch's own tensors go in one copy (the attention metadata's in another).
         up = Uploads(dev)
-        at = [up.add(t) for t in (rows, kv_lens, batch.positions, batch.out_cache_loc, logits_rows)]
+        at = [up.add(t) for t in (rows, batch.positions, batch.out_cache_loc, logits_rows)]
         at_ids = None if batch.input_ids is None else up.add(torch.tensor(batch.input_ids, dtype=torch.int64))
         at_sample = None if sample_rows is None else up.add(sample_rows)
         mixed_inputs = batch.device_inputs and not batch.is_decode
         at_inputs = up.add(rows.repeat_interleave(torch.tensor(batch.qo_lens))) if mixed_inputs else None
         up.send()
-        rows_dev, kv_lens_dev, positions, out_cache_loc, logits_indices = (up.get(i) for i in at)
+        rows_dev, positions, out_cache_loc, logits_indices = (up.get(i) for i in at)
         key = (tuple(batch.rows), tuple(q.rid for q in reqs), tuple(batch.epochs)) if batch.is_decode else ()
         # The shared prefix matters to cascade attention and to a backend's choice of decode kernel.
         wanted = r.cascade or len(r.attn_backend.decode_kernels(len(batch.rows))) > 1
         shared = self._shared_len(reqs, key, rows, kv_lens) if key and len(batch.rows) > 1 and wanted else 0
         cascade = None
         if shared and r.cascade:
-            cascade = self._cascade(batch.rows, shared, key, rows_dev, kv_lens, kv_lens_dev)
+            cascade = self._cascade(batch.rows, shared, key, rows_dev, kv_lens)
         elif batch.decode_from is not None and r.cascade:
-            cascade = self._mixed_cascade(batch, rows, rows_dev, kv_lens, kv_lens_dev)
+            cascade = self._mixed_cascade(batch, rows, rows_dev, kv_lens)
         meta = self.attention(batch.is_decode, batch.qo_lens, batch.kv_lens, rows_dev, cascade, shared,
                               batch.decode_from)
         same = self._sampling[1] if key and self._sampling[0] == key else None
@@ -204,15 +204,15 @@ class BatchPreparer:
         return meta
 
     def _slots(self, table: torch.Tensor, rows_dev: torch.Tensor, indptr_dev: torch.Tensor,
-               total: int) -> torch.Tensor:
-        """Each row's first indptr[i + 1] - indptr[i] slots of `table`, concatenated: one
-        launch on a GPU (sgl.kernels.kv_indices), torch's ops elsewhere; none for a model
-        that never attends (the null model)."""
+               total: int, start: int = 0) -> torch.Tensor:
+        """Each row's indptr[i + 1] - indptr[i] slots of `table` from column `start` on,
+        concatenated: one launch on a GPU (sgl.kernels.kv_indices), torch's ops elsewhere;
+        none for a model that never attends (the null model)."""
         if not self.runner.attends:
             return torch.empty(0, dtype=table.dtype, device=table.device)
         if self._one_launch:
-            return gather_rows(table, rows_dev, indptr_dev, total)
-        return gather_kv_indices(table, rows_dev, torch.zeros_like(rows_dev), indptr_dev.diff().long(), total)
+            return gather_rows(table, rows_dev, indptr_dev, total, start)
+        return gather_kv_indices(table, rows_dev, torch.full_like(rows_dev, start), indptr_dev.diff().long(), total)
 
     def _lora_batch(self, batch: ScheduleBatch, key: tuple) -> LoraBatch:
         """Each row's adapter slot, in blocks; reused for a decode batch of the same requests."""
@@ -275,21 +275,19 @@ class BatchPreparer:
         return self._shared[1]
 
     def _cascade(self, rows: list[int], p: int, key: tuple, rows_dev: torch.Tensor,
-                 kv_lens: torch.Tensor, kv_lens_dev: torch.Tensor) -> CascadeMeta | None:
+                 kv_lens: torch.Tensor) -> CascadeMeta | None:
         """The split of decode rows `rows` over their p shared slots when reading them once
         saves enough (see CASCADE_MIN_SAVED_TOKENS), else None."""
         if p * (len(rows) - 1) < CASCADE_MIN_SAVED_TOKENS:
             return None
         table = self.runner.req_to_token_pool.mirror
         self.cascade_steps += 1
-        own = kv_lens - p
-        indptr = self._host(indptr_of(own.tolist()))
-        return CascadeMeta(p, table[rows[0], :p].clone(), indptr,
-                           gather_kv_indices(table, rows_dev, torch.full_like(rows_dev, p), kv_lens_dev - p,
-                                             int(indptr[-1])), (key, p))
+        indptr = self._host(indptr_of((kv_lens - p).tolist()))
+        own = self._slots(table, rows_dev, self._dev(indptr), int(indptr[-1]), start=p)
+        return CascadeMeta(p, table[rows[0], :p].clone(), indptr, own, (key, p))
 
     def _mixed_cascade(self, batch: ScheduleBatch, rows: torch.Tensor, rows_dev: torch.Tensor,
-                       kv_lens: torch.Tensor, kv_lens_dev: torch.Tensor) -> CascadeMeta | None:
+                       kv_lens: torch.Tensor) -> CascadeMeta | None:
         """A mixed batch's decode rows split as a decode step of those rows would be (a chat's
         system prompt, read once for them all rather than once a row); None when they share
         too little."""
@@ -299,7 +297,7 @@ class BatchPreparer:
             return None
         key = ("mixed", tuple(batch.rows[d:]), tuple(q.rid for q in batch.reqs[d:]), tuple(batch.epochs[d:]))
         p = self._shared_len(batch.reqs[d:], key, rows[d:], kv_lens[d:])
-        return self._cascade(batch.rows[d:], p, key, rows_dev[d:], kv_lens[d:], kv_lens_dev[d:]) if p else None
+        return self._cascade(batch.rows[d:], p, key, rows_dev[d:], kv_lens[d:]) if p else None
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return pinned(t, self.runner.device)
