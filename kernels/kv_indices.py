@@ -29,7 +29,9 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # One compile for every start and every slice of rows or offsets (a mixed batch's decode
+    # rows begin anywhere): compiled when the engine starts, never inside a request's step.
+    @triton.jit(do_not_specialize=["start", "rows_ptr", "indptr_ptr"])
     def gather_rows(table_ptr, stride, start, rows_ptr, indptr_ptr, out_ptr, BLOCK: tl.constexpr):
         i = tl.program_id(0)
         src = table_ptr + tl.load(rows_ptr + i).to(tl.int64) * stride + start
