@@ -1,6 +1,6 @@
-"""Process life: startup errors reach the caller, a dead scheduler fails every
-pending request within 5 seconds, nothing is left behind, and a plain script
-without a __main__ guard works as written."""
+"""Process life: startup errors reach the caller (a role's at once, whatever another
+role waits on), a dead scheduler fails every pending request within 5 seconds, nothing
+is left behind, and a plain script without a __main__ guard works as written."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ import time
 import pytest
 
 import sgl
+from sgl.core.server_args import ServerArgs
+from sgl.runtime.engine_roles import EngineRoles, find_model_files
+from sgl.runtime.launch import ChildStartupError, RoleHandle
 from sgl.runtime.tokenizer_manager import EngineDeadError
 from tests.conftest import null_continuation
 
@@ -49,6 +52,58 @@ def test_loader_error_in_the_scheduler_reaches_the_caller(tmp_path, transport: s
         sgl.Engine(str(tmp_path), transport=transport, skip_tokenizer_init=True)
     assert time.monotonic() - t0 < 60
     assert set(_children_of(os.getpid())) <= before, "a child process was left behind"
+
+
+class _Waiting(RoleHandle):
+    """A role that never reports: a tensor-parallel rank left in a collective its peer quit."""
+
+    def __init__(self) -> None:
+        self.name, self.killed = "scheduler-tp0", False
+
+    def alive(self) -> bool:
+        return not self.killed
+
+    def poll_ready(self) -> dict | None:
+        return None
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def stop(self, timeout: float) -> None:
+        pass
+
+
+class _Failed(_Waiting):
+    """Its peer, failed inside a CUDA graph's warm-up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "scheduler-tp1"
+
+    def poll_ready(self) -> dict | None:
+        raise ChildStartupError("the scheduler-tp1 failed in a CUDA graph's warm-up: out of memory")
+
+
+@pytest.mark.parametrize("wait", ["blocking", "on a loop"])
+def test_a_role_failing_while_another_waits_on_it_ends_the_start(null_model_dir: str, wait: str) -> None:
+    """Roles that wait on each other (tensor-parallel ranks meet in collectives): one
+    failing while the first listed waits on it for good ends the start at once with its
+    error, the waiting role killed and the engine's real roles stopped, whichever way the
+    start waits (Engine's blocking start, or AsyncEngine.start on a loop)."""
+    args = ServerArgs.from_kwargs(model_path=null_model_dir, transport="inproc", load_format="null",
+                                  skip_tokenizer_init=True, max_total_tokens=4000)
+    roles = EngineRoles(args, find_model_files(args))
+    waiting, failed = _Waiting(), _Failed()
+    real = list(roles.handles)
+    roles.handles = [waiting, *real, failed]
+    t0 = time.monotonic()
+    with pytest.raises(ChildStartupError, match="warm-up"):
+        roles.wait_ready() if wait == "blocking" else asyncio.run(roles.ready())
+    assert time.monotonic() - t0 < 10
+    assert waiting.killed
+    for h in real:
+        h.stop(30)  # asked to stop by the failed start: each ends at its next read
+        assert not h.alive()
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])

@@ -67,8 +67,8 @@ class EngineRoles:
         """Block until every role reported ready; a startup error is raised once
         nothing is left behind."""
         try:
-            for h in self.handles:
-                self.infos[h.name] = h.wait_ready()
+            while not self._poll():
+                time.sleep(READY_POLL_S)
         except BaseException:
             self.abandon()
             raise
@@ -77,15 +77,22 @@ class EngineRoles:
         """Until every role reported ready, polling without blocking the loop. A startup
         error, or a cancel (Ctrl-C), is raised once nothing is left behind."""
         try:
-            while len(self.infos) < len(self.handles):
-                for h in self.handles:
-                    if h.name not in self.infos and (info := h.poll_ready()) is not None:
-                        self.infos[h.name] = info
-                if len(self.infos) < len(self.handles):
-                    await asyncio.sleep(READY_POLL_S)
+            while not self._poll():
+                await asyncio.sleep(READY_POLL_S)
         except BaseException:
             self.abandon()
             raise
+
+    def _poll(self) -> bool:
+        """Every role not yet ready asked once, without blocking; whether all are. Raises
+        the first startup error seen. Roles are asked together, never one awaited before
+        the next: a role may wait on another that failed (tensor-parallel ranks meet in
+        collectives, so one rank failing inside a CUDA graph's warm-up leaves the others
+        in it), and only killing it ends that wait."""
+        for h in self.handles:
+            if h.name not in self.infos and (info := h.poll_ready()) is not None:
+                self.infos[h.name] = info
+        return len(self.infos) == len(self.handles)
 
     @property
     def scheduler_info(self) -> dict[str, Any]:

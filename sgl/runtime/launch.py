@@ -3,9 +3,9 @@
 Processes are fresh interpreters (`python -m sgl.runtime.child`), never forks: the
 caller's main module is not re-imported, so no `__main__` guard is needed, and a
 CUDA-initialised caller is safe. Under the inproc transport the roles run on
-daemon threads instead. Either way a handle gives the role's readiness report,
-waited for (`wait_ready`) or polled (`poll_ready`), and re-raises its startup
-error; afterwards a watchdog turns a dead role into one callback, never a hang.
+daemon threads instead. Either way a handle gives the role's readiness report when
+polled (`poll_ready`, never blocking: the engine asks all its roles in turn), and
+re-raises its startup error; afterwards a watchdog turns a dead role into one callback, never a hang.
 An engine starts and stops its roles together through sgl/runtime/engine_roles.py;
 `off_loop` runs its blocking start and stop work off the caller's loop. Nothing
 here installs a signal handler."""
@@ -43,10 +43,6 @@ class RoleHandle(ABC):
 
     @abstractmethod
     def alive(self) -> bool: ...
-
-    @abstractmethod
-    def wait_ready(self) -> dict[str, Any]:
-        """Block until the role reports; return its info or raise its startup error."""
 
     @abstractmethod
     def poll_ready(self) -> dict[str, Any] | None:
@@ -96,14 +92,14 @@ class ProcessRole(RoleHandle):
             return "running"
         return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
-    def _read_report(self, timeout: float) -> dict[str, Any] | None:
-        """Read what the readiness pipe holds within `timeout`; the report once it is
-        complete (the pipe is closed then), else None."""
+    def _read_report(self) -> dict[str, Any] | None:
+        """Read what the readiness pipe holds now; the report once it is complete (the
+        pipe is closed then), else None."""
         if self._report is not None:
             return self._report
         if self._ready_r is None:
             raise ChildStartupError(f"the {self.name} already reported")
-        ready, _, _ = select.select([self._ready_r], [], [], timeout)
+        ready, _, _ = select.select([self._ready_r], [], [], 0)
         if ready:
             chunk = os.read(self._ready_r, 65536)
             self._buf += chunk
@@ -121,13 +117,8 @@ class ProcessRole(RoleHandle):
         self._report = json.loads(self._buf)
         return self._report
 
-    def wait_ready(self) -> dict[str, Any]:
-        while (report := self._read_report(0.2)) is None:
-            pass
-        return _ready_or_raise(self.name, report)
-
     def poll_ready(self) -> dict[str, Any] | None:
-        report = self._read_report(0)
+        report = self._read_report()
         return None if report is None else _ready_or_raise(self.name, report)
 
     def kill(self) -> None:
@@ -174,9 +165,6 @@ class ThreadRole(RoleHandle):
 
     def exit_description(self) -> str:
         return f"crashed: {self.error!r}" if self.error else "stopped"
-
-    def wait_ready(self) -> dict[str, Any]:
-        return _ready_or_raise(self.name, self._reports.get())
 
     def poll_ready(self) -> dict[str, Any] | None:
         try:
