@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -190,7 +189,6 @@ def main() -> None:
     ap.add_argument("--skip", type=float, default=0.2, help="share of turns cut at each end")
     a = ap.parse_args()
     gpu_scheduler_process()  # the settings of a served engine's scheduler process
-    sys.setswitchinterval(0.0002)  # as the scheduler's own process (sgl.runtime.child)
     model = with_architecture(a.model or default_model_dir(), a.config)
     tl = Timeline()
     install(tl)
