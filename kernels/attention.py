@@ -46,8 +46,9 @@ class AttnMetadata:
     # to the device asynchronously; from pageable memory that copy would sync).
     kv_indptr_host: torch.Tensor | None = None
     qo_indptr_host: torch.Tensor | None = None
-    # The cached prefix alone (kv minus the new tokens), for extends that attend to it
-    # apart from the new tokens; None when no extend row of the batch has a prefix.
+    # The cached prefix alone (kv minus the new tokens), for a backend that attends to it
+    # apart from the new tokens (AttentionBackend.reads_prefixes_apart); None otherwise,
+    # and when no extend row of the batch has a prefix.
     prefix_indptr_host: torch.Tensor | None = None
     prefix_indices: torch.Tensor | None = None
     prefix_lens_host: torch.Tensor | None = None  # [B] int32
@@ -78,6 +79,12 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: the new tokens' [T, Hkv, D], already written to the pool;
         k_cache, v_cache: the layer's pool [slots, Hkv, D]. Returns [T, Hq, D]."""
+
+    def reads_prefixes_apart(self, query_tokens: int) -> bool:
+        """Whether an extend of `query_tokens` query tokens in all (decode rows included)
+        attends to its rows' cached prefixes apart from their new tokens, and so needs
+        AttnMetadata's prefix fields (a gather of their slots on the device)."""
+        return False
 
     # CUDA-graph decode: backends that can be captured plan each padded batch size into
     # buffers that a graph replays. The torch reference is never captured.

@@ -257,11 +257,17 @@ class FlashInferAttentionBackend(AttentionBackend):
                      self._last_page_len(1), self.hq, self.hkv, self.d, 1, causal=False, q_data_type=self.dtype,
                      kv_data_type=self.kv_dtype, seq_lens=self._shared_len)
 
+    def reads_prefixes_apart(self, query_tokens: int) -> bool:
+        return query_tokens > self.paged_extend_max_tokens  # the split path: ragged + paged prefix + merge
+
     def _plan_extend(self, meta: AttnMetadata) -> None:
         qo, kv_indptr = meta.qo_indptr_host, meta.kv_indptr_host
         assert qo is not None and kv_indptr is not None
         d = meta.decode_from
-        paged = int(qo[-1]) <= self.paged_extend_max_tokens
+        paged = not self.reads_prefixes_apart(int(qo[-1]))
+        # Some extend row has a cached prefix when its rows hold more slots than queries.
+        e = len(meta.qo_lens) if d is None else d
+        prefixed = int(kv_indptr[e]) > int(qo[e])
         # A mixed batch's decode rows run apart (decode kernel or cascade) when they share a
         # prefix or the batch is past the paged threshold; else they join the paged prefill,
         # one query each over its whole KV: one call a layer, not three and a cat.
@@ -271,17 +277,18 @@ class FlashInferAttentionBackend(AttentionBackend):
             qo = qo[: d + 1]
             self._plan_mixed_decode(meta, d)
         b = qo.numel() - 1
-        if paged and (meta.prefix_indptr_host is not None or d is not None):
+        if paged and (prefixed or d is not None):
             self._extend_kind = "paged"
             # kv_indptr[: b + 1] bounds the planned rows' slots, which come first in kv_indices.
             kv = kv_indptr[: b + 1]
             self.paged.plan(qo, kv, meta.kv_indices, self._last_page_len(b), self.hq, self.hkv, self.d, 1,
                             causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                             seq_lens=self._lens("extend_lens", kv))
-        elif meta.prefix_indptr_host is None:
+        elif not prefixed:
             self._extend_kind = "ragged"
         else:
             self._extend_kind = "split"
+            assert meta.prefix_indptr_host is not None and meta.prefix_indices is not None
             self.paged.plan(qo, meta.prefix_indptr_host, meta.prefix_indices, self._last_page_len(b), self.hq,
                             self.hkv, self.d, 1, causal=False, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                             seq_lens=meta.prefix_lens_host)

@@ -202,7 +202,8 @@ def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path,
     batches: one paged prefill, or the chunks' kernels and the decode kernel, by
     `paged_extend`), decode rows sharing a cached prefix (cascades, plain and mixed),
     prefix-cached extends. Against the same engine on the torch backend, each request's top
-    logprobs agree to float16's precision up to its first near-tie flip."""
+    logprobs agree to float16's precision up to its first near-tie flip; the prefixes' slots
+    are gathered for the split path alone (one paged prefill reads every row's whole KV)."""
     import sgl
     from sgl.sched.runner import prepare as prep
     from sgl.sched.runner.model_runner import ModelRunner
@@ -224,11 +225,22 @@ def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path,
 
     from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
 
+    extends: list[tuple[str, bool]] = []  # each extend's kind, and whether it came with its prefixes' slots
+
     def backend(self: ModelRunner, args: object, m: Any) -> FlashInferAttentionBackend:
-        return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
-                                          self.max_total_tokens + 1, context_length=self.context_length,
-                                          triton_decode=triton_decode,
-                                          paged_extend_max_tokens=10**6 if paged_extend else 0)
+        fi = FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
+                                        self.max_total_tokens + 1, context_length=self.context_length,
+                                        triton_decode=triton_decode,
+                                        paged_extend_max_tokens=10**6 if paged_extend else 0)
+        plan = fi.begin_forward
+
+        def begin_forward(meta: AttnMetadata) -> None:
+            plan(meta)
+            if not meta.is_decode:
+                extends.append((fi._extend_kind, meta.prefix_indices is not None))
+
+        fi.begin_forward = begin_forward  # type: ignore[method-assign]
+        return fi
 
     alone, _ = run(flashinfer=False)
     with cpu_flashinfer(), pytest.MonkeyPatch.context() as mp:
@@ -237,3 +249,5 @@ def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path,
         through, info = run(flashinfer=True)
     assert info["mixed_steps"] > 0 and info["cascade_steps"] > 0, info
     assert_top_logprobs_agree(through, alone)
+    assert all(gathered == (kind == "split") for kind, gathered in extends), extends
+    assert ("paged" if paged_extend else "split") in {kind for kind, _ in extends}

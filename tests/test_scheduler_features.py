@@ -300,13 +300,20 @@ def test_a_prefill_forward_steps_the_running_requests(tmp_path_factory: pytest.T
         assert sum(b.tokens for b in batches) == sum(b.tokens for b in separate)
 
 
+@pytest.mark.parametrize("apart", [True, False])
 def test_a_mixed_batch_s_attention_metadata_splits_at_its_decode_rows(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, apart: bool) -> None:
     """A mixed batch tells the attention backend where its decode rows begin: from there each
     row is one query over its first kv_len slots (the decode kernel's input, a slice of the
-    batch's KV indices), and the cached-prefix fields describe the prompt chunks before it
-    alone, each chunk's prefix being the first slots of its own KV (a chunk after the first
-    has one: the earlier chunks')."""
+    batch's KV indices). For a backend that reads cached prefixes apart (`apart`, as
+    FlashInfer's past its paged threshold) the prefix fields describe the prompt chunks
+    before it alone, each chunk's prefix being the first slots of its own KV (a chunk after
+    the first has one: the earlier chunks'); for one that does not (the torch backend's
+    own answer), they are left out."""
+    from sgl.kernels.torch_attention import TorchAttentionBackend
+
+    if apart:
+        monkeypatch.setattr(TorchAttentionBackend, "reads_prefixes_apart", lambda self, tokens: True)
     model = tiny_model_dir(tmp_path_factory.mktemp("mixed-meta"), "llama", vocab=128, seed=5)
     rng = random.Random(4)
     reqs = [("a", [rng.randrange(1, 120) for _ in range(6)], 12),
@@ -316,7 +323,10 @@ def test_a_mixed_batch_s_attention_metadata_splits_at_its_decode_rows(
     _drive(model, reqs, overlap=False, enable_mixed_chunk=True, chunked_prefill_size=32, max_total_tokens=2048,
            prepared=prepared)
     mixed = [(p, table) for p, table in prepared if p.batch.decode_from is not None]
-    assert any(p.attn.prefix_indptr_host is not None for p, _ in mixed)  # a later chunk of `long` among them
+    prefixed = [p for p, _ in mixed if any(k > q for k, q in zip(p.batch.kv_lens[:p.batch.decode_from],
+                                                                 p.batch.qo_lens[:p.batch.decode_from]))]
+    assert prefixed  # a later chunk of `long` among them
+    assert all((p.attn.prefix_indptr_host is not None) == apart for p in prefixed)
     for p, table in mixed:
         m, b = p.attn, p.batch
         d = b.decode_from
@@ -326,8 +336,8 @@ def test_a_mixed_batch_s_attention_metadata_splits_at_its_decode_rows(
         for i, row in enumerate(b.rows):  # every row's KV, decode rows' included: its table slots
             assert m.kv_indices[kv_indptr[i]:kv_indptr[i + 1]].tolist() == table[row, :b.kv_lens[i]].tolist()
         prefixes = [k - q for k, q in zip(b.kv_lens[:d], b.qo_lens[:d])]
-        if not any(prefixes):
-            assert m.prefix_indptr_host is None
+        if not (apart and any(prefixes)):
+            assert m.prefix_indptr_host is None and m.prefix_indices is None
             continue
         assert m.prefix_indptr_host.tolist() == [0, *itertools.accumulate(prefixes)]
         assert m.prefix_lens_host.tolist() == prefixes

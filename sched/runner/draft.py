@@ -158,7 +158,7 @@ class DraftModel:
         up.send()
         rows_dev, positions, slots = (up.get(i) for i in at[:3])
         ids = input_ids if input_ids.is_cuda else up.get(at[3])
-        meta = self.preparer.attention(is_decode, qo_lens, kv_lens, rows_dev)
+        meta = self.preparer.attention(is_decode, qo_lens, kv_lens, rows_dev, backend=self.attn_backend)
         assert meta.qo_indptr_host is not None
         if is_decode and self.graphs is not None and self.graphs.can_run(len(rows)):
             self.graph_forwards += 1

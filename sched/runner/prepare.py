@@ -15,7 +15,7 @@ import torch
 
 from sgl.cache.req_to_token_pool import gather_kv_indices
 from sgl.core.host_copy import Uploads, pinned, to_device
-from sgl.kernels.attention import AttnMetadata, CascadeMeta
+from sgl.kernels.attention import AttentionBackend, AttnMetadata, CascadeMeta
 from sgl.kernels.kv_indices import available as kv_indices_kernel_available
 from sgl.kernels.kv_indices import gather_rows
 from sgl.kernels.lora import LoraBatch
@@ -165,18 +165,21 @@ class BatchPreparer:
         )
 
     def attention(self, is_decode: bool, qo_lens: list[int], kv_lens: list[int], rows_dev: torch.Tensor,
-                  cascade: CascadeMeta | None = None, shared: int = 0,
-                  decode_from: int | None = None) -> AttnMetadata:
+                  cascade: CascadeMeta | None = None, shared: int = 0, decode_from: int | None = None,
+                  backend: AttentionBackend | None = None) -> AttnMetadata:
         """The attention metadata of request-table rows `rows_dev`: row i's qo_lens[i] new
         tokens over its first kv_lens[i] slots, or over `cascade`'s split; an extend's cached
-        prefixes apart, those of its rows before `decode_from` alone in a mixed batch (the
-        rest are decode rows). The table's mirror must be synced."""
+        prefixes apart where `backend` (None: the runner's) reads them so, those of its rows
+        before `decode_from` alone in a mixed batch (the rest are decode rows). The table's
+        mirror must be synced."""
         table = self.runner.req_to_token_pool.mirror
         qo_indptr = self._host(indptr_of(qo_lens))
         kv_indptr = self._host(indptr_of(kv_lens))
         extends = len(qo_lens) if decode_from is None else decode_from
         prefix_lens = [k - q for k, q in zip(kv_lens[:extends], qo_lens[:extends])]
-        prefix_indptr = self._host(indptr_of(prefix_lens)) if not is_decode and any(prefix_lens) else None
+        apart = (not is_decode and any(prefix_lens)
+                 and (backend or self.runner.attn_backend).reads_prefixes_apart(int(qo_indptr[-1])))
+        prefix_indptr = self._host(indptr_of(prefix_lens)) if apart else None
         up = Uploads(self.runner.device)
         at = [up.add(qo_indptr), up.add(kv_indptr)]
         at_prefix = None if prefix_indptr is None else up.add(prefix_indptr)
