@@ -502,10 +502,9 @@ for step in "$@"; do
     # speccostold: the same benchmark (this checkout's) through the engine of .old/ (see `old`).
     speccostold)
       if old_site benchmarks; then
-        lt=$PWD/.lt
         (cd /tmp/oldrun && export PYTHONPATH=/tmp/oldsite:$PYTHONPATH \
-          && run 300 python3 -m benchmarks.spec_step_cost "$lt" --concurrency ${SPECCOST_C:-1,8} --draft "$lt" \
-               ${SPECCOST_ARGS:-})
+          && run 300 python3 -m benchmarks.spec_step_cost "$OLDPWD/.lt" --concurrency ${SPECCOST_C:-1,8} \
+               --draft "$OLDPWD/.lt" ${SPECCOST_ARGS:-})
       fi ;;
     # tablesync: the request table's host cost per decode and speculative step, its mirror on
     # the GPU (benchmarks/table_sync.py; seconds).

@@ -5,7 +5,8 @@ caller's main module is not re-imported, so no `__main__` guard is needed, and a
 CUDA-initialised caller is safe. Under the inproc transport the roles run on
 daemon threads instead. Either way a handle gives the role's readiness report when
 polled (`poll_ready`, never blocking: the engine asks all its roles in turn), and
-re-raises its startup error; afterwards a watchdog turns a dead role into one callback, never a hang.
+re-raises its startup error; afterwards a watchdog turns a dead role into one
+callback, never a hang.
 An engine starts and stops its roles together through sgl/runtime/engine_roles.py;
 `off_loop` runs its blocking start and stop work off the caller's loop. Nothing
 here installs a signal handler."""
