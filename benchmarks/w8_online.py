@@ -49,6 +49,9 @@ point reports `client_cpu_load`, its CPU seconds per wall second.
         [--launch 'sgl serve DIR --port 30000 ...']   # start the server, wait for it, stop it after
         [--plots DIR] [--label sgl]
     python -m benchmarks.w8_online --plot sgl.json vllm.json --labels sgl,vllm --out DIR
+    python -m benchmarks.w8_online --compare sgl.json vllm.json [--target 1.15]
+        # markdown tables; exit 0 where sgl's p50/p99 TTFT and ITL are no worse at every
+        # point both sustain and its saturation throughput is at least --target times vLLM's
 """
 
 from __future__ import annotations
@@ -649,11 +652,13 @@ def row(p: dict[str, Any]) -> dict[str, object]:
 
 
 def result_line(label: str, points: list[dict[str, Any]]) -> str:
-    """`RESULT w8 ...`: failures, and per workload its best throughput, p50/p99 TTFT and ITL and
-    p50 TPOT at concurrency 1."""
+    """`RESULT w8 ...`: failures, and per workload its saturation throughput (the median of its
+    `inf` points), its best throughput, p50/p99 TTFT and ITL and p50 TPOT at concurrency 1."""
     parts = [f"label={label}", f"failed={sum(p['failed'] for p in points)}"]
     for w in dict.fromkeys(p["workload"] for p in points):
         mine = [p for p in points if p["workload"] == w and p["ok"]]
+        if sat := [p["out_tok_s"] or 0 for p in mine if p["mode"] == "rate" and math.isinf(float(p["value"]))]:
+            parts.append(f"{w}_sat_tok_s={median(sat):.0f}")
         if mine:
             parts.append(f"{w}_max_tok_s={max(p['out_tok_s'] or 0 for p in mine):.0f}")
         one = [p for p in mine if p["mode"] == "concurrency" and float(p["value"]) == 1]
@@ -662,6 +667,111 @@ def result_line(label: str, points: list[dict[str, Any]]) -> str:
                 parts += [f"{w}_c1_{k[:-3]}_p50_ms={p[k]['p50']}", f"{w}_c1_{k[:-3]}_p99_ms={p[k]['p99']}"]
             parts.append(f"{w}_c1_tpot_p50_ms={p['tpot_ms']['p50']}")
     return "RESULT w8 " + " ".join(parts)
+
+
+# ---------------------------------------------------------------- two engines compared
+
+LATENCIES = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p99"))
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+
+
+def merged_points(points: list[dict[str, Any]], workload: str) -> dict[tuple[str, float], dict[str, Any]]:
+    """A workload's points by (mode, value), a repeated point as one: its requests and failures
+    summed, its throughput and each latency percentile the median over the repeats (`runs`
+    keeps each one's tok/s)."""
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for p in points:
+        if p["workload"] == workload:
+            groups.setdefault((p["mode"], float(p["value"])), []).append(p)
+    out = {}
+    for key, ps in groups.items():
+        m: dict[str, Any] = {"requests": sum(p["requests"] for p in ps), "failed": sum(p["failed"] for p in ps),
+                             "runs": [p["out_tok_s"] or 0.0 for p in ps],
+                             "req_s": median([p["req_s"] or 0.0 for p in ps])}
+        m["out_tok_s"] = median(m["runs"])
+        for k, q in LATENCIES:
+            vals = [p[k][q] for p in ps if p[k][q] is not None]
+            m.setdefault(k, {})[q] = median(vals) if vals else None
+        out[key] = m
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    text: str  # markdown: a table per workload and the findings under it
+    met: bool  # every criterion met on every workload both ran
+
+
+def compare(mine: dict[str, Any], peer: dict[str, Any], target: float) -> Verdict:
+    """`mine` against `peer` (two result files of the same sweep), per workload both ran. A
+    rate point counts where both engines sustain it: every request ended well and the rate is
+    at most the engine's saturation request rate (its `inf` point's, the median of repeats).
+    Met when at each of those mine's p50 and p99 TTFT and ITL are no worse than the peer's, and
+    mine's saturation throughput (the median of its `inf` points) is at least `target` times
+    the peer's. Concurrency points are shown beside them and judged the same way."""
+    a, b = mine.get("label", "mine"), peer.get("label", "peer")
+    lines: list[str] = []
+    met = True
+    ran = [w for w in dict.fromkeys(p["workload"] for p in mine["points"])
+           if any(p["workload"] == w for p in peer["points"])]
+    for w in ran:
+        pa, pb = merged_points(mine["points"], w), merged_points(peer["points"], w)
+        sat_a, sat_b = pa.get(("rate", math.inf)), pb.get(("rate", math.inf))
+        rows: list[dict[str, object]] = []
+        worse: list[str] = []
+        for key in sorted(set(pa) & set(pb), key=lambda k: (k[0] != "rate", k[1])):
+            mode, v = key
+            if mode == "rate" and math.isinf(v):
+                continue
+            x, y = pa[key], pb[key]
+            ok = not x["failed"] and not y["failed"]
+            if mode == "rate":
+                ok = ok and all(s is not None and v <= s["req_s"] for s in (sat_a, sat_b))
+            name = f"{mode} {v:g}"
+            row: dict[str, object] = {"point": name, "both sustain": "yes" if ok else "no"}
+            for k, q in LATENCIES:
+                xa, yb = x[k][q], y[k][q]
+                bad = ok and (xa is None or (yb is not None and xa > yb))
+                row[f"{k[:-3].upper()} {q}"] = f"{_ms(xa)} / {_ms(yb)}" + (" !" if bad else "")
+                if bad:
+                    worse.append(f"{name} {k[:-3].upper()} {q} ({_ms(xa)} against {_ms(yb)})")
+            rows.append(row)
+        lines += [f"### {w}: {a} / {b}, ms (! where {a} is worse at a point both sustain)", ""]
+        if rows:
+            lines += _markdown(rows) + [""]
+        lines.append(f"- latency: {a} no worse at every point both sustain" if not worse
+                     else f"- latency: {a} worse at " + "; ".join(worse))
+        if sat_a is None or sat_b is None:
+            lines.append("- saturation: no `inf` point in both files")
+            met = False
+        else:
+            ratio = sat_a["out_tok_s"] / sat_b["out_tok_s"] if sat_b["out_tok_s"] else math.inf
+            each = [f"{label} {s['out_tok_s']:,.0f} tok/s"
+                    + (f" (median of {', '.join(f'{r:,.0f}' for r in s['runs'])})" if len(s["runs"]) > 1 else "")
+                    for label, s in ((a, sat_a), (b, sat_b))]
+            lines.append(f"- saturation: {each[0]}, {each[1]}: {ratio:.2f}x (target {target:.2f}x)"
+                         + ("" if ratio >= target else ", missed"))
+            met = met and ratio >= target
+        met = met and not worse
+        lines.append("")
+    if not ran:
+        lines.append(f"{a} and {b} share no workload")
+    lines.append(f"**{'met' if ran and met else 'not met'}**: {a} against {b}")
+    return Verdict("\n".join(lines), bool(ran) and met)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.1f}"
+
+
+def _markdown(rows: list[dict[str, object]]) -> list[str]:
+    cols = list(rows[0])
+    return (["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            + ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
 
 
 # ---------------------------------------------------------------- plots
@@ -811,7 +921,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these result files")
     ap.add_argument("--labels", help="names for the --plot files, comma-separated (default: their labels)")
     ap.add_argument("--out", default=".", help="the --plot mode's output folder")
+    ap.add_argument("--compare", nargs=2, metavar=("MINE", "PEER"),
+                    help="only compare two result files of one sweep: latency where both sustain a rate, "
+                         "saturation against --target; exit 0 when every criterion is met, 1 otherwise")
+    ap.add_argument("--target", type=float, default=1.15, help="the --compare mode's saturation throughput ratio")
     a = ap.parse_args(argv)
+    if a.compare:
+        verdict = compare(*(json.load(open(f)) for f in a.compare), a.target)
+        print(verdict.text)
+        return 0 if verdict.met else 1
     if a.plot:
         datas = [json.load(open(f)) for f in a.plot]
         labels = a.labels.split(",") if a.labels else [d.get("label", f) for d, f in zip(datas, a.plot)]

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from benchmarks import w8_online
 from tests.serve_util import ServerProc
@@ -311,3 +313,80 @@ def test_engine_line_counts_the_steps_prefills_carried_and_the_owed_ones() -> No
     plain = w8_online.engine_line({**c, "mixed_steps": 0.0, "owed_steps": 0.0})
     assert plain.startswith("100 decode steps; host ms")
     assert w8_online.engine_line({}) == ""
+
+
+# ---------------------------------------------------------------- two result files compared
+
+def point(mode: str, value: float, lat: float = 10.0, tok_s: float = 1000.0, req_s: float = 5.0,
+          failed: int = 0, workload: str = "w2") -> dict:
+    q = {"p50": lat, "p90": lat * 2, "p99": lat * 3, "mean": lat}
+    return {"workload": workload, "mode": mode, "value": "inf" if math.isinf(value) else value, "requests": 8,
+            "ok": 8 - failed, "failed": failed, "req_s": req_s, "out_tok_s": tok_s, "ttft_ms": dict(q),
+            "itl_ms": {k: v / 10 for k, v in q.items()}}
+
+
+def result(label: str, points: list[dict]) -> dict:
+    return {"label": label, "points": points}
+
+
+sweeps = st.lists(st.sampled_from([1.0, 2.0, 4.0, 8.0, 16.0]), min_size=1, max_size=4, unique=True).flatmap(
+    lambda rates: st.tuples(st.just(rates), st.lists(st.floats(1.0, 100.0), min_size=len(rates), max_size=len(rates)),
+                            st.lists(st.floats(100.0, 1e5), min_size=1, max_size=3)))
+
+
+@given(sweeps, st.floats(0.5, 2.0), st.floats(0.5, 2.0))
+def test_compare_saturation_is_the_median_against_the_target(sweep: tuple, factor: float, target: float) -> None:
+    """Equal latencies: met exactly when mine's saturation median is `target` times the peer's
+    or more; the sweep against itself at target 1 is met (a tie is no worse)."""
+    rates, lats, runs = sweep
+    assume(abs(factor - target) > 1e-6)
+    base = [point("rate", r, lat, req_s=100.0) for r, lat in zip(rates, lats)]
+    peer = result("peer", base + [point("rate", math.inf, tok_s=t, req_s=100.0) for t in runs])
+    mine = result("mine", base + [point("rate", math.inf, tok_s=t * factor, req_s=100.0) for t in runs[::-1]])
+    assert w8_online.compare(peer, peer, 1.0).met
+    verdict = w8_online.compare(mine, peer, target)
+    assert verdict.met == (factor >= target), verdict.text
+    assert "no worse at every point both sustain" in verdict.text
+
+
+def test_compare_judges_latency_only_where_both_sustain() -> None:
+    inf = [point("rate", math.inf, tok_s=t, req_s=10.0) for t in (900.0, 1200.0, 1000.0)]
+    peer = result("vllm", [point("rate", 4, 10.0), point("rate", 16, 10.0), point("concurrency", 4, 10.0), *inf])
+    faster = [point("rate", math.inf, tok_s=t * 1.2, req_s=12.0) for t in (900.0, 1200.0, 1000.0)]
+
+    def mine(rate4: float, rate16: float, conc: float, failed: int = 0) -> dict:
+        return result("sgl", [point("rate", 4, rate4, failed=failed), point("rate", 16, rate16),
+                              point("concurrency", 4, conc), *faster])
+
+    verdict = w8_online.compare(mine(10.0, 10.0, 9.0), peer, 1.15)
+    assert verdict.met, verdict.text
+    assert "sgl 1,200 tok/s (median of 1,080, 1,440, 1,200), vllm 1,000 tok/s" in verdict.text
+    # Rate 16 is past the peer's saturation request rate (10/s): not judged.
+    assert w8_online.compare(mine(10.0, 50.0, 9.0), peer, 1.15).met
+    slow = w8_online.compare(mine(11.0, 10.0, 9.0), peer, 1.15)
+    assert not slow.met and "rate 4 TTFT p50 (11.0 against 10.0)" in slow.text
+    (latency,) = [line for line in slow.text.splitlines() if line.startswith("- latency")]
+    assert "rate 4 ITL p99 (3.3 against 3.0)" in latency and "rate 16" not in latency
+    assert not w8_online.compare(mine(10.0, 10.0, 12.0), peer, 1.15).met  # concurrency points are judged too
+    # A point with a failed request is not sustained: its latency is shown, not judged.
+    failing = w8_online.compare(mine(11.0, 10.0, 9.0, failed=1), peer, 1.15)
+    assert failing.met and "| rate 4 | no |" in failing.text
+    assert not w8_online.compare(mine(10.0, 10.0, 9.0), peer, 1.25).met
+    # No saturation point in one file, or no workload in common: not met.
+    assert not w8_online.compare(result("sgl", [point("rate", 4, 9.0)]), peer, 1.0).met
+    assert not w8_online.compare(result("sgl", [point("rate", 4, 9.0, workload="chat")]), peer, 1.0).met
+
+
+def test_compare_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    peer = result("vllm", [point("rate", 4, 10.0), point("rate", math.inf, tok_s=1000.0)])
+    mine = result("sgl", [point("rate", 4, 9.0), point("rate", math.inf, tok_s=1100.0)])
+    files = []
+    for d in (mine, peer):
+        files.append(tmp_path / f"{d['label']}.json")
+        files[-1].write_text(json.dumps(d))
+    assert w8_online.main(["--compare", *map(str, files)]) == 1  # 1.10x against the default 1.15x
+    assert "1.10x (target 1.15x), missed" in capsys.readouterr().out
+    assert w8_online.main(["--compare", *map(str, files), "--target", "1.1"]) == 0
+    assert capsys.readouterr().out.strip().endswith("**met**: sgl against vllm")
+    line = w8_online.result_line("sgl", [point("rate", math.inf, tok_s=t) for t in (3.0, 1.0, 2.0)])
+    assert "w2_sat_tok_s=2 w2_max_tok_s=3" in line

@@ -313,7 +313,8 @@ for step in "$@"; do
     # vllmw8: the same sweep through the vLLM peer's OpenAI server (its parts unpacked in /tmp, as
     # for `vllm`; the wheels of .whl/ for what its bundle lacks), same model folder, tokenizer and
     # W8_ARGS, label vllm; w8_vllm.json, and w8_*.png of vLLM beside those of w8_sgl.json and
-    # w8_sgl_mixed.json that are there too. Its first start compiles (1-2 minutes), inside the 540 s.
+    # w8_sgl_mixed.json that are there too, and w8_compare.md: sgl against vLLM by W8's criteria
+    # (w8_online --compare). Its first start compiles (1-2 minutes), inside the 540 s.
     vllmw8)
       w8_model
       (vllm_env && run 540 python3 -m benchmarks.w8_online --label vllm --url http://127.0.0.1:30001 --procs 4 \
@@ -329,6 +330,8 @@ for step in "$@"; do
         labels+=(vllm)
         python3 -m benchmarks.w8_online --plot "${files[@]}" "$results/w8_vllm.json" \
           --labels "$(IFS=,; echo "${labels[*]}")" --out "$results"
+        [ -f "$results/w8_sgl.json" ] && { python3 -m benchmarks.w8_online --compare "$results/w8_sgl.json" \
+          "$results/w8_vllm.json" > "$results/w8_compare.md"; cat "$results/w8_compare.md"; }
       fi ;;
     # Start-up to ready (benchmarks/startup.py), STARTUP_REPEAT (3) starts.
     startup) run 200 python3 -m benchmarks.startup --repeat ${STARTUP_REPEAT:-3}
