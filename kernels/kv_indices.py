@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from sgl.kernels.triton_decode import installed
-
 BLOCK = 512  # slots a program copies per iteration
 
 
@@ -44,11 +42,6 @@ def _kernel() -> Any:
             tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
 
     return gather_rows
-
-
-def available(device: torch.device) -> bool:
-    """Whether the kernel runs on `device`: CUDA, with Triton installed."""
-    return torch.device(device).type == "cuda" and installed()
 
 
 def gather_rows(table: torch.Tensor, rows: torch.Tensor, indptr: torch.Tensor, total: int,

@@ -145,19 +145,6 @@ class LoraBatch:
         dst.block_len[nb:].zero_()
 
 
-@functools.cache
-def available() -> bool:
-    """Whether Triton is installed (the Triton path also needs CUDA tensors, or its interpreter)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def use_triton(device: torch.device) -> bool:
-    """The path a LoraBatch for `device` should take: Triton on CUDA when it is installed."""
-    return device.type == "cuda" and available()
 
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sub_sizes: tuple[int, ...],

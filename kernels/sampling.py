@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import torch
 
+from sgl.kernels import triton_installed
 from sgl.kernels.gumbel_draw import Bitmask, gumbel_draw
 from sgl.kernels.layers import flashinfer_module
-from sgl.kernels.triton_decode import installed as triton_installed
 
 
 class FusedDraw:

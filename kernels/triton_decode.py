@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from sgl.kernels import triton_runs_on
+
 # Settings measured on an H200 (decode_balance --sweep, RESULTS.md 2026-12-02): 128 slots per
 # iteration, 4 warps, 3 stages were the fastest or within 2% at W1's and W2's batches, bf16 and FP8.
 BLOCK_N = 128  # slots per iteration
@@ -125,15 +127,6 @@ def _kernels() -> tuple[Any, Any]:
     return partial, merge
 
 
-@functools.cache
-def installed() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype.itemsize == 1 and dtype.is_floating_point
 
@@ -142,7 +135,7 @@ def handles(device: torch.device, pool_dtype: torch.dtype) -> bool:
     """Whether sgl's Triton kernels run on `device` over a pool of `pool_dtype`: a CUDA
     device, Triton installed, and for FP8 compute capability 8.9+ (where the GPU converts
     FP8; Triton refuses FP8 below it)."""
-    if device.type != "cuda" or not installed():
+    if not triton_runs_on(device):
         return False
     if is_fp8(pool_dtype):
         return torch.cuda.get_device_capability(device) >= (8, 9)

@@ -85,10 +85,11 @@ def test_graphs_and_overlap_equal_eager(world: tuple[str, dict[str, str]]) -> No
 
 
 def test_triton_path_matches_torch_path() -> None:
-    from sgl.kernels.lora import LoraBatch, lora_apply, use_triton
+    from sgl.kernels import triton_runs_on
+    from sgl.kernels.lora import LoraBatch, lora_apply
 
     dev = torch.device("cuda")
-    assert use_triton(dev)
+    assert triton_runs_on(dev)
     torch.manual_seed(0)
     slots, rank, k = 8, 16, 1024
     for sizes, rows in [((2048, 1024, 1024), 256), ((3072, 3072), 300), ((1024,), 4099)]:

@@ -27,9 +27,9 @@ from sgl.core.log import get_logger
 from sgl.core.logit_processor import resolve
 from sgl.core.protocol import MEMORY_TAGS
 from sgl.core.server_args import ServerArgs
+from sgl.kernels import triton_runs_on
 from sgl.kernels.attention import AttentionBackend
 from sgl.kernels.fp8_linear import fp8_supported
-from sgl.kernels.lora import use_triton as lora_triton_on
 from sgl.kernels.torch_attention import TorchAttentionBackend
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
@@ -139,7 +139,7 @@ class ModelRunner:
         # The LoRA adapters' device slots, in every projection they may change (sgl.sched.lora).
         self.lora_spec = self._lora_spec(args)
         # The Triton LoRA kernels on CUDA where Triton runs, else the torch path (sgl.kernels.lora).
-        self.lora_triton = self.lora_spec is not None and lora_triton_on(self.device)
+        self.lora_triton = self.lora_spec is not None and triton_runs_on(self.device)
         t0 = time.perf_counter()
         self.model, self.config = self._load(args, model_path)
         self.startup = {"weights_s": time.perf_counter() - t0}

@@ -15,8 +15,8 @@ import torch
 
 from sgl.cache.req_to_token_pool import gather_kv_indices
 from sgl.core.host_copy import Uploads, pinned, to_device
+from sgl.kernels import triton_runs_on
 from sgl.kernels.attention import AttentionBackend, AttnMetadata, CascadeMeta
-from sgl.kernels.kv_indices import available as kv_indices_kernel_available
 from sgl.kernels.kv_indices import gather_rows
 from sgl.kernels.lora import LoraBatch
 from sgl.sched.batch import ScheduleBatch
@@ -85,7 +85,7 @@ class BatchPreparer:
         # (decode batch identity, its LoRA blocks): a request keeps its adapter slot while it holds KV.
         self._lora: tuple[tuple, LoraBatch | None] = ((), None)
         self.cascade_steps = 0  # decode steps that ran cascade attention
-        self._one_launch = kv_indices_kernel_available(runner.device)  # KV slots gathered by one kernel
+        self._one_launch = triton_runs_on(runner.device)  # KV slots gathered by one kernel
         if self._one_launch:  # compiled now, not inside the first request's step
             one = torch.tensor([0, 1], dtype=torch.int32, device=runner.device)
             gather_rows(runner.req_to_token_pool.mirror, one[:1].long(), one, 1)
