@@ -114,6 +114,9 @@ class Grammars:
                 req.grammar = _backend().GrammarMatcher(compiled)
                 req.grammar_width = compiled.tokenizer_info.vocab_size
                 out.append((req, None))
+            except EmptyGrammar as e:
+                out.append((req, {"type": "abort", "status_code": 400,
+                                  "message": f"{req.sampling_params.grammar[0]}: {e}"}))  # type: ignore[index]
             except Exception as e:  # noqa: BLE001 - the caller's grammar: their 400
                 kind = req.sampling_params.grammar[0]  # type: ignore[index]
                 # xgrammar's messages start with a time and a source location: the caller needs neither.
@@ -143,10 +146,27 @@ class Grammars:
         if kind == "json_schema":
             # Whitespace between tokens stays allowed but bounded: a small model left free
             # can emit it until max_new_tokens, and the JSON never closes.
-            return self._compiler.compile_json_schema(for_xgrammar(text), max_whitespace_cnt=MAX_JSON_WHITESPACE)
-        if kind == "regex":
-            return self._compiler.compile_regex(text)
-        return self._compiler.compile_grammar(text)
+            compiled = self._compiler.compile_json_schema(for_xgrammar(text), max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        elif kind == "regex":
+            compiled = self._compiler.compile_regex(text)
+        else:
+            compiled = self._compiler.compile_grammar(text)
+        if not allows_any(_backend().GrammarMatcher(compiled), compiled.tokenizer_info.vocab_size):
+            raise EmptyGrammar("the grammar matches no text (not even an empty output)")
+        return compiled
+
+
+class EmptyGrammar(ValueError):
+    """A grammar that compiles yet allows no first token, not even EOS."""
+
+
+def allows_any(matcher: Any, width: int) -> bool:
+    """Whether the matcher allows some next token (EOS included). One fill of a bitmask:
+    for a grammar's first check and for explaining a refusal, never per step."""
+    xgr = _backend()
+    mask = xgr.allocate_token_bitmask(1, width)
+    matcher.fill_next_token_bitmask(mask)
+    return bool(mask.any())
 
 
 @functools.lru_cache(maxsize=4)

@@ -40,10 +40,12 @@ class RequestIntake:
     def check(self, req: Req, live: Mapping[str, Req], queued: int, busy: bool = False) -> dict[str, Any] | None:
         """The abort reason a new request ends with at once, or None: then it is accepted,
         its trie, `serial` and place in arrival order set. `busy`: refused as by a full
-        queue (a planted fault)."""
+        queue (a planted fault). A request this engine cannot run as asked carries
+        status_code 400 (the caller's ValueError, an HTTP 400); one refused for a full
+        queue, 503."""
         error = self._error(req, live)
         if error is not None:
-            return {"type": "abort", "message": error}
+            return {"type": "abort", "status_code": 400, "message": error}
         if req.lora_name is not None:  # an adapter unloaded since the caller's side checked the name: a 400
             error = rules.disabled("lora_path") if self.lora is None else self.lora.resolve(req)
             if error is not None:
@@ -55,7 +57,7 @@ class RequestIntake:
                     "message": f"server busy: {queued} queued requests (max_queued_requests={bound}); retry later"}
         error = self._constrain(req) or self.grammars.error(req)
         if error is not None:
-            return {"type": "abort", "message": error}
+            return {"type": "abort", "status_code": 400, "message": error}
         req.arrival = next(self._arrivals)
         return None
 

@@ -170,12 +170,16 @@ class Req:
         """Retracted before its prompt was done, it recomputes its prompt logprobs from the
         start: drop the chunks' ones gathered so far (none was sent yet), all but the
         leading None of logprob_start_len=0."""
+        if self.logprobs is not None and not self.prompt_done:
+            self.logprobs.drop_prompt(keep_first=self.logprob_start_len == 0)
+
+    def end_prompt_logprobs(self) -> None:
+        """At its end: a prompt's logprobs not all gathered (it ended before its prefill's
+        results came) are dropped, so that its caller gets all of them or none. None of
+        them was sent before they were all in (they go with the first token)."""
         lp = self.logprobs
-        if lp is None or self.prompt_done:
-            return
-        keep = 1 if self.logprob_start_len == 0 else 0
-        for vals in (lp.input_ids, lp.input_vals, lp.input_top_vals, lp.input_top_ids, lp.input_ids_vals):
-            del vals[keep:]  # an unused list is empty: nothing to drop
+        if lp is not None and 0 < len(lp.input_vals) < len(self.origin_input_ids) - self.logprob_start_len:
+            lp.drop_prompt()
 
     def tokens_left(self, context_length: int) -> int:
         """Output tokens it may still get: max_new_tokens and the context both bound it

@@ -369,6 +369,7 @@ class Scheduler:
         """End a request that is not queued (a queued one is unqueued first) and give back
         its KV (into the tree, unless aborted)."""
         req.finished_reason = reason
+        req.end_prompt_logprobs()
         self.prefill.remove(req)
         self.decode.remove(req)
         self.kv.release(req, cache=reason["type"] != "abort")

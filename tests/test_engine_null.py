@@ -5,11 +5,14 @@ so these tests check the roles and the scheduler's bookkeeping alone."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 import sgl
+from sgl.core.protocol import GenerateReqInput
 from sgl.runtime.req_options import ReqOptions
 from tests.conftest import ENGINE_VARIANTS, null_continuation, settle_aborts
 
@@ -170,7 +173,8 @@ def test_penalties_seeds_and_logprobs_survive_retraction(engine: sgl.Engine) -> 
 def test_the_scheduler_aborts_with_the_submit_error(engine: sgl.Engine, ids: list[int], params: dict,
                                                     opts: dict) -> None:
     """A request that skips the tokenizer manager's checks (a foreign client over tcp)
-    is aborted by the scheduler with the very message submit raises."""
+    is refused by the scheduler with the very message submit raises, as the caller's
+    ValueError (status_code 400: an HTTP 400)."""
     with pytest.raises(ValueError) as raised:
         engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2, **params}, **opts)
 
@@ -183,8 +187,9 @@ def test_the_scheduler_aborts_with_the_submit_error(engine: sgl.Engine, ids: lis
         finally:
             await gen.aclose()
 
-    out = engine._run(main())
-    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": str(raised.value)}
+    with pytest.raises(ValueError) as refused:
+        engine._run(main())
+    assert str(refused.value) == str(raised.value)
 
 
 def test_the_scheduler_rechecks_the_processor_allow_list(engine: sgl.Engine) -> None:
@@ -197,6 +202,79 @@ def test_the_scheduler_rechecks_the_processor_allow_list(engine: sgl.Engine) -> 
         finally:
             await gen.aclose()
 
-    out = engine._run(main())
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert "custom_logit_processor='os:system' is not allowed" in out["meta_info"]["finish_reason"]["message"]
+    with pytest.raises(ValueError, match="custom_logit_processor='os:system' is not allowed"):
+        engine._run(main())
+
+
+class _Refusing:
+    """A sender that cannot carry a generate request (as msgspec refuses a value it cannot encode)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def send(self, msg: Any) -> None:
+        if isinstance(msg, GenerateReqInput):
+            raise TypeError("Encoding objects of type object is unsupported")
+        self.real.send(msg)
+
+
+def test_a_request_that_cannot_be_sent_leaves_nothing_open(engine: sgl.Engine,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    tm = engine._engine.tm
+    monkeypatch.setattr(tm, "send", _Refusing(tm.send))
+    for n in (1, 3):
+        with pytest.raises(TypeError):
+            engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2, "n": n}, rid="once")
+    monkeypatch.undo()
+    assert engine._engine.open_requests == 0
+    out = engine.generate(input_ids=[5, 6], sampling_params={**GREEDY, "max_new_tokens": 2}, rid="once")
+    assert out["output_ids"] == null_continuation(6, 2)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda e: e.generate(input_ids=[5], sampling_params={"max_new_tokens": 1, "stop": "a\ud800"}), "stop"),
+    (lambda e: e.generate(input_ids=[5], sampling_params={"max_new_tokens": 1, "custom_params": {"x": 2**70}}),
+     "custom_params"),
+    (lambda e: e.generate("a\ud800", {"max_new_tokens": 1}), "prompt"),
+    (lambda e: e.generate(input_ids=[5], sampling_params={"max_new_tokens": 1}, rid="\ud800"), "rid"),
+    (lambda e: e.generate(input_ids=[5], sampling_params={"max_new_tokens": 1, "constraint": {"name": "nope"}}),
+     "constraint.name: no trie is kept under 'nope'"),
+], ids=["stop", "custom_params", "prompt", "rid", "trie-name"])
+def test_what_the_engine_cannot_carry_or_find_is_the_callers_error(engine: sgl.Engine, call: Any,
+                                                                  field: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(field)):
+        call(engine)
+    assert engine._engine.open_requests == 0
+
+
+def test_the_last_seed_with_n_samples_wraps(engine: sgl.Engine) -> None:
+    """Sample i draws with seed + i, wrapped within the seeds' 63 bits: the largest seed
+    with n = 2 is two samples, each as a lone request with its seed gives it."""
+    top = 2**63 - 1
+    outs = engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 4, "seed": top, "n": 2})
+    alone = [engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 4, "seed": s}) for s in (top, 0)]
+    assert [o["output_ids"] for o in outs] == [a["output_ids"] for a in alone]
+
+
+def test_a_request_aborted_before_its_prefill_reports_no_prompt_logprobs(engine: sgl.Engine) -> None:
+    """Its prompt's logprobs were never computed: none of them, not the first position's
+    None alone (a caller gets a prompt's logprobs whole or not at all)."""
+    async def main() -> dict:
+        e = engine._engine
+        await e.pause_generation("in_place")
+        try:
+            task = asyncio.ensure_future(e.generate(input_ids=list(range(10, 20)), rid="queued",
+                                                    sampling_params={"max_new_tokens": 4}, return_logprob=True,
+                                                    logprob_start_len=0, top_logprobs_num=2))
+            for _ in range(500):  # until the scheduler holds it, queued
+                if (await e.get_server_info())["waiting"]:
+                    break
+                await asyncio.sleep(0.01)
+            await e.abort("queued")
+            return await task
+        finally:
+            await e.continue_generation()
+
+    meta = engine._run(main())["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert meta["input_token_logprobs"] == meta["input_top_logprobs"] == meta["output_token_logprobs"] == []

@@ -47,8 +47,22 @@ def test_temperature(temperature: float) -> None:
     _assert_close(_frequencies(temperature=temperature), torch.softmax(LOGITS.double() / temperature, -1))
 
 
-def test_temperature_zero_is_argmax() -> None:
-    assert (_frequencies(temperature=0.0) == torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=torch.double)).all()
+@pytest.mark.parametrize("temperature", [0.0, 1e-39, 9.9e-6])
+def test_temperature_zero_is_argmax(temperature: float) -> None:
+    """Under 1e-5 a temperature is greedy (as in SGLang and vLLM): dividing the logits by
+    1e-39 overflowed float32 into NaN probabilities, and every draw took the last id."""
+    assert (_frequencies(temperature=temperature) == torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=torch.double)).all()
+
+
+@pytest.mark.parametrize("bias,never", [(1e9, None), (-1e9, 0)])
+def test_the_largest_bias_forces_or_bans_its_token_at_any_temperature(bias: float, never: int | None) -> None:
+    """A bias at the bound, added to float32 logits and divided by the least sampled
+    temperature, stays finite: the biased token is drawn every time, or never."""
+    token = 3 if never is None else never
+    reqs = _reqs(1000, temperature=1e-5, logit_bias={token: bias})
+    sb = SamplingBatch.from_reqs(reqs, V, torch.device("cpu"))
+    ids = sample(process_logits(LOGITS.repeat(1000, 1), sb, None), sb, torch.Generator().manual_seed(1))
+    assert ((ids == token) if never is None else (ids != token)).all(), ids.bincount(minlength=V)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -173,7 +187,9 @@ def test_bias_penalties_and_min_new_tokens_equal_the_reference() -> None:
     ("seed", 2**64, "64-bit"), ("top_k", 2**64, "64-bit"), ("stop", ["a"] * 65, "at most 64"),
     ("stop", ["a" * 513], "at most 512"), ("max_new_tokens", -1, ">= 0"),
     ("min_new_tokens", 200, "max_new_tokens"), ("stop", [""], "non-empty"), ("stop_token_ids", [-1], "non-negative"),
-    ("logit_bias", {"1": math.inf}, "finite"),
+    ("logit_bias", {"1": math.inf}, "[-1e+09, 1e+09]"), ("logit_bias", {"1": -1e308}, "[-1e+09, 1e+09]"),
+    ("stop", ["a\ud800"], "Unicode"), ("stop_regex", "\udfff", "Unicode"), ("regex", "a\ud800", "Unicode"),
+    ("custom_params", {"x": object()}, "what JSON carries"), ("custom_params", {"x": 2**70}, "what JSON carries"),
 ])
 def test_validation_names_the_field_and_range(field: str, value: Any, allowed: str) -> None:
     with pytest.raises(ValueError, match=field) as e:

@@ -202,6 +202,18 @@ def test_columns_past_the_tokenizer_are_never_a_grammars_token(tmp_path: Any) ->
     d.balanced()
 
 
+def test_a_grammar_of_no_text_is_refused_and_a_dead_end_ends_its_request(engine: sgl.Engine) -> None:
+    """A grammar that compiles yet allows no first token (not even EOS) is the caller's
+    ValueError; one that dead-ends after some output ends its request with an abort that
+    says so (the token drawn under its empty mask is not called an internal error)."""
+    with pytest.raises(ValueError, match=r"^regex: the grammar matches no text"):
+        engine.generate("x", {"max_new_tokens": 4, "regex": r"[^\s\S]"})
+    out = engine.generate("x", {"max_new_tokens": 4, "temperature": 0, "regex": r"ab[^\s\S]"})
+    fin = out["meta_info"]["finish_reason"]
+    assert fin["type"] == "abort" and fin["message"].startswith("regex: the grammar allows no token after"), fin
+    assert out["text"].startswith("ab")
+
+
 def test_a_token_the_matcher_refuses_ends_that_request_alone(tmp_path: Any) -> None:
     """The matchers take each step's tokens on the mask thread, just before the next
     masks: a token a matcher refuses (its own mask allowed it, so an internal error)

@@ -37,6 +37,7 @@ import torch
 
 from sgl.core.host_copy import to_device
 from sgl.sched.batch import ScheduleBatch
+from sgl.sched.grammar import allows_any
 from sgl.sched.req import Req, beam_offsets
 from sgl.sched.runner.prepare_beams import sampled
 
@@ -170,7 +171,7 @@ class MaskFiller:
                     if after:
                         bad = self._accept_each(m, after[:-1])
                         if bad is not None:
-                            errors[g.batch_rows[j]] = refused(bad)
+                            errors[g.batch_rows[j]] = refused(m, bad, g.width, r)
                             ended.append(j)
                             continue
                         took.append(len(rows))
@@ -180,7 +181,7 @@ class MaskFiller:
                     if n > seen:  # rare: tokens of a step it sat out
                         bad = self._accept_each(m, out[seen:n])
                         if bad is not None:
-                            errors[g.batch_rows[j]] = refused(bad)
+                            errors[g.batch_rows[j]] = refused(m, bad, g.width, r)
                             ended.append(j)
                             continue
                     took.append(len(rows))
@@ -317,7 +318,7 @@ class MaskFiller:
             if not ok:
                 drop.add(i)
                 if not m.is_terminated():
-                    errors[g.batch_rows[rows[i]]] = refused(tok)
+                    errors[g.batch_rows[rows[i]]] = refused(m, tok, g.width, g.reqs[rows[i]])
             elif tok in self.stop_ids and m.is_terminated():
                 drop.add(i)
         for i in drop:
@@ -351,5 +352,11 @@ def accept_all(matchers: list[Any], tokens: list[int]) -> list[bool] | None:
     return None if 0 not in got else [bool(ok) for ok in got]
 
 
-def refused(tok: int) -> str:
+def refused(m: Any, tok: int, width: int, r: Req) -> str:
+    """Why matcher `m` of request `r` refused a token drawn under its own mask: a dead end
+    of the caller's grammar (its mask allowed nothing, so any draw was refused), else an
+    internal error."""
+    if not allows_any(m, width):
+        kind = r.sampling_params.grammar[0] if r.sampling_params.grammar else "grammar"
+        return f"{kind}: the grammar allows no token after the output so far: no text it matches continues it"
     return f"internal error: the grammar rejected token {tok}, which its own mask allowed"

@@ -58,6 +58,14 @@ class Logprobs(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
     input_top_ids: list[list[int] | None] = []
     input_ids_vals: list[list[float] | None] = []
 
+    def drop_prompt(self, keep_first: bool = False) -> None:
+        """Forget the prompt positions gathered so far (all but the leading None with
+        `keep_first`): its prefill starts again, or it ended before its prompt's logprobs
+        were all in, and a caller gets all of them or none."""
+        keep = 1 if keep_first and self.input_vals else 0
+        for vals in (self.input_ids, self.input_vals, self.input_top_vals, self.input_top_ids, self.input_ids_vals):
+            del vals[keep:]  # an unused list is empty: nothing to drop
+
 
 class Beam(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
     """One finished beam of a beam-search request, best first in its list. `text` is

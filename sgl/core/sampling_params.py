@@ -22,6 +22,12 @@ MAX_STOP_STRS = 64
 MAX_STOP_STR_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 4096
+# A bias this large already forces or bans its token; larger ones (up to float64's 1e308)
+# would overflow the float32 logits they are added to (inf, then NaN probabilities).
+MAX_ABS_LOGIT_BIAS = 1e9
+# Temperatures below this are greedy, as in SGLang and vLLM: dividing the logits by less
+# overflows float32 (1e-39 turned every probability into NaN).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_BEAM_WIDTH = 512  # also bounded by the scheduler's request rows (one per beam)
 MAX_TRIE_IDS = 4_000_000  # token ids in one inline trie constraint (100k sequences of 40)
 MAX_TRIE_NAME_CHARS = 128
@@ -45,6 +51,7 @@ class TrieConstraint(msgspec.Struct, tag="trie", tag_field="type", forbid_unknow
         if self.name is not None:
             _check(0 < len(self.name) <= MAX_TRIE_NAME_CHARS, "constraint.name", self.name,
                    f"1 to {MAX_TRIE_NAME_CHARS} characters")
+            _check_unicode("constraint.name", [self.name])
         if self.sequences is not None:
             _check(len(self.sequences) > 0 and all(self.sequences), "constraint.sequences", "<empty>",
                    "a non-empty list of non-empty id lists")
@@ -57,7 +64,7 @@ class TrieConstraint(msgspec.Struct, tag="trie", tag_field="type", forbid_unknow
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     max_new_tokens: int = 128
     min_new_tokens: int = 0
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (or under GREEDY_BELOW_TEMPERATURE): greedy
     top_p: float = 1.0
     top_k: int = -1  # -1: the whole vocabulary
     min_p: float = 0.0
@@ -119,8 +126,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                "non-negative ids")
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(self.logit_bias)} entries>",
                f"at most {MAX_LOGIT_BIAS} entries")
-        _check(all(0 <= k <= INT64_MAX and math.isfinite(v) for k, v in self.logit_bias.items()), "logit_bias",
-               self.logit_bias, "a map of non-negative token ids to finite floats")
+        _check(all(0 <= k <= INT64_MAX and abs(v) <= MAX_ABS_LOGIT_BIAS for k, v in self.logit_bias.items()),
+               "logit_bias", self.logit_bias, f"a map of non-negative token ids to floats in [-{MAX_ABS_LOGIT_BIAS:g}, "
+               f"{MAX_ABS_LOGIT_BIAS:g}]")
         _check(0 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width", self.beam_width,
                f"in [0, {MAX_BEAM_WIDTH}] (0: no beam search)")
         _check(0 <= self.num_return_beams <= max(self.beam_width, 0), "num_return_beams", self.num_return_beams,
@@ -147,6 +155,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             text = getattr(self, f)
             _check(0 < len(text) <= MAX_GRAMMAR_CHARS, f, f"<{len(text)} characters>",
                    f"a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+            _check_unicode(f, [text])
         _check(self.reasoning_end_id is None or 0 <= self.reasoning_end_id <= INT64_MAX, "reasoning_end_id",
                self.reasoning_end_id, "a non-negative token id")
         _check(not (self.reasoning_end_id is not None and self.beam_width), "reasoning_end_id", self.reasoning_end_id,
@@ -161,7 +170,14 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         longest = max(map(len, stops), default=0)
         _check(longest <= MAX_STOP_STR_CHARS, "stop", f"<a string of {longest} characters>",
                f"strings of at most {MAX_STOP_STR_CHARS} characters")
+        _check_unicode("stop", stops)
         self._check_stop_regex()
+        if self.custom_params is not None:
+            try:  # it travels to the scheduler as MessagePack: refused here, not inside the engine
+                msgspec.msgpack.encode(self.custom_params)
+            except Exception:  # noqa: BLE001 - msgspec's TypeError, OverflowError, UnicodeEncodeError
+                _check(False, "custom_params", self.custom_params,
+                       "a dict of what JSON carries (strings, numbers, bools, null, lists and dicts of them)")
 
     def _check_stop_regex(self) -> None:
         if isinstance(self.stop_regex, str):
@@ -173,6 +189,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         for pat in patterns:
             _check(0 < len(pat) <= MAX_STOP_STR_CHARS, "stop_regex", f"<a pattern of {len(pat)} characters>",
                    f"patterns of 1 to {MAX_STOP_STR_CHARS} characters")
+            _check_unicode("stop_regex", [pat])
             try:
                 compiled = regex.compile(pat)
             except regex.error as e:
@@ -181,7 +198,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1 or self.beam_width > 0  # beams are never sampled
+        # Beams are never sampled.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1 or self.beam_width > 0
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -232,3 +250,18 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 def _check(ok: bool, field: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"sampling_params.{field}={value!r} is invalid: must be {allowed}")
+
+
+def is_unicode(text: str) -> bool:
+    """Whether `text` is valid Unicode (a Python str may hold lone surrogates, which no
+    encoding carries)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_unicode(field: str, texts: list[str]) -> None:
+    for t in texts:
+        _check(is_unicode(t), field, t, "valid Unicode text (no lone surrogates)")

@@ -55,7 +55,7 @@ from sgl.core.protocol import (
     TokenizerCallOutput,
 )
 from sgl.core.request_checks import RequestLimits
-from sgl.core.sampling_params import SamplingParams
+from sgl.core.sampling_params import INT64_MAX, SamplingParams, is_unicode
 from sgl.runtime.control import ControlCalls
 from sgl.runtime.dp_router import DataParallelSender
 from sgl.runtime.metrics import Metrics
@@ -149,6 +149,8 @@ class TokenizerManager:
             return input_ids
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+        if not is_unicode(prompt):
+            raise ValueError("prompt is not valid Unicode text: it holds a lone surrogate")
         return (await encode(self.has_tokenizer("prompt"), [prompt]))[0]
 
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
@@ -169,13 +171,11 @@ class TokenizerManager:
         check_request(ids, params, opts, self.limits)
         if opts.return_text_in_logprobs and self.tok is not None:
             await load_vocab(self.tok, self.limits.vocab_size)  # once: the receive loop reads it
-        if rid is not None and not isinstance(rid, str):
-            raise ValueError(f"rid must be a str, got {type(rid).__name__}")
+        rid = self._wire_rid(rid)
         if not isinstance(stream, bool):
             raise ValueError(f"stream={stream!r} is invalid: must be a bool")
         if stream and params.beam_width:
             raise ValueError(BEAM_STREAM_ERROR)
-        rid = self.rid_prefix + (rid or uuid.uuid4().hex)
         if params.n == 1:
             gen = self._one(self._submit(rid, ids, params, stream, opts, None), stream)
             try:
@@ -185,12 +185,14 @@ class TokenizerManager:
                 await gen.aclose()
             return
         # Sample 0 prefills the prompt; the others reuse its KV through the radix cache.
-        # Sample i draws with seed + i, so seeded samples differ but are reproducible.
+        # Sample i draws with seed + i (wrapped within the seeds' 63 bits), so seeded samples
+        # differ but are reproducible.
         rids = [f"{rid}-{i}" for i in range(params.n)]
         gens: list[AsyncGenerator[dict[str, Any], None]] = []
         try:
             for i, r in enumerate(rids):
-                p = replace_params(params, n=1, seed=None if params.seed is None else params.seed + i)
+                seed = None if params.seed is None else (params.seed + i) % (INT64_MAX + 1)
+                p = replace_params(params, n=1, seed=seed)
                 gens.append(self._one(self._submit(r, ids, p, stream, opts, rids[0] if i else None), stream))
         except BaseException:
             self._forget(rids[: len(gens)])
@@ -218,9 +220,7 @@ class TokenizerManager:
         opts = ReqOptions(detokenize=False)
         ids = await self.tokenize(prompt, input_ids)
         check_request(ids, params, opts, self.limits)
-        if rid is not None and not isinstance(rid, str):
-            raise ValueError(f"rid must be a str, got {type(rid).__name__}")
-        full = self.rid_prefix + (rid or uuid.uuid4().hex)
+        full = self._wire_rid(rid)
         gen = self._one(self._submit(full, ids, params, False, opts, None, embed=True), False)
         try:
             out: dict[str, Any] = await gen.__anext__()
@@ -230,6 +230,12 @@ class TokenizerManager:
         if "embedding" not in out:
             raise RuntimeError(f"the embedding request ended without its embedding: {fin}")
         return out
+
+    def _wire_rid(self, rid: str | None) -> str:
+        """The rid the scheduler knows the request by: the caller's (checked) or a fresh one."""
+        if rid is not None and not (isinstance(rid, str) and is_unicode(rid)):
+            raise ValueError(f"rid must be a str of valid Unicode text, got {rid!r}")
+        return self.rid_prefix + (rid or uuid.uuid4().hex)
 
     def _forget(self, rids: list[str]) -> None:
         """Abort samples whose generator never ran to its end (or never started)."""
@@ -248,10 +254,15 @@ class TokenizerManager:
             raise EngineDeadError(str(self.dead))
         self.states[rid] = _ReqState(asyncio.Queue(), time.monotonic(), opts, stream, len(ids),
                                      beam=params.beam_width > 0)
-        self.send.send(GenerateReqInput(
-            rid, ids, params, stream, opts.return_logprob, opts.logprob_start_len, opts.top_logprobs_num,
-            opts.token_ids_logprob, opts.custom_logit_processor, opts.detokenize, leader, embed, opts.priority,
-            None if opts.timeout is None else float(opts.timeout), lora_path=opts.lora_path))
+        try:
+            self.send.send(GenerateReqInput(
+                rid, ids, params, stream, opts.return_logprob, opts.logprob_start_len, opts.top_logprobs_num,
+                opts.token_ids_logprob, opts.custom_logit_processor, opts.detokenize, leader, embed, opts.priority,
+                None if opts.timeout is None else float(opts.timeout), lora_path=opts.lora_path))
+        except BaseException:  # never sent (a field the wire cannot carry): nothing of it stays open
+            del self.states[rid]
+            self.ended(rid)
+            raise
         return rid
 
     async def _one(self, rid: str, stream: bool) -> AsyncGenerator[Any, None]:  # a beam request: a list

@@ -423,6 +423,9 @@ class LogprobRules:
         count = prompt_tokens - start if start >= 0 else 0
         prompt = self.item.input_ids[start:] if self.item.input_ids is not None and start >= 0 else None
         inputs = meta["input_token_logprobs"]
+        # A request aborted before its prompt's logprobs were all computed reports none of them.
+        if not inputs and (meta.get("finish_reason") or {}).get("type") == "abort":
+            count = 0
         require(len(inputs) == count, "logprob-shape", self.where,
                 f"{len(inputs)} input_token_logprobs for {prompt_tokens} prompt tokens from logprob_start_len={start}")
         self.triples("input_token_logprobs", inputs, prompt, first_none=start == 0)

@@ -314,8 +314,8 @@ class ScriptedScheduler:
             if (unknown := self.control.adapters.refusal(msg.lora_path)) is not None:
                 raise Refused({"type": "abort", "status_code": 400, "message": unknown})
             if msg.rid in self.live:
-                raise Refused({"type": "abort", "message": f"rid: duplicate request id {msg.rid!r}: a request "
-                                                           "with this rid is still running"})
+                raise Refused({"type": "abort", "status_code": 400, "message": f"rid: duplicate request id "
+                               f"{msg.rid!r}: a request with this rid is still running"})
             if any(isinstance(e, Busy) for e in r.effects) or (bound is not None and len(self.waiting) >= bound):
                 raise Refused({"type": "abort", "status_code": 503, "message": f"server busy: {len(self.waiting)} "
                                f"queued requests (max_queued_requests={bound}); retry later"})
@@ -365,8 +365,9 @@ class ScriptedScheduler:
     def _trie_sequence(self, c: TrieConstraint, script: list[int]) -> list[int]:
         seqs = c.sequences if c.sequences is not None else self.tries.get(c.name or "")
         if seqs is None:
-            raise Refused({"type": "abort", "message": f"constraint.name: no trie is kept under {c.name!r} (send "
-                           f"its sequences with the name once; at most {MAX_NAMED_TRIES} names are kept)"})
+            raise Refused({"type": "abort", "status_code": 400, "message": f"constraint.name: no trie is kept under "
+                           f"{c.name!r} (send its sequences with the name once; at most {MAX_NAMED_TRIES} names "
+                           "are kept)"})
         if c.name is not None:
             self.tries[c.name] = seqs
         return script if script in seqs else seqs[0]
@@ -425,6 +426,9 @@ class ScriptedScheduler:
 
     def _end(self, r: _Run, reason: FinishReason) -> None:
         r.finished = reason
+        lp = r.logprobs  # as the scheduler's Req.end_prompt_logprobs: a prompt's logprobs all, or none
+        if lp is not None and 0 < len(lp.input_vals) < len(r.msg.input_ids) - r.logprob_start:
+            lp.drop_prompt()
         self.outbox[r] = None
 
     def _finish(self, r: _Run, reason: FinishReason) -> None:
