@@ -278,3 +278,30 @@ def test_a_request_aborted_before_its_prefill_reports_no_prompt_logprobs(engine:
     meta = engine._run(main())["meta_info"]
     assert meta["finish_reason"]["type"] == "abort"
     assert meta["input_token_logprobs"] == meta["input_top_logprobs"] == meta["output_token_logprobs"] == []
+
+
+def test_aborting_a_rid_spares_another_whose_rid_extends_it(engine: sgl.Engine) -> None:
+    """abort("job") ends the request "job" and, for n > 1, its samples; never a request
+    the caller named "job-1" (n > 1 samples' rids take that shape)."""
+    async def main() -> tuple[dict, list]:
+        e = engine._engine
+        await e.pause_generation("in_place")  # they wait in the queue: none can finish meanwhile
+        try:
+            single = asyncio.ensure_future(e.generate(input_ids=[5, 6], rid="job-1",
+                                                      sampling_params={**GREEDY, "max_new_tokens": 30}))
+            group = asyncio.ensure_future(e.generate(input_ids=[7, 8], rid="grp",
+                                                     sampling_params={**GREEDY, "max_new_tokens": 30, "n": 2}))
+            for _ in range(500):  # until the scheduler holds all three
+                if (await e.get_server_info())["waiting"] == 3:
+                    break
+                await asyncio.sleep(0.01)
+            await e.abort("job")
+            await e.abort("grp")
+        finally:
+            await e.continue_generation()
+        return await single, await group
+
+    single, group = engine._run(main())
+    assert single["meta_info"]["finish_reason"]["type"] == "length", single["meta_info"]
+    assert single["output_ids"] == null_continuation(6, 30)
+    assert [g["meta_info"]["finish_reason"]["type"] for g in group] == ["abort", "abort"]

@@ -119,6 +119,7 @@ class TokenizerManager:
         self.rid_prefix = f"{client_id}:" if client_id else ""
         self.metrics = metrics
         self.states: dict[str, _ReqState] = {}
+        self.samples: dict[str, list[str]] = {}  # an n > 1 request's rid: its samples' rids
         self.control_timeout = control_timeout
         self.health_timeout = health_timeout
         self.weights_timeout = weights_timeout
@@ -187,7 +188,9 @@ class TokenizerManager:
         # Sample 0 prefills the prompt; the others reuse its KV through the radix cache.
         # Sample i draws with seed + i (wrapped within the seeds' 63 bits), so seeded samples
         # differ but are reproducible.
-        rids = [f"{rid}-{i}" for i in range(params.n)]
+        if rid in self.samples:
+            raise ValueError(f"rid={rid[len(self.rid_prefix):]!r} is already in use by a running request")
+        rids = self.samples[rid] = [f"{rid}-{i}" for i in range(params.n)]  # abort(rid) reaches them all
         gens: list[AsyncGenerator[dict[str, Any], None]] = []
         try:
             for i, r in enumerate(rids):
@@ -195,7 +198,7 @@ class TokenizerManager:
                 p = replace_params(params, n=1, seed=seed)
                 gens.append(self._one(self._submit(r, ids, p, stream, opts, rids[0] if i else None), stream))
         except BaseException:
-            self._forget(rids[: len(gens)])
+            self._forget(rid, len(gens))
             raise
         if stream:
             merged = merge_streams(gens)
@@ -204,13 +207,13 @@ class TokenizerManager:
                     yield item
             finally:
                 await merged.aclose()
-                self._forget(rids)
+                self._forget(rid)
             return
         try:
             yield await gather_first(gens)
         finally:
             await close_all(gens)
-            self._forget(rids)
+            self._forget(rid)
 
     async def encode(self, prompt: str | None, input_ids: list[int] | None, rid: str | None) -> dict[str, Any]:
         """One prompt's embedding request: its final dict, whose "embedding" holds the
@@ -237,9 +240,10 @@ class TokenizerManager:
             raise ValueError(f"rid must be a str of valid Unicode text, got {rid!r}")
         return self.rid_prefix + (rid or uuid.uuid4().hex)
 
-    def _forget(self, rids: list[str]) -> None:
-        """Abort samples whose generator never ran to its end (or never started)."""
-        for r in rids:
+    def _forget(self, rid: str, submitted: int | None = None) -> None:
+        """An n > 1 request's end: abort its samples (the first `submitted`, default all)
+        whose generator never ran to its end (or never started)."""
+        for r in self.samples.pop(rid, [])[:submitted]:
             if (st := self.states.pop(r, None)) is not None:
                 self._observe_abandoned(st)
                 self.abort(r)
@@ -295,11 +299,12 @@ class TokenizerManager:
             self.ended(rid)
 
     def abort(self, rid: str) -> None:
-        """Abort a request; for n > 1 the rid the caller gave aborts all its samples."""
+        """Abort a request; for n > 1 the rid the caller gave aborts all its samples (and
+        nothing else: another request's rid may end in "-1" too)."""
         if self.dead is None:
             full = self.rid_prefix + rid
             self.send.send(AbortReq(full))
-            for r in [r for r in self.states if r.startswith(f"{full}-") and r[len(full) + 1 :].isdigit()]:
+            for r in self.samples.get(full, ()):
                 self.send.send(AbortReq(r))
 
     async def control_call(self, req: Message, reply_type: type, timeout: float | None = None) -> Any:
