@@ -54,6 +54,16 @@ def test_temperature_zero_is_argmax(temperature: float) -> None:
     assert (_frequencies(temperature=temperature) == torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=torch.double)).all()
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-44])
+def test_a_top_p_under_float32s_range_keeps_the_likeliest(top_p: float) -> None:
+    """1e-300 rounds to 0 in float32, which kept no token at all (every draw took id 0,
+    whatever its probability)."""
+    reqs = _reqs(200, top_p=top_p)
+    sb = SamplingBatch.from_reqs(reqs, V, torch.device("cpu"))
+    rev = LOGITS.flip(0).repeat(200, 1)  # the likeliest id is the last: id 0 is the least likely
+    assert (sample(rev, sb, torch.Generator().manual_seed(3)) == V - 1).all()
+
+
 @pytest.mark.parametrize("bias,never", [(1e9, None), (-1e9, 0)])
 def test_the_largest_bias_forces_or_bans_its_token_at_any_temperature(bias: float, never: int | None) -> None:
     """A bias at the bound, added to float32 logits and divided by the least sampled

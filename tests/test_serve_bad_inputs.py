@@ -193,6 +193,20 @@ CASES: dict[str, Http | Py | Frame] = {
         "response_format.json_schema must be an object", param="response_format"),
     "completion-response-format-and-regex": Http(C, {"model": "m", "prompt": "hi", "regex": "a+", "response_format": {
         "type": "json_object"}}, 400, "response_format cannot be combined with regex", param="response_format"),
+    "completion-regex-of-no-text": Http(C, {"model": "m", "prompt": "hi", "regex": "[^\\s\\S]"}, 400,
+                                        "regex: the grammar matches no text"),
+    # ---- values the engine's own messages cannot carry: a 400, and nothing left open
+    "custom-params-huge-int": Http(C, {"model": "m", "prompt": "hi", "max_tokens": 2,
+                                       "custom_params": {"a": 10**23}}, 400, "custom_params"),
+    "chat-template-kwargs-huge-int": Http(CH, {"model": "m", "messages": USER, "chat_template_kwargs": {"x": 10**23}},
+                                          400, "integers must fit in 64 bits"),
+    "chat-message-extra-huge-int": Http(CH, {"model": "m", "messages": [{"role": "user", "content": "hi",
+                                                                          "extra": 10**23}]},
+                                        400, "integers must fit in 64 bits"),
+    "beam-width-negative": Http(C, {"model": "m", "prompt": "hi", "max_tokens": 2, "beam_width": -1}, 400,
+                                "beam_width=-1 is invalid", param="beam_width"),
+    "trie-name-never-kept": Http(G, {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "constraint": {
+        "type": "trie", "name": "nonexistent"}}}, 400, "no trie is kept under 'nonexistent'"),
     "completion-regex": Http(C, {"model": "m", "prompt": "hi", "regex": "(unclosed"}, 400,
                              "regex: the grammar does not compile"),
     "chat-json-schema": Http(CH, {"model": "m", "messages": USER, "json_schema": "{not json"}, 400,

@@ -14,13 +14,22 @@ class DecodeError(ValueError):
     """A frame that is not a well-formed protocol message."""
 
 
+class EncodeError(ValueError):
+    """A message holding a value MessagePack cannot carry (an integer past 64 bits, a
+    string with a lone surrogate, an object): the caller's value, refused before it is sent."""
+
+
 class Codec:
     def __init__(self) -> None:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Message)
 
     def encode(self, msg: Message) -> bytes:
-        return self._enc.encode(msg)
+        try:
+            return self._enc.encode(msg)
+        except (TypeError, OverflowError, UnicodeEncodeError) as e:
+            raise EncodeError(f"a value of the request cannot be sent to the engine's roles ({e}): integers must "
+                              "fit in 64 bits and text must be valid Unicode") from None
 
     def decode(self, frame: bytes | memoryview) -> Message:
         if len(frame) > MAX_FRAME_BYTES:

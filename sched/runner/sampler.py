@@ -31,6 +31,8 @@ from sgl.kernels.gumbel_draw import Bitmask
 from sgl.kernels.sampling import FusedDraw, top_k_top_p
 from sgl.sched.req import Req, beam_offsets
 
+TOP_P_LEAST = torch.finfo(torch.float32).tiny  # the least positive float32
+
 
 @dataclass(slots=True)
 class SamplingBatch:
@@ -118,7 +120,9 @@ class SamplingBatch:
             greedy=dev(greedy, torch.bool),
             temperature=dev([1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32)[:, None],
             top_k=dev(top_k, torch.int64),
-            top_p=dev([p.top_p for p in ps], torch.float32),
+            # A top_p past float32's range would round to 0, which keeps no token: the least
+            # positive float32 keeps the likeliest alone, as any top_p under its probability does.
+            top_p=dev([max(p.top_p, TOP_P_LEAST) for p in ps], torch.float32),
             min_p=dev([p.min_p for p in ps], torch.float32),
             need_top_k=any(k < vocab_size for k in top_k),
             need_top_p=any(p.top_p < 1.0 for p in ps),

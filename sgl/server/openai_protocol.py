@@ -358,6 +358,8 @@ def beam_fields(req: SamplingFields) -> dict[str, Any]:
     if getattr(req, "logprobs", None) not in (None, False):
         raise ApiError(400, "logprobs is not supported with beam search (each beam has its cumulative logprob)",
                        "logprobs")
+    if req.beam_width is not None and req.beam_width < 0:
+        raise ApiError(400, f"beam_width={req.beam_width} is invalid: must be >= 1 (or unset: n beams)", "beam_width")
     width = req.beam_width or req.n
     if req.n > width:
         raise ApiError(400, f"n={req.n} is invalid: at most beam_width={width} beams can be returned", "n")
