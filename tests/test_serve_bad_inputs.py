@@ -203,6 +203,18 @@ CASES: dict[str, Http | Py | Frame] = {
     "chat-message-extra-huge-int": Http(CH, {"model": "m", "messages": [{"role": "user", "content": "hi",
                                                                           "extra": 10**23}]},
                                         400, "integers must fit in 64 bits"),
+    "chat-response-format-schema-does-not-compile": Http(CH, {"model": "m", "messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, 400,
+        "response_format: the grammar does not compile", param="response_format"),
+    "chat-tool-schema-does-not-compile": Http(CH, {"model": "m", "messages": USER, "tool_choice": "required",
+                                                   "tools": [{"type": "function", "function": {
+                                                       "name": "f", "parameters": {"type": "bogus"}}}]}, 400,
+                                              "tools: the grammar does not compile", param="tools"),
+    "logit-bias-key-not-an-id": Http(C, {"model": "m", "prompt": "hi", "logit_bias": {"abc": 1}}, 400,
+                                     "logit_bias", param="logit_bias"),
+    "reasoning-end-id-out-of-vocab": Http(G, {"input_ids": [1], "sampling_params": {
+        "max_new_tokens": 2, "regex": "a+", "reasoning_end_id": 10**9}}, 400, "reasoning_end_id=1000000000 is out of "
+        "the vocabulary", param="reasoning_end_id"),
     "beam-width-negative": Http(C, {"model": "m", "prompt": "hi", "max_tokens": 2, "beam_width": -1}, 400,
                                 "beam_width=-1 is invalid", param="beam_width"),
     "trie-name-never-kept": Http(G, {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "constraint": {

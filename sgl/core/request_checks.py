@@ -74,6 +74,8 @@ def request_error(
             return bad
     if (key := next((k for k in params.logit_bias if not 0 <= k < v), None)) is not None:
         return f"logit_bias: token id {key} is out of the vocabulary (size {v})"
+    if params.reasoning_end_id is not None and params.reasoning_end_id >= v:  # never < 0: SamplingParams
+        return f"reasoning_end_id={params.reasoning_end_id} is out of the vocabulary (size {v})"
     c = params.constraint
     if c is not None and c.sequences is not None and max(map(max, c.sequences)) >= v:  # none < 0: SamplingParams
         return f"constraint.sequences: ids must lie in [0, {v})"

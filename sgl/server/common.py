@@ -47,7 +47,7 @@ def error_response(err: ApiError) -> Response:
     return json_response(err.body(), err.status)
 
 
-_FIELD_AT = re.compile(r"at `\$\.([A-Za-z_][\w]*)")
+_FIELD_AT = re.compile(r"(?:at|in) `\$\.([A-Za-z_][\w]*)")  # msgspec's "at `$.f`", "at `key` in `$.f`"
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _FIELD_NAMED = re.compile(r"(?:sampling_params\.)?([a-z_]+)=")
 _FIELD_LEAD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*): ")

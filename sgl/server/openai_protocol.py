@@ -369,13 +369,23 @@ def beam_fields(req: SamplingFields) -> dict[str, Any]:
 def completion_names(req: CompletionRequest) -> dict[str, str]:
     """The caller's names for the engine's fields, in a completion request."""
     return {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt",
-            "top_logprobs_num": "logprobs"}
+            "top_logprobs_num": "logprobs", **_schema_name(req)}
 
 
 def chat_names(req: ChatRequest) -> dict[str, str]:
     return {"max_new_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
             "min_new_tokens": "min_tokens", "input_ids": "input_ids" if req.input_ids is not None else "messages",
-            "top_logprobs_num": "top_logprobs"}
+            "top_logprobs_num": "top_logprobs", **_schema_name(req)}
+
+
+def _schema_name(req: SamplingFields) -> dict[str, str]:
+    """The caller's field the engine's json_schema came from: response_format, or the tools
+    a forced tool_choice constrains the output to (grammar_fields, openai_api's tool plan)."""
+    if getattr(req, "response_format", None) is not None:
+        return {"json_schema": "response_format"}
+    if getattr(req, "tools", None) and getattr(req, "tool_choice", None) not in (None, "auto", "none"):
+        return {"json_schema": "tools"}
+    return {}
 
 
 _SAMPLING_PREFIX = re.compile(r"^sampling_params: |\bsampling_params\.")
