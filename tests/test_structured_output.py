@@ -212,6 +212,9 @@ def test_a_grammar_of_no_text_is_refused_and_a_dead_end_ends_its_request(engine:
     fin = out["meta_info"]["finish_reason"]
     assert fin["type"] == "abort" and fin["message"].startswith("regex: the grammar allows no token after"), fin
     assert out["text"].startswith("ab")
+    out = engine.generate("x", {"max_new_tokens": 8, "min_new_tokens": 4, "temperature": 0, "regex": r"ab"})
+    fin = out["meta_info"]["finish_reason"]
+    assert fin["type"] == "abort" and "min_new_tokens=4 bans the end" in fin["message"], fin
 
 
 def test_a_token_the_matcher_refuses_ends_that_request_alone(tmp_path: Any) -> None:

@@ -354,9 +354,13 @@ def accept_all(matchers: list[Any], tokens: list[int]) -> list[bool] | None:
 
 def refused(m: Any, tok: int, width: int, r: Req) -> str:
     """Why matcher `m` of request `r` refused a token drawn under its own mask: a dead end
-    of the caller's grammar (its mask allowed nothing, so any draw was refused), else an
-    internal error."""
+    of the caller's grammar (its mask allowed nothing, so any draw was refused), a grammar
+    that could only end where min_new_tokens banned the end, else an internal error."""
+    p = r.sampling_params
+    kind = p.grammar[0] if p.grammar else "grammar"
     if not allows_any(m, width):
-        kind = r.sampling_params.grammar[0] if r.sampling_params.grammar else "grammar"
         return f"{kind}: the grammar allows no token after the output so far: no text it matches continues it"
+    if m.is_completed() and len(r.output_ids) <= p.min_new_tokens:
+        return (f"{kind}: the grammar can only end after the output so far, and min_new_tokens={p.min_new_tokens} "
+                "bans the end: ask for fewer tokens than the grammar allows")
     return f"internal error: the grammar rejected token {tok}, which its own mask allowed"
