@@ -32,6 +32,7 @@ from sgl.sched.json_schema_rewrite import for_xgrammar
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.models.tokenizer import load_tokenizer
 from sgl.sched.req import Req
+from sgl.sched.runner.grammar_masks import allows_any
 
 COMPILE_THREADS = 2  # xgrammar's own threads per compile; one compile at a time here
 MAX_JSON_WHITESPACE = 2  # whitespace characters in a row between JSON tokens
@@ -158,15 +159,6 @@ class Grammars:
 
 class EmptyGrammar(ValueError):
     """A grammar that compiles yet allows no first token, not even EOS."""
-
-
-def allows_any(matcher: Any, width: int) -> bool:
-    """Whether the matcher allows some next token (EOS included). One fill of a bitmask:
-    for a grammar's first check and for explaining a refusal, never per step."""
-    xgr = _backend()
-    mask = xgr.allocate_token_bitmask(1, width)
-    matcher.fill_next_token_bitmask(mask)
-    return bool(mask.any())
 
 
 @functools.lru_cache(maxsize=4)

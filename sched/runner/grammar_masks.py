@@ -37,7 +37,6 @@ import torch
 
 from sgl.core.host_copy import to_device
 from sgl.sched.batch import ScheduleBatch
-from sgl.sched.grammar import allows_any
 from sgl.sched.req import Req, beam_offsets
 from sgl.sched.runner.prepare_beams import sampled
 
@@ -350,6 +349,16 @@ def accept_all(matchers: list[Any], tokens: list[int]) -> list[bool] | None:
         return None if all(oks) else oks
     got = _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
     return None if 0 not in got else [bool(ok) for ok in got]
+
+
+def allows_any(matcher: Any, width: int) -> bool:
+    """Whether the matcher allows some next token (EOS included). One fill of a bitmask:
+    for a grammar's first check and for explaining a refusal, never per step."""
+    import xgrammar
+
+    mask = xgrammar.allocate_token_bitmask(1, width)
+    matcher.fill_next_token_bitmask(mask)
+    return bool(mask.any())
 
 
 def refused(m: Any, tok: int, width: int, r: Req) -> str:
