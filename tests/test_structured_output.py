@@ -212,9 +212,16 @@ def test_a_grammar_of_no_text_is_refused_and_a_dead_end_ends_its_request(engine:
     fin = out["meta_info"]["finish_reason"]
     assert fin["type"] == "abort" and fin["message"].startswith("regex: the grammar allows no token after"), fin
     assert out["text"].startswith("ab")
-    out = engine.generate("x", {"max_new_tokens": 8, "min_new_tokens": 4, "temperature": 0, "regex": r"ab"})
-    fin = out["meta_info"]["finish_reason"]
-    assert fin["type"] == "abort" and "min_new_tokens=4 bans the end" in fin["message"], fin
+    # min_new_tokens bans the only end the grammar leaves: it ends there, with no token drawn outside it.
+    for stream in (False, True):
+        out = engine.generate("x", {"max_new_tokens": 8, "min_new_tokens": 4, "temperature": 0, "regex": r"ab"},
+                              stream=stream)
+        if stream:
+            chunks = list(out)
+            out = {"text": "".join(c["text"] for c in chunks), "meta_info": chunks[-1]["meta_info"]}
+        fin = out["meta_info"]["finish_reason"]
+        assert fin["type"] == "abort" and "min_new_tokens=4 bans the end" in fin["message"], fin
+        assert out["text"] == "ab", out
 
 
 def test_a_token_the_matcher_refuses_ends_that_request_alone(tmp_path: Any) -> None:

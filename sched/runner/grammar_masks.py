@@ -33,12 +33,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from sgl.core.host_copy import to_device
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.req import Req, beam_offsets
 from sgl.sched.runner.prepare_beams import sampled
+from sgl.sched.runner.sampler import min_tokens_ban
 
 FILL_THREADS = 8  # xgrammar's native threads filling a batch's masks (they overlap the batch's forward)
 CHUNK_MIN = 16  # rows from which those threads pay (8 rows: 0.48 ms threaded, 0.27 alone)
@@ -148,6 +150,7 @@ class MaskFiller:
         # Rows left all-allowed: the request ended (its token is dropped), or its matcher, or it
         # is still reasoning (its grammar starts after the end of its reasoning).
         ended: list[int] = []
+        short: list[tuple[int, list[int]]] = []  # rows short of min_new_tokens, and the ids banned till then
         for j, r in enumerate(g.reqs):
             if g.ahead is not None and g.ahead[j]:
                 continue  # a proposal's row: filled after its request's first (`_fill_ahead`)
@@ -185,6 +188,8 @@ class MaskFiller:
                             continue
                     took.append(len(rows))
                     tokens.append(tok)
+                if len(out) + (tok is not None and just is not None and r in just) < r.sampling_params.min_new_tokens:
+                    short.append((j, min_tokens_ban(r.sampling_params, self.stop_ids)))
             else:  # a beam's matchers took their tokens at selection (sgl.sched.beam)
                 own = r.beam.matchers
                 m = r.grammar if own is None else own[g.beams[j]]
@@ -219,6 +224,8 @@ class MaskFiller:
                 self._filler(len(rows)).batch_fill_next_token_bitmask(matchers, mask, indices=rows)
                 if g.ahead is not None:
                     self._fill_ahead(g, mask, rows, matchers)
+                if short:
+                    self._end_short(g, mask, errors, rows, short)
                 times["mask_fill_s"] += time.perf_counter() - t2
             times["mask_thread_s"] += time.perf_counter() - t1
 
@@ -285,6 +292,23 @@ class MaskFiller:
                 j += 1
             if taken:
                 m.rollback(taken)
+
+    @staticmethod
+    def _end_short(g: GrammarRows, mask: torch.Tensor, errors: dict[int, str], rows: list[int],
+                   short: list[tuple[int, list[int]]]) -> None:
+        """Rows short of min_new_tokens whose grammar allows nothing but the ids banned until
+        then (it can only end): nothing is left to draw, so the request ends now, with an
+        error that says why, and this step's token is dropped (its mask all-allowed)."""
+        filled = set(rows)
+        for j, banned in short:
+            if j in filled and not allows_besides(mask[j], banned):
+                r = g.reqs[j]
+                p = r.sampling_params
+                kind = p.grammar[0] if p.grammar else "grammar"
+                errors[g.batch_rows[j]] = (f"{kind}: the grammar can only end after the output so far, and "
+                                           f"min_new_tokens={p.min_new_tokens} bans the end: ask for fewer tokens "
+                                           "than the grammar allows")
+                mask[j] = -1
 
     @staticmethod
     def _after_reasoning(r: Req, new: list[int]) -> list[int] | None:
@@ -361,15 +385,20 @@ def allows_any(matcher: Any, width: int) -> bool:
     return bool(mask.any())
 
 
+def allows_besides(row: torch.Tensor, ids: list[int]) -> bool:
+    """Whether a host bitmask row allows some token other than `ids`."""
+    bits = row.numpy().view(np.uint32).copy()
+    for t in ids:
+        if t >> 5 < bits.size:
+            bits[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+    return bool(bits.any())
+
+
 def refused(m: Any, tok: int, width: int, r: Req) -> str:
     """Why matcher `m` of request `r` refused a token drawn under its own mask: a dead end
-    of the caller's grammar (its mask allowed nothing, so any draw was refused), a grammar
-    that could only end where min_new_tokens banned the end, else an internal error."""
-    p = r.sampling_params
-    kind = p.grammar[0] if p.grammar else "grammar"
+    of the caller's grammar (its mask allowed nothing, so any draw was refused), else an
+    internal error."""
     if not allows_any(m, width):
+        kind = r.sampling_params.grammar[0] if r.sampling_params.grammar else "grammar"
         return f"{kind}: the grammar allows no token after the output so far: no text it matches continues it"
-    if m.is_completed() and len(r.output_ids) <= p.min_new_tokens:
-        return (f"{kind}: the grammar can only end after the output so far, and min_new_tokens={p.min_new_tokens} "
-                "bans the end: ask for fewer tokens than the grammar allows")
     return f"internal error: the grammar rejected token {tok}, which its own mask allowed"

@@ -88,7 +88,7 @@ class SamplingBatch:
                 sb.generators[i] = torch.Generator(device).manual_seed((p.seed * _SEED_MIX + k) % (1 << 63))
                 sb.seeded = True
         banned = [(i, t, 0.0) for i, (p, d) in enumerate(zip(ps, done)) if d < p.min_new_tokens
-                  for t in (p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *eos_ids])]
+                  for t in min_tokens_ban(p, eos_ids)]
         if banned:
             rows, ids, _ = _sparse(banned, device)
             sb.ban = (rows, ids)
@@ -140,6 +140,12 @@ class SamplingBatch:
             items = [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias.items()]
             sb.bias = _sparse(items, device)
         return sb
+
+
+def min_tokens_ban(p: SamplingParams, eos_ids: frozenset[int]) -> list[int]:
+    """The ids a request may not sample before min_new_tokens: its stop ids, and EOS
+    unless it ignores EOS."""
+    return list(p.stop_token_ids) if p.ignore_eos else [*p.stop_token_ids, *eos_ids]
 
 
 def _row_params(r: Req, beam: int, done: int, with_ids: bool) -> dict[str, Any]:
