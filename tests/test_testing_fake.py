@@ -289,6 +289,8 @@ def test_beams_come_as_a_list_best_first() -> None:
     ({}, {"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
     ({}, {"logprob_start_len": 5, "return_logprob": True}, "logprob_start_len"),
     ({"json_schema": "{not json"}, {}, "json_schema"),
+    ({"regex": r"[^\s\S]"}, {}, "regex: the grammar matches no text"),  # as the scheduler's compile refuses it
+    ({"constraint": {"name": "never-kept"}}, {}, "constraint.name: no trie is kept"),
 ])
 def test_invalid_requests_raise_the_engines_value_errors(params: dict[str, Any], options: dict[str, Any],
                                                          field: str) -> None:

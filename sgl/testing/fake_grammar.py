@@ -40,7 +40,19 @@ def grammar_text(kind: str, grammar: str, text: str, budget: int) -> str:
     compiled = _compiled(kind, grammar)
     if kind == "ebnf" and (m := xgr.GrammarMatcher(compiled)).accept_string(text) and m.is_completed():
         return text
+    if _matches_nothing(xgr.GrammarMatcher(compiled), grammar):  # as the scheduler's compile refuses it
+        raise Refused({"type": "abort", "status_code": 400,
+                       "message": f"{kind}: the grammar matches no text (not even an empty output)"})
     return _write(xgr.GrammarMatcher(compiled), grammar, budget)
+
+
+def _matches_nothing(matcher: Any, grammar: str) -> bool:
+    """Whether the grammar can neither end at once nor take a first character (of the first
+    256 code points and its own): it matches no text."""
+    if matcher.is_completed():
+        return False
+    chars = [chr(c) for c in range(256)] + sorted({c for c in grammar if ord(c) > 255})
+    return not any(matcher.accept_string(c) for c in chars)  # a refused one leaves the matcher as it was
 
 
 def _invalid(kind: str, why: str) -> Refused:
