@@ -393,10 +393,12 @@ class TokenizerManager:
     def _dispatch(self, b: BatchStrOutput, deltas: list[dict[str, list[Any]] | None]) -> None:
         now = time.monotonic()
         beams = b.beams
+        made = 0  # tokens for callers still waiting: the throughput gauge's, counted once a batch
         for i, rid in enumerate(b.rids):
             st = self.states.get(rid)
             if st is None:
                 continue  # the caller went away (aborted or cancelled)
+            made += len(b.new_ids[i])
             if beams and beams[i] is not None:
                 st.beams = beams[i]
             st.text += b.texts[i]
@@ -422,6 +424,8 @@ class TokenizerManager:
             if b.embeddings and (vec := b.embeddings[i]) is not None:
                 item["embedding"] = vec  # float32 bytes: the caller's side shapes them (sgl.runtime.embeddings)
             st.queue.put_nowait(item)
+        if made and self.metrics is not None:
+            self.metrics.generated(made, now)
 
     def _observe(self, st: _ReqState, b: BatchStrOutput, i: int, now: float) -> None:
         """A request's output in the metrics. Only a streamed request's tokens arrive as they
@@ -430,8 +434,6 @@ class TokenizerManager:
         assert self.metrics is not None
         n = len(b.new_ids[i])
         st.cached_tokens = b.cached_tokens[i]
-        if n:
-            self.metrics.generated(n, now)
         if n and st.stream:
             if st.last_at is None:
                 self.metrics.first_token(now - st.created)
