@@ -13,7 +13,8 @@ Rules:
   at once with a 503 reason.
 - A weight update runs when no request holds KV, or at once while paused. Until then
   (not paused, requests running) admission stops and the running requests finish on
-  the old weights. With `abort_all_requests` every live request is aborted first.
+  the old weights. With `abort_all_requests` every live request is aborted first, once
+  the checkpoint's config and headers (or the shared tensors' entries) passed the checks.
 - The weights change before anything else does: a refused update (a mismatch) leaves
   the weights, the cache and the requests as they were. With `flush_cache` the radix
   tree is emptied afterwards and requests still holding KV (paused in place) are
@@ -213,6 +214,12 @@ class ControlPlane:
 
     def _update(self, msg: WeightUpdate) -> ControlReqOutput | None:
         self._check_weights_present()
+        # What can be refused before the weights are read is refused before anything is aborted
+        # or waits for the running requests: a refused update leaves the engine as it was.
+        if isinstance(msg, UpdateWeightsFromDiskReq):
+            self.runner.weights.check_disk(msg.model_path, msg.load_format)
+        elif isinstance(msg, UpdateWeightsFromTensorReq):
+            self.runner.weights.check_tensors(msg.tensors)
         if msg.abort_all_requests:
             self.abort_all(UPDATE_ABORT)
         if self.paused is None and self.decode.holders():

@@ -171,6 +171,33 @@ def test_refused_updates_keep_the_old_weights(engine: sgl.Engine, models: dict[s
     assert engine.get_server_info()["weight_version"] == version
 
 
+def test_a_refused_update_aborts_nothing(engine: sgl.Engine, models: dict[str, str], tmp_path: Path,
+                                        restored: None) -> None:
+    """abort_all_requests aborts the live requests only for an update the engine takes: one
+    refused by the checkpoint's config or headers (another architecture, no such path)
+    leaves them running (a refused control call leaves the engine as it was)."""
+    async def main() -> dict:
+        e = engine._engine
+        await e.pause_generation("in_place")  # it waits in the queue meanwhile: nothing ends it but an abort
+        try:
+            task = asyncio.ensure_future(e.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY,
+                                                                                            "max_new_tokens": 8}))
+            for _ in range(500):  # until the scheduler holds it
+                if (await e.get_server_info())["waiting"]:
+                    break
+                await asyncio.sleep(0.01)
+            for path in (models["qwen"], str(tmp_path / "nowhere")):
+                with pytest.raises(ValueError):
+                    await e.update_weights_from_disk(path, abort_all_requests=True)
+        finally:
+            await e.continue_generation()
+        return await task
+
+    out = engine._run(main())
+    assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]
+    assert out["output_ids"] == hf_greedy(models["a"], PROMPTS[:1])[0][:8]
+
+
 def test_update_from_tensors_of_another_process(engine: sgl.Engine, models: dict[str, str], restored: None) -> None:
     proc, conn = spawn(share_trainer, models["a"], 7)
     try:

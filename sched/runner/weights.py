@@ -101,6 +101,20 @@ class WeightManager:
     def from_disk(self, model_path: str, load_format: str | None = None) -> int:
         """Load every weight of a checkpoint of the same architecture (a safetensors
         directory or a .gguf file); returns the tensors loaded."""
+        return self._copy(self._disk_tensors(model_path, load_format))
+
+    def check_disk(self, model_path: str, load_format: str | None = None) -> None:
+        """Refuse (ValueError) a checkpoint from_disk would refuse, reading its config and
+        tensor headers only: before any request is aborted for the update."""
+        self._disk_tensors(model_path, load_format)
+
+    def check_tensors(self, spec: SharedTensors) -> None:
+        """Refuse (ValueError) a shared buffer from_tensors would refuse, by its entries alone."""
+        self._loaded_model()
+        self._check(((e.name, e.shape, e.dtype) for e in spec.entries), "tensors", complete=False)
+
+    def _disk_tensors(self, model_path: str, load_format: str | None) -> Iterable[tuple[str, torch.Tensor]]:
+        """A checkpoint's tensors, read as iterated, once its config and headers passed the checks."""
         from sgl.sched.models.loader import (
             GGUFCheckpoint,
             _gguf_file,
@@ -123,7 +137,7 @@ class WeightManager:
             # A dry pass over the header's shapes (GGUF lists dimensions fastest-first).
             self._check(((_gguf_name(ckpt, t.name, model_path), [int(d) for d in reversed(t.shape)], "float32")
                          for t in ckpt.reader.tensors), f"model_path={model_path!r}", complete=True)
-            return self._copy(iter(ckpt))
+            return iter(ckpt)
         config = hf_config(path)
         self._same_architecture(config, model_path)
         files = safetensors_files(path)
@@ -132,13 +146,12 @@ class WeightManager:
         if (fp8 := Fp8Checkpoint.of(config)) is not None:  # dequantized as read; the model quantizes its own way
             header, tensors = fp8.header(header), fp8.dequantized(tensors)
         self._check(header, f"model_path={model_path!r}", complete=True)
-        return self._copy(tensors)
+        return tensors
 
     def from_tensors(self, spec: SharedTensors) -> int:
         """Copy in the tensors of a buffer another process shares (some or all of the
         model's); returns the tensors loaded. The buffer is closed, never unlinked."""
-        self._loaded_model()
-        self._check(((e.name, e.shape, e.dtype) for e in spec.entries), "tensors", complete=False)
+        self.check_tensors(spec)
         with open_shared(spec, self.device) as views:
             return self._copy(views)
 
