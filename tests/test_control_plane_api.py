@@ -128,6 +128,7 @@ async def stand_in() -> AsyncIterator[tuple[StandInEngine, StandInScheduler]]:
 
 # ---- engine methods: argument checks --------------------------------------------------
 
+TENSORISH = types.SimpleNamespace(shape=(1,), dtype=None, device=None)  # what the checks ask of a tensor
 BAD_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any], str]] = [
     ("pause_generation", ("sideways",), {}, "mode"),
     ("pause_generation", (), {"refuse_new": "yes"}, "refuse_new"),
@@ -142,7 +143,8 @@ BAD_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any], str]] = [
     ("update_weights_from_disk", ("/ckpt",), {"weight_version": ""}, "weight_version"),
     ("update_weights_from_disk", ("/ckpt",), {"weight_version": 3}, "weight_version"),
     ("update_weights_from_tensor", ([],), {}, "named_tensors"),
-    ("update_weights_from_tensor", ([("a", 1), ("a", 2)],), {}, "named_tensors"),
+    ("update_weights_from_tensor", ([("a", TENSORISH), ("a", TENSORISH)],), {}, "named_tensors"),
+    ("update_weights_from_tensor", ([("x", 5)],), {}, "named_tensors"),  # not a tensor
     ("update_weights_from_tensor", ([("a", 1, 2)],), {}, "named_tensors"),
     ("update_weights_from_tensor", ({"": 1},), {}, "named_tensors"),
     ("update_weights_from_tensor", (SPEC,), {"load_format": "direct"}, "load_format"),
@@ -256,20 +258,21 @@ class FakeBuffer:
 async def test_named_tensors_are_packed_for_the_call_and_freed_after_it(
         stand_in: tuple[StandInEngine, StandInScheduler], monkeypatch: pytest.MonkeyPatch) -> None:
     e, sched = stand_in
+    A, B = (types.SimpleNamespace(shape=(k,), dtype=None, device=None) for k in (1, 2))  # tensor-shaped
     made: list[FakeBuffer] = []
     weights = types.ModuleType("sgl.transports.tensors")
     weights.share_tensors = lambda items: made.append(FakeBuffer(items)) or made[-1]  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "sgl.transports.tensors", weights)
 
-    assert (await e.update_weights_from_tensor({"a": 1, "b": 2}, weight_version="t1"))["success"]
-    assert made[0].items == [("a", 1), ("b", 2)] and made[0].closed
+    assert (await e.update_weights_from_tensor({"a": A, "b": B}, weight_version="t1"))["success"]
+    assert made[0].items == [("a", A), ("b", B)] and made[0].closed
     assert sched.control == [UpdateWeightsFromTensorReq(tensors=SPEC, weight_version="t1", req_id=1)]
     sched.answer = lambda m: ControlReqOutput(success=False, message="shape mismatch")
     with pytest.raises(ValueError, match="shape mismatch"):
-        await e.update_weights_from_tensor([("a", 1)])
+        await e.update_weights_from_tensor([("a", A)])
     assert made[1].closed
     with pytest.raises(ValueError, match="weight_version"):
-        await e.update_weights_from_tensor([("a", 1)], weight_version="")
+        await e.update_weights_from_tensor([("a", A)], weight_version="")
     assert len(made) == 2  # options are checked before anything is packed
 
 

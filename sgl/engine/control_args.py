@@ -127,6 +127,9 @@ def named_items(named_tensors: Any) -> list[tuple[str, Any]]:
     for i, item in enumerate(items):
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise FieldError("named_tensors", f"named_tensors[{i}] is invalid: must be a (name, tensor) pair")
+        if not all(hasattr(item[1], a) for a in ("shape", "dtype", "device")):  # a tensor, without importing torch
+            raise FieldError("named_tensors", f"named_tensors[{i}] is invalid: its value is a "
+                             f"{type(item[1]).__name__}, not a torch.Tensor")
         out.append((check_name(f"named_tensors[{i}] name", item[0]), item[1]))
     if len({name for name, _ in out}) != len(out):
         raise FieldError("named_tensors", "named_tensors is invalid: a name appears twice")
