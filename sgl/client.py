@@ -11,12 +11,14 @@ It speaks the native API (/generate) and returns the same dicts as the engines:
 new, whichever way the server streams: SGLang's cumulative chunks are cut back
 to their new part). A 400 from the
 server is raised as ValueError, a missing or wrong key as PermissionError, any
-other failure as ServerError. It imports nothing of the engine."""
+other failure as ServerError (a server that cannot be reached, or a connection that
+breaks or times out, too: status 503). It imports nothing of the engine."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -48,6 +50,15 @@ def _raise_for(status: int | None, body: Any) -> None:
     raise ServerError(status, message)
 
 
+@contextmanager
+def _transport_errors() -> Iterator[None]:
+    """httpx's connection failures (refused, broken, timed out) as ServerError."""
+    try:
+        yield
+    except httpx.TransportError as e:
+        raise ServerError(503, f"{type(e).__name__}: {e or 'the connection to the server failed'}") from e
+
+
 class Client:
     def __init__(self, url: str, api_key: str | None = None, timeout: float | None = 600.0,
                  max_connections: int | None = None) -> None:
@@ -66,11 +77,14 @@ class Client:
         await self._http.aclose()
 
     async def _post(self, path: str, payload: dict[str, Any]) -> Any:
-        r = await self._http.post(path, json=payload)
+        with _transport_errors():
+            r = await self._http.post(path, json=payload)
         return self._json(r)
 
     async def _get(self, path: str) -> Any:
-        return self._json(await self._http.get(path))
+        with _transport_errors():
+            r = await self._http.get(path)
+        return self._json(r)
 
     @staticmethod
     def _json(r: httpx.Response) -> Any:
@@ -109,30 +123,35 @@ class Client:
         with its "index" (as `AsyncEngine.stream`). Leaving early aborts the request(s)
         (the server sees the connection close). `options` as for generate."""
         payload = _payload(prompt, sampling_params, input_ids, rid, True, options)
-        async with self._http.stream("POST", "/generate", json=payload) as r:
-            if r.status_code >= 400:
-                await r.aread()
-                self._json(r)
-            # sgl serve streams everything so far in each chunk unless it runs with
-            # --incremental-streaming-output; either way this yields what is new.
-            cumulative = r.headers.get("x-sgl-stream-output") == "cumulative"
-            seen: dict[int, dict[str, int]] = {}
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                item = json.loads(data)
-                if "error" in item:
-                    _raise_for(None, item)
-                yield _new_part(item, seen) if cumulative else item
+        with _transport_errors():
+            async with self._http.stream("POST", "/generate", json=payload) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    self._json(r)
+                # sgl serve streams everything so far in each chunk unless it runs with
+                # --incremental-streaming-output; either way this yields what is new.
+                cumulative = r.headers.get("x-sgl-stream-output") == "cumulative"
+                seen: dict[int, dict[str, int]] = {}
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    item = json.loads(data)
+                    if "error" in item:
+                        _raise_for(None, item)
+                    yield _new_part(item, seen) if cumulative else item
 
     async def abort(self, rid: str) -> None:
         await self._post("/abort_request", {"rid": rid})
 
     async def health(self) -> bool:
-        r = await self._http.get("/health")
+        """Whether the server answers that it is healthy (False where it cannot be reached)."""
+        try:
+            r = await self._http.get("/health")
+        except httpx.TransportError:
+            return False
         return r.status_code == 200
 
     async def get_server_info(self) -> dict[str, Any]:

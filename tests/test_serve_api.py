@@ -386,6 +386,30 @@ def test_client_generate_stream_abort(server: ServerProc) -> None:
     asyncio.run(main())
 
 
+def test_client_on_a_server_it_cannot_reach() -> None:
+    """Nothing listens: every call is a ServerError (503), never httpx's own exception, and
+    health() says False."""
+    import socket
+
+    from sgl.client import ServerError
+
+    with socket.socket() as s:  # a port nothing listens on once the socket is closed
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    async def main() -> None:
+        async with sgl.Client(url) as c:
+            assert await c.health() is False
+            with pytest.raises(ServerError, match="^503: ConnectError"):
+                await c.generate("x")
+            with pytest.raises(ServerError, match="^503: ConnectError"):
+                [ch async for ch in c.stream("x")]
+            with pytest.raises(ServerError, match="^503"):
+                await c.get_server_info()
+
+    asyncio.run(main())
+
+
 def test_disconnect_mid_stream_aborts(server: ServerProc) -> None:
     steps_before = server.info()["decode_steps"]
 
