@@ -321,6 +321,8 @@ async def test_sglangs_routes_load_and_unload(server: Server) -> None:
 SGLANG_BAD: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("/load_lora_adapter", {"lora_name": "sql", "lora_path": "/other"}, "lora_name", None),  # the fake's refusal
     ("/load_lora_adapter", {"lora_name": "has space", "lora_path": "/a"}, "lora_name", "invalid_value"),
+    # The served model's name: `model` would name the base model, never this adapter.
+    ("/load_lora_adapter", {"lora_name": "base", "lora_path": "/a"}, "lora_name", "invalid_value"),
     ("/load_lora_adapter", {"lora_name": "x", "lora_path": ""}, "lora_path", "invalid_value"),
     ("/load_lora_adapter", {"lora_name": "x"}, "lora_path", "missing_required_parameter"),
     ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/a", "lora_id": "7"}, "lora_id", "unknown_parameter"),

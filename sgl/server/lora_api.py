@@ -47,11 +47,14 @@ def _decode(body: bytes, type_: type[T]) -> T:
         raise
 
 
-def _load_body(body: bytes) -> LoadLoraAdapterBody:
+def _load_body(state: Any, body: bytes) -> LoadLoraAdapterBody:
     req = _decode(body, LoadLoraAdapterBody)
     if req.load_inplace:
         raise ApiError(400, "load_inplace is not supported: unload the adapter, then load it again",
                        "load_inplace", "unsupported_parameter")
+    if req.lora_name == state.model_name:  # `model` would name the base model, never the adapter
+        raise ApiError(400, f"lora_name={req.lora_name!r} is the served model's name: choose another",
+                       "lora_name", "invalid_value")
     return req
 
 
@@ -66,7 +69,7 @@ def _unload_body(body: bytes) -> UnloadLoraAdapterBody:
 # ---- SGLang's -------------------------------------------------------------------------
 
 async def load_lora_adapter(state: Any, request: Request, body: bytes) -> Response:
-    req = _load_body(body)
+    req = _load_body(state, body)
     out = await state.engine.load_lora_adapter(req.lora_name, req.lora_path)
     return json_response({**out, "message": out.get("message") or f"Loaded LoRA adapter {req.lora_name!r}."})
 
@@ -96,7 +99,7 @@ def _as_vllm(e: ValueError) -> ApiError:
 
 
 async def vllm_load_lora_adapter(state: Any, request: Request, body: bytes) -> Response:
-    req = _load_body(body)
+    req = _load_body(state, body)
     try:
         await state.engine.load_lora_adapter(req.lora_name, req.lora_path)
     except ValueError as e:
