@@ -139,6 +139,7 @@ CASES: dict[str, Http | Py | Frame] = {
     "rid-wrong-type": Http(G, {"text": "hi", "rid": 5}, 400, "rid"),
     "stream-wrong-type": Http(G, {"text": "hi", "stream": "yes"}, 400, "stream"),
     "stream-batch-one-rid": Http(G, {"text": ["a", "b"], "stream": True, "rid": "same"}, 400, "list of rids"),
+    "batch-rid-twice": Http(G, {"input_ids": [[1], [2]], "rid": ["x", "x"]}, 400, "the batch names 'x' twice"),
     "stream-batch-sp-count": Http(G, {"input_ids": [[1], [2]], "stream": True, "sampling_params": [SP]}, 400,
                                   "a batch of 2 needs 2"),
     "stream-batch-one-bad-prompt": Http(G, {"input_ids": [[1], [10**9]], "stream": True,

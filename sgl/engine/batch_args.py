@@ -28,6 +28,12 @@ def split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[An
         raise ValueError("rid: a batch needs a list of rids, one per prompt")
     if len(sps) != n or len(rids) != n:
         raise ValueError(f"sampling_params/rid: a batch of {n} needs {n} of each")
+    seen: set[str] = set()
+    for r in rids:
+        if isinstance(r, str):  # any other type is refused as the request is sent
+            if r in seen:
+                raise ValueError(f"rid: the batch names {r!r} twice: each prompt needs a rid of its own")
+            seen.add(r)
     return list(zip(prompts, ids, sps, rids))
 
 
