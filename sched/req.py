@@ -174,12 +174,9 @@ class Req:
             self.logprobs.drop_prompt(keep_first=self.logprob_start_len == 0)
 
     def end_prompt_logprobs(self) -> None:
-        """At its end: a prompt's logprobs not all gathered (it ended before its prefill's
-        results came) are dropped, so that its caller gets all of them or none. None of
-        them was sent before they were all in (they go with the first token)."""
-        lp = self.logprobs
-        if lp is not None and 0 < len(lp.input_vals) < len(self.origin_input_ids) - self.logprob_start_len:
-            lp.drop_prompt()
+        """At its end: its prompt's logprobs all, or none (Logprobs.whole_prompt_or_none)."""
+        if self.logprobs is not None:
+            self.logprobs.whole_prompt_or_none(len(self.origin_input_ids) - self.logprob_start_len)
 
     def tokens_left(self, context_length: int) -> int:
         """Output tokens it may still get: max_new_tokens and the context both bound it

@@ -188,7 +188,7 @@ class MaskFiller:
                             continue
                     took.append(len(rows))
                     tokens.append(tok)
-                if len(out) + (tok is not None and just is not None and r in just) < r.sampling_params.min_new_tokens:
+                if len(out) + (just is not None and r in just) < r.sampling_params.min_new_tokens:
                     short.append((j, min_tokens_ban(r.sampling_params, self.stop_ids)))
             else:  # a beam's matchers took their tokens at selection (sgl.sched.beam)
                 own = r.beam.matchers
@@ -303,11 +303,9 @@ class MaskFiller:
         for j, banned in short:
             if j in filled and not allows_besides(mask[j], banned):
                 r = g.reqs[j]
-                p = r.sampling_params
-                kind = p.grammar[0] if p.grammar else "grammar"
-                errors[g.batch_rows[j]] = (f"{kind}: the grammar can only end after the output so far, and "
-                                           f"min_new_tokens={p.min_new_tokens} bans the end: ask for fewer tokens "
-                                           "than the grammar allows")
+                errors[g.batch_rows[j]] = (f"{grammar_kind(r)}: the grammar can only end after the output so far, "
+                                           f"and min_new_tokens={r.sampling_params.min_new_tokens} bans the end: ask "
+                                           "for fewer tokens than the grammar allows")
                 mask[j] = -1
 
     @staticmethod
@@ -399,6 +397,12 @@ def refused(m: Any, tok: int, width: int, r: Req) -> str:
     of the caller's grammar (its mask allowed nothing, so any draw was refused), else an
     internal error."""
     if not allows_any(m, width):
-        kind = r.sampling_params.grammar[0] if r.sampling_params.grammar else "grammar"
-        return f"{kind}: the grammar allows no token after the output so far: no text it matches continues it"
+        return (f"{grammar_kind(r)}: the grammar allows no token after the output so far: no text it matches "
+                "continues it")
     return f"internal error: the grammar rejected token {tok}, which its own mask allowed"
+
+
+def grammar_kind(r: Req) -> str:
+    """The request's field its grammar came from (json_schema, regex or ebnf), for its errors."""
+    g = r.sampling_params.grammar
+    return g[0] if g is not None else "grammar"

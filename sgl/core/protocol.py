@@ -66,6 +66,13 @@ class Logprobs(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
         for vals in (self.input_ids, self.input_vals, self.input_top_vals, self.input_top_ids, self.input_ids_vals):
             del vals[keep:]  # an unused list is empty: nothing to drop
 
+    def whole_prompt_or_none(self, positions: int) -> None:
+        """At a request's end: its prompt's `positions` logprobs all, or none of them (it
+        ended before its prefill's results came in). None of them was sent before they were
+        all in: they go with the first token."""
+        if 0 < len(self.input_vals) < positions:
+            self.drop_prompt()
+
 
 class Beam(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
     """One finished beam of a beam-search request, best first in its list. `text` is

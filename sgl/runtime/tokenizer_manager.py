@@ -189,7 +189,7 @@ class TokenizerManager:
         # Sample i draws with seed + i (wrapped within the seeds' 63 bits), so seeded samples
         # differ but are reproducible.
         if rid in self.samples:
-            raise ValueError(f"rid={rid[len(self.rid_prefix):]!r} is already in use by a running request")
+            raise self._in_use(rid)
         rids = self.samples[rid] = [f"{rid}-{i}" for i in range(params.n)]  # abort(rid) reaches them all
         gens: list[AsyncGenerator[dict[str, Any], None]] = []
         try:
@@ -240,6 +240,9 @@ class TokenizerManager:
             raise ValueError(f"rid must be a str of valid Unicode text, got {rid!r}")
         return self.rid_prefix + (rid or uuid.uuid4().hex)
 
+    def _in_use(self, rid: str) -> ValueError:
+        return ValueError(f"rid={rid[len(self.rid_prefix):]!r} is already in use by a running request")
+
     def _forget(self, rid: str, submitted: int | None = None) -> None:
         """An n > 1 request's end: abort its samples (the first `submitted`, default all)
         whose generator never ran to its end (or never started)."""
@@ -252,7 +255,7 @@ class TokenizerManager:
     def _submit(self, rid: str, ids: list[int], params: SamplingParams, stream: bool, opts: ReqOptions,
                 leader: str | None, embed: bool = False) -> str:
         if rid in self.states:
-            raise ValueError(f"rid={rid[len(self.rid_prefix):]!r} is already in use by a running request")
+            raise self._in_use(rid)
         self._ensure_started()
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))

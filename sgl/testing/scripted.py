@@ -426,9 +426,8 @@ class ScriptedScheduler:
 
     def _end(self, r: _Run, reason: FinishReason) -> None:
         r.finished = reason
-        lp = r.logprobs  # as the scheduler's Req.end_prompt_logprobs: a prompt's logprobs all, or none
-        if lp is not None and 0 < len(lp.input_vals) < len(r.msg.input_ids) - r.logprob_start:
-            lp.drop_prompt()
+        if r.logprobs is not None:  # as the scheduler's: a prompt's logprobs all, or none
+            r.logprobs.whole_prompt_or_none(len(r.msg.input_ids) - r.logprob_start)
         self.outbox[r] = None
 
     def _finish(self, r: _Run, reason: FinishReason) -> None:
