@@ -32,7 +32,7 @@ from sgl.sched.json_schema_rewrite import for_xgrammar
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.models.tokenizer import load_tokenizer
 from sgl.sched.req import Req
-from sgl.sched.runner.grammar_masks import allows_any
+from sgl.sched.runner.grammar_masks import allows_any, grammar_kind
 
 COMPILE_THREADS = 2  # xgrammar's own threads per compile; one compile at a time here
 MAX_JSON_WHITESPACE = 2  # whitespace characters in a row between JSON tokens
@@ -115,15 +115,13 @@ class Grammars:
                 req.grammar = _backend().GrammarMatcher(compiled)
                 req.grammar_width = compiled.tokenizer_info.vocab_size
                 out.append((req, None))
-            except EmptyGrammar as e:
-                out.append((req, {"type": "abort", "status_code": 400,
-                                  "message": f"{req.sampling_params.grammar[0]}: {e}"}))  # type: ignore[index]
             except Exception as e:  # noqa: BLE001 - the caller's grammar: their 400
-                kind = req.sampling_params.grammar[0]  # type: ignore[index]
-                # xgrammar's messages start with a time and a source location: the caller needs neither.
-                text = re.sub(r"^\[[\d:]+\] \S+: (Check failed: \(.*?\) is false: )?", "", str(e).strip())
-                out.append((req, {"type": "abort", "status_code": 400,
-                                  "message": f"{kind}: the grammar does not compile: {text[:500]}"}))
+                if isinstance(e, EmptyGrammar):
+                    why = str(e)
+                else:  # xgrammar's messages start with a time and a source location: the caller needs neither
+                    text = re.sub(r"^\[[\d:]+\] \S+: (Check failed: \(.*?\) is false: )?", "", str(e).strip())
+                    why = f"the grammar does not compile: {text[:500]}"
+                out.append((req, {"type": "abort", "status_code": 400, "message": f"{grammar_kind(req)}: {why}"}))
         return out
 
     def drop(self, req: Req) -> bool:
