@@ -69,6 +69,7 @@ import random
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -658,7 +659,7 @@ def result_line(label: str, points: list[dict[str, Any]]) -> str:
     for w in dict.fromkeys(p["workload"] for p in points):
         mine = [p for p in points if p["workload"] == w and p["ok"]]
         if sat := [p["out_tok_s"] or 0 for p in mine if p["mode"] == "rate" and math.isinf(float(p["value"]))]:
-            parts.append(f"{w}_sat_tok_s={median(sat):.0f}")
+            parts.append(f"{w}_sat_tok_s={statistics.median(sat):.0f}")
         if mine:
             parts.append(f"{w}_max_tok_s={max(p['out_tok_s'] or 0 for p in mine):.0f}")
         one = [p for p in mine if p["mode"] == "concurrency" and float(p["value"]) == 1]
@@ -674,11 +675,6 @@ def result_line(label: str, points: list[dict[str, Any]]) -> str:
 LATENCIES = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p99"))
 
 
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
-
-
 def merged_points(points: list[dict[str, Any]], workload: str) -> dict[tuple[str, float], dict[str, Any]]:
     """A workload's points by (mode, value), a repeated point as one: its requests and failures
     summed, its throughput and each latency percentile the median over the repeats (`runs`
@@ -691,11 +687,11 @@ def merged_points(points: list[dict[str, Any]], workload: str) -> dict[tuple[str
     for key, ps in groups.items():
         m: dict[str, Any] = {"requests": sum(p["requests"] for p in ps), "failed": sum(p["failed"] for p in ps),
                              "runs": [p["out_tok_s"] or 0.0 for p in ps],
-                             "req_s": median([p["req_s"] or 0.0 for p in ps])}
-        m["out_tok_s"] = median(m["runs"])
+                             "req_s": statistics.median([p["req_s"] or 0.0 for p in ps])}
+        m["out_tok_s"] = statistics.median(m["runs"])
         for k, q in LATENCIES:
             vals = [p[k][q] for p in ps if p[k][q] is not None]
-            m.setdefault(k, {})[q] = median(vals) if vals else None
+            m.setdefault(k, {})[q] = statistics.median(vals) if vals else None
         out[key] = m
     return out
 
