@@ -151,6 +151,11 @@ def test_encode_refuses_bad_input(engine: sgl.Engine) -> None:
         engine.encode(input_ids=[])
     with pytest.raises(ValueError, match=r"^input_ids\[1\]=512 is out of the vocabulary \(size 512\)"):
         engine.encode(input_ids=[1, 512])
+    # In a batch the refusal names the prompt's position too.
+    with pytest.raises(ValueError, match=r"^input_ids\[2\]\[0\]=512 is out of the vocabulary"):
+        engine.encode(input_ids=[[1], [2, 3], [512]])
+    with pytest.raises(ValueError, match=r"^input_ids\[1\]: empty input"):
+        engine.encode(input_ids=[[1], []])
     with pytest.raises(ValueError, match="context length"):
         engine.encode(input_ids=[1] * 1024)
     with pytest.raises(ValueError, match="^dimensions=8 is invalid: this model does not support Matryoshka"):
@@ -250,7 +255,7 @@ def test_openai_embeddings_refusals(oai: openai.OpenAI) -> None:
     assert "Matryoshka" in refused("dimensions", input="hi", dimensions=8)
     refused("input", input="")
     refused("input", input=[])
-    refused("input", input=[[1, 2], [TOKENIZER_VOCAB]])
+    assert refused("input", input=[[1, 2], [TOKENIZER_VOCAB]]).startswith(f"input[1][0]={TOKENIZER_VOCAB} ")
     assert "context length" in refused("input", input=[[1] * 300])
     with pytest.raises(openai.NotFoundError):
         oai.embeddings.create(model="other", input="hi")

@@ -43,6 +43,23 @@ def test_batch_keeps_order(engine: sgl.Engine) -> None:
     assert [o["output_ids"] for o in outs] == [null_continuation(p[-1], 1 + len(prompts) % 7) for p in prompts]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("bad", [0, 2, 4])
+def test_a_batch_refusal_names_the_prompt(engine: sgl.Engine, bad: int, stream: bool) -> None:
+    """A batch whose prompt `bad` holds an id past the vocabulary is refused naming that
+    prompt and the id's place in it; the prompts sent beside it are aborted (the accounting
+    balances)."""
+    prompts: list[list[int]] = [[1, 2, 3] for _ in range(5)]
+    prompts[bad] = [4, 5000]
+    sp = {**GREEDY, "max_new_tokens": 3}
+    with pytest.raises(ValueError, match=rf"^input_ids\[{bad}\]\[1\]=5000 is out of the vocabulary"):
+        if stream:
+            list(engine.generate(input_ids=prompts, sampling_params=sp, stream=True))
+        else:
+            engine.generate(input_ids=prompts, sampling_params=sp)
+    settle_aborts(engine)
+
+
 def test_stop_token_and_eos(engine: sgl.Engine) -> None:
     cont = null_continuation(3, 10)
     out = engine.generate(input_ids=[3], sampling_params={**GREEDY, "max_new_tokens": 10, "stop_token_ids": [cont[3]]})

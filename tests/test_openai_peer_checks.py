@@ -95,7 +95,7 @@ def test_out_of_vocabulary_ids_are_named_with_their_position(oai: openai.OpenAI)
     body = bad_request(lambda: cmpl(oai, prompt=[1, 2, 3, v], max_tokens=1))
     assert body["message"] == f"prompt[3]={v} is out of the vocabulary (size {v})" and body["param"] == "prompt"
     body = bad_request(lambda: cmpl(oai, prompt=[[1], [2, v + 5]], max_tokens=1))
-    assert f"prompt[1]={v + 5} is out of the vocabulary (size {v})" in body["message"]
+    assert f"prompt[1][1]={v + 5} is out of the vocabulary (size {v})" in body["message"]
     body = bad_request(lambda: chat(oai, max_tokens=1, logit_bias={str(v): 1.0}))
     assert body["message"] == f"logit_bias: token id {v} is out of the vocabulary (size {v})"
     assert body["param"] == "logit_bias"

@@ -262,7 +262,7 @@ CASES: dict[str, Http | Py | Frame] = {
     "completion-stream-batch-rid": Http(C, {"model": "m", "prompt": ["a", "b"], "stream": True, "rid": "r"}, 400,
                                         "batch of prompts takes no rid"),
     "completion-stream-batch-bad-prompt": Http(C, {"model": "m", "prompt": [[1], [10**9]], "stream": True}, 400,
-                                               "prompt[0]=1000000000 is out of the vocabulary", param="prompt"),
+                                               "prompt[1][0]=1000000000 is out of the vocabulary", param="prompt"),
     "chat-no-messages": Http(CH, {"model": "m", "messages": []}, 400, "messages"),
     "chat-missing-messages": Http(CH, {"model": "m"}, 400, "messages"),
     "chat-bad-role": Http(CH, {"model": "m", "messages": [{"role": 7, "content": "hi"}]}, 400, "role"),

@@ -1,9 +1,12 @@
 """The arguments of a generate or stream call that describe a batch: splitting a
-batch call into per-prompt items, per-prompt options, and the chunk index offsets
-of a streamed batch. Pure functions: nothing here touches an engine."""
+batch call into per-prompt items, per-prompt options, the chunk index offsets
+of a streamed batch, and a prompt's refusal naming its position. Nothing here
+touches an engine."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import fields
 from typing import Any
 
@@ -35,6 +38,43 @@ def split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[An
                 raise ValueError(f"rid: the batch names {r!r} twice: each prompt needs a rid of its own")
             seen.add(r)
     return list(zip(prompts, ids, sps, rids))
+
+
+# The per-prompt fields a refusal of one prompt can lead with ("input_ids[3]=...",
+# "prompt: ..."): in a batch the prompt's position goes after the name.
+_ITEM_FIELD = re.compile(r"^(prompt|input_ids)(?=[\[:=])")
+
+
+def name_item(e: ValueError, i: int) -> ValueError:
+    """A batch's refusal of its prompt i, naming it: "input_ids[0]=9 ..." becomes
+    "input_ids[i][0]=9 ...". The same exception (its type and attributes kept)."""
+    if e.args and isinstance(e.args[0], str):
+        e.args = (_ITEM_FIELD.sub(rf"\1[{i}]", e.args[0], count=1), *e.args[1:])
+    return e
+
+
+def item_call(i: int, call: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+    """`call` for prompt i of a batch: a refusal names the prompt (name_item)."""
+    async def named() -> Any:
+        try:
+            return await call()
+        except ValueError as e:
+            name_item(e, i)
+            raise
+    return named
+
+
+async def item_stream(i: int, gen: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[dict[str, Any], None]:
+    """The stream of prompt i of a batch: a refusal names the prompt (name_item);
+    closing it closes `gen` (which sends its abort)."""
+    try:
+        async for chunk in gen:
+            yield chunk
+    except ValueError as e:
+        name_item(e, i)
+        raise
+    finally:
+        await gen.aclose()
 
 
 def index_offsets(sps: list[Any]) -> list[int]:

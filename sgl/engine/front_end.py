@@ -26,7 +26,15 @@ from sgl.core.lora_rules import is_name
 from sgl.core.protocol import AbortAllReq, ContinueGenerationReq, MemoryTag, Message, PauseMode, SharedTensors
 from sgl.core.server_args import ModelFiles, ServerArgs
 from sgl.engine import control_args as ca
-from sgl.engine.batch_args import batch_options, index_offsets, one_request, options_of, split_batch
+from sgl.engine.batch_args import (
+    batch_options,
+    index_offsets,
+    item_call,
+    item_stream,
+    one_request,
+    options_of,
+    split_batch,
+)
 from sgl.engine.lora_adapters import LoraAdapters
 from sgl.runtime.embeddings import Embeddings
 from sgl.runtime.launch import off_loop
@@ -95,7 +103,8 @@ class EngineFrontEnd(ABC):
         opts = batch_options(options, len(items))
         await self._check_adapters(opts)
         # One task group: a failed or cancelled prompt cancels its siblings (each sends its abort).
-        return await gather_calls([functools.partial(self._one, *it, o) for it, o in zip(items, opts)])
+        return await gather_calls([item_call(i, functools.partial(self._one, *it, o))
+                                   for i, (it, o) in enumerate(zip(items, opts))])
 
     async def _one(self, prompt: str | None, input_ids: list[int] | None, sp: Any, rid: str | None,
                    opts: ReqOptions) -> Any:
@@ -141,7 +150,8 @@ class EngineFrontEnd(ABC):
     def _stream_batch(self, items: list[tuple[Any, Any, Any, Any]],
                       opts: list[ReqOptions]) -> AsyncGenerator[dict[str, Any], None]:
         offsets = index_offsets([sp for _, _, sp, _ in items])
-        gens = [self.tm.generate(p, ids, sp, r, stream=True, opts=o) for (p, ids, sp, r), o in zip(items, opts)]
+        gens = [item_stream(i, self.tm.generate(p, ids, sp, r, stream=True, opts=o))
+                for i, ((p, ids, sp, r), o) in enumerate(zip(items, opts))]
         return merge_streams(gens, offsets)
 
     async def _check_adapters(self, opts: list[ReqOptions]) -> None:
@@ -178,8 +188,8 @@ class EngineFrontEnd(ABC):
         items = split_batch(prompt, input_ids, None, rid)
         if items is None:
             return await self._encode(emb, *one_request(prompt, input_ids, rid), dimensions)
-        return await gather_calls([functools.partial(self._encode, emb, p, ids, r, dimensions)
-                                   for p, ids, _, r in items])
+        return await gather_calls([item_call(i, functools.partial(self._encode, emb, p, ids, r, dimensions))
+                                   for i, (p, ids, _, r) in enumerate(items)])
 
     async def _encode(self, emb: Embeddings, prompt: str | None, input_ids: list[int] | None, rid: str | None,
                       dimensions: int | None) -> dict[str, Any]:

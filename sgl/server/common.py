@@ -51,7 +51,7 @@ _FIELD_AT = re.compile(r"(?:at|in) `\$\.([A-Za-z_][\w]*)")  # msgspec's "at `$.f
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _FIELD_NAMED = re.compile(r"(?:sampling_params\.)?([a-z_]+)=")
 _FIELD_LEAD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*): ")
-_FIELD_INDEXED = re.compile(r"^([a-z_]+)\[\d+\]=")
+_FIELD_INDEXED = re.compile(r"^([a-z_]+)(?:\[\d+\])+[=:]")  # "prompt[3]=9", a batch's "prompt[1][3]=9"
 
 
 def param_of(message: str) -> str | None:

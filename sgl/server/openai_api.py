@@ -29,7 +29,6 @@ come back): the n choices are the beams, best first; it never streams."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -145,6 +144,12 @@ def _prompts(prompt: str | list[Any]) -> list[tuple[str | None, list[int] | None
     raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of those", "prompt")
 
 
+def _batch(prompts: list[tuple[str | None, list[int] | None]]) -> tuple[list[str] | None, list[list[int]] | None]:
+    """A batch as the engine takes it: its texts or its id lists (_prompts gives one kind)."""
+    texts, ids = [t for t, _ in prompts if t is not None], [i for _, i in prompts if i is not None]
+    return texts or None, ids or None
+
+
 def _check_completion(state: ServerState, req: CompletionRequest) -> None:
     if req.suffix is not None:
         raise ApiError(400, "suffix is not supported: this server does no fill-in-the-middle", "suffix")
@@ -181,8 +186,11 @@ async def _completions(state: ServerState, req: CompletionRequest, adapter: str 
         return await _stream_completion(state, req, prompts, sp, opts, cid, created)
     if len(prompts) == 1:
         per_prompt = [await state.engine.generate(prompts[0][0], sp, prompts[0][1], req.rid, **opts)]
-    else:
-        per_prompt = await asyncio.gather(*(state.engine.generate(t, sp, i, **opts) for t, i in prompts))
+    else:  # the engine's batch: a refused prompt is named and ends its siblings
+        texts, ids = _batch(prompts)
+        batch = await state.engine.generate(texts, sp, ids, **opts)
+        assert isinstance(batch, list)
+        per_prompt = batch
     # With n > 1 each prompt gives a list of n samples: choice index = prompt index * n + sample.
     groups = [o if isinstance(o, list) else [o] for o in per_prompt]
     echoes = await _echoes(state, prompts) if req.echo else [""] * len(prompts)
@@ -207,9 +215,8 @@ async def _stream_completion(state: ServerState, req: CompletionRequest,
     if len(prompts) == 1:
         chunks = await primed(state.engine.stream(prompts[0][0], sp, prompts[0][1], req.rid, **opts))
     else:
-        # A batch is all texts or all ids (_prompts).
-        texts, ids = [t for t, _ in prompts if t is not None], [i for _, i in prompts if i is not None]
-        chunks = await primed(state.engine.stream(texts or None, sp, ids or None, **opts))
+        texts, ids = _batch(prompts)
+        chunks = await primed(state.engine.stream(texts, sp, ids, **opts))
     echoes = await _echoes(state, prompts) if req.echo else [""] * len(prompts)
     model = shown_model(state, req)
     offsets: dict[int, int] = {}  # each choice's text offset so far; absent before its first chunk
