@@ -108,9 +108,10 @@ CASES: dict[str, Http | Py | Frame] = {
     "unknown-path": Http("/no/such/route", None, 404, "Not Found", method="GET"),
     # ---- HTTP: /generate fields
     "text-wrong-type": Http(G, {"text": 5}, 400, "text"),
-    "text-and-ids": Http(G, {"text": "hi", "input_ids": [1]}, 400, "exactly one"),
-    "no-prompt": Http(G, {"sampling_params": SP}, 400, "exactly one"),
+    "text-and-ids": Http(G, {"text": "hi", "input_ids": [1]}, 400, "exactly one of text or input_ids", param="text"),
+    "no-prompt": Http(G, {"sampling_params": SP}, 400, "exactly one of text or input_ids", param="text"),
     "empty-text": Http(G, {"text": ""}, 400, "empty"),
+    "empty-text-batch": Http(G, {"text": []}, 400, "text: an empty batch", param="text"),
     "empty-ids": Http(G, {"input_ids": []}, 400, "empty"),
     "ids-not-ints": Http(G, {"input_ids": ["a"]}, 400, "input_ids"),
     "ids-bool": Http(G, {"input_ids": [1, True]}, 400, "input_ids"),

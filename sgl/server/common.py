@@ -82,6 +82,13 @@ def invalid(message: str) -> ApiError:
     return ApiError(400, message, param_of(message), code_of(message))
 
 
+def renamed(e: ValueError, names: dict[str, str]) -> ApiError:
+    """An engine's refusal as a 400 naming the route's field where the route calls the
+    engine's by another name (names: engine field -> route field), as the message's lead."""
+    lead = re.compile(rf"^({'|'.join(map(re.escape, names))})(?=[:\[=])")
+    return invalid(lead.sub(lambda m: names[m.group(1)], str(e), count=1))
+
+
 def api_error_of(e: Exception) -> ApiError:
     """What an exception from an engine call means to an HTTP client: invalid input
     (ValueError) is a 400, a dead or closed engine (RuntimeError) a 503."""

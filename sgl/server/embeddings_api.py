@@ -9,7 +9,6 @@ The engine's messages about `input_ids` come back naming `input`."""
 from __future__ import annotations
 
 import base64
-import re
 from array import array
 from typing import Any, Literal
 
@@ -17,7 +16,7 @@ import msgspec
 from starlette.responses import Response
 
 from sgl.runtime.embeddings import le_bytes
-from sgl.server.common import ApiError, decode_body, invalid, json_response
+from sgl.server.common import ApiError, decode_body, json_response, renamed
 from sgl.server.native import ServerState
 from sgl.server.openai_api import check_model
 
@@ -58,11 +57,6 @@ def _inputs(value: Any) -> tuple[list[str] | None, list[list[int]] | None]:
                    "input", "invalid_type")
 
 
-def _input_error(e: ValueError) -> ApiError:
-    """An engine's refusal of one prompt, naming OpenAI's field."""
-    return invalid(re.sub(r"^(input_ids|prompt)(?=[:\[])", "input", str(e)))
-
-
 async def embeddings(state: ServerState, body: bytes) -> Response:
     req = decode_body(body, EmbeddingRequest)
     check_model(state, req.model)
@@ -72,7 +66,7 @@ async def embeddings(state: ServerState, body: bytes) -> Response:
     try:
         outs = await state.engine.encode(texts, ids, None, req.dimensions)
     except ValueError as e:
-        raise _input_error(e) from None
+        raise renamed(e, {"input_ids": "input", "prompt": "input"}) from None
     assert isinstance(outs, list)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(o["embedding"], req.encoding_format)}
             for i, o in enumerate(outs)]

@@ -25,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from sgl.core.server_args import redacted
 from sgl.core.version import __version__
 from sgl.engine import AsyncEngine, EngineFrontEnd
-from sgl.server.common import SSE_HEADERS, ApiError, check_api_key, decode_body, json_response, sse_stream
+from sgl.server.common import SSE_HEADERS, ApiError, check_api_key, decode_body, json_response, renamed, sse_stream
 from sgl.server.control_api import check_user_key, control_key
 
 HEALTH_TIMEOUT_S = 5.0
@@ -105,15 +105,23 @@ STREAM_OUTPUT_HEADER = "X-SGL-Stream-Output"  # "cumulative" or "incremental": w
 
 async def generate(state: ServerState, request: Request, body: bytes) -> Response:
     req = decode_body(body, GenerateRequest)
-    if req.stream:
-        chunks = await primed(state.engine.stream(req.text, req.sampling_params, req.input_ids, req.rid,
-                                                  **options(req)))
-        incremental = state.engine.args.incremental_streaming_output
-        headers = {**SSE_HEADERS, STREAM_OUTPUT_HEADER: "incremental" if incremental else "cumulative"}
-        return StreamingResponse(sse_stream(chunks if incremental else cumulative(chunks)),
-                                 media_type="text/event-stream", headers=headers)
-    out = await state.engine.generate(req.text, req.sampling_params, req.input_ids, req.rid, **options(req))
-    return json_response(out)
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError(400, "give exactly one of text or input_ids", "text")
+    try:
+        if req.stream:
+            chunks = await primed(state.engine.stream(req.text, req.sampling_params, req.input_ids, req.rid,
+                                                      **options(req)))
+        else:
+            out = await state.engine.generate(req.text, req.sampling_params, req.input_ids, req.rid,
+                                              **options(req))
+    except ValueError as e:  # the engine calls this route's `text` its `prompt`
+        raise renamed(e, {"prompt": "text"}) from None
+    if not req.stream:
+        return json_response(out)
+    incremental = state.engine.args.incremental_streaming_output
+    headers = {**SSE_HEADERS, STREAM_OUTPUT_HEADER: "incremental" if incremental else "cumulative"}
+    return StreamingResponse(sse_stream(chunks if incremental else cumulative(chunks)),
+                             media_type="text/event-stream", headers=headers)
 
 
 async def cumulative(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
