@@ -187,3 +187,26 @@ def test_a_step_that_takes_no_list_goes_one_id_at_a_time(tokenizer: Any, byte_id
     slow = run(make(tokenizer, False), seqs, step)
     assert ["".join(c) for c in fast] == ["".join(c) for c in slow]
     assert ["".join(c) for c in fast] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in seqs]
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.data())
+def test_joined_chunks_equal_their_concatenation(ids: list[int], data: st.DataObject) -> None:
+    """Chunks a reader fell behind on, joined in turn (sgl.runtime.result_format.join_chunks),
+    hold what the chunks hold together: texts, ids and logprob lists concatenated, the
+    other fields as the last one has them."""
+    from sgl.runtime.result_format import join_chunks
+
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(ids) - 1), max_size=len(ids) - 1)) if len(ids) > 1 else set())
+    bounds = [0, *cuts, len(ids)]
+    chunks = [{"text": "".join(chr(97 + t % 26) for t in ids[a:b]), "output_ids": ids[a:b],
+               "meta_info": {"completion_tokens": b, "finish_reason": None if b < len(ids) else {"type": "length"},
+                             "output_token_logprobs": [(-1.0, t, None) for t in ids[a:b]],
+                             "input_token_logprobs": [(None, 1, None)] if a == 0 else []}}
+              for a, b in zip(bounds, bounds[1:])]
+    joined = chunks[0]
+    for later in chunks[1:]:
+        joined = join_chunks(joined, later)
+    assert joined["output_ids"] == ids and joined["text"] == "".join(chr(97 + t % 26) for t in ids)
+    m = joined["meta_info"]
+    assert m["completion_tokens"] == len(ids) and m["finish_reason"] == {"type": "length"}
+    assert [t for _, t, _ in m["output_token_logprobs"]] == ids and m["input_token_logprobs"] == [(None, 1, None)]

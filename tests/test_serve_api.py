@@ -239,7 +239,7 @@ def test_openai_completion_logprobs_and_echo(oai: openai.OpenAI, server: ServerP
     chunks = [c for c in oai.completions.create(**kw, logprobs=3, echo=True, stream=True) if c.choices]
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert [sum(col, []) for col in zip(*(_lists(c.choices[0].logprobs) for c in chunks))] == _lists(lp)
-    assert chunks[0].choices[0].logprobs.token_logprobs[0] is None and len(chunks) >= 4
+    assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
 
     # Scoring (lm-eval): echo with max_tokens=0 gives the prompt's logprobs alone, as above.
     score = oai.completions.create(**{**kw, "max_tokens": 0}, logprobs=3, echo=True)
@@ -340,7 +340,10 @@ def test_native_routes(server: ServerProc) -> None:
     with HTTP.stream("POST", server.url + "/generate", headers=server.headers,
                      json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}, "stream": True}) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
-    assert lines[-1] == "data: [DONE]" and len(lines) == 4
+    # 3 tokens: up to 3 chunks (fewer where the server joined the ones its reader fell behind on).
+    assert lines[-1] == "data: [DONE]" and 2 <= len(lines) <= 4
+    # This server streams incrementally (--incremental-streaming-output): each chunk holds its new ids.
+    assert sum(len(json.loads(ln[len("data: "):])["output_ids"]) for ln in lines[:-1]) == 3
     server.wait_idle()
     assert server.post("/flush_cache").json()["success"]
     m = server.get("/metrics")

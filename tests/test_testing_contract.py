@@ -386,7 +386,8 @@ CASES = [
     broken("chunk-shape", "stream", lambda c: _set(c[0], "index", 0)),
     broken("chunk-final", "stream", lambda c: _set(meta(c[-1]), "finish_reason", None)),
     broken("chunk-repeat", "stream", lambda c: c.insert(1, copy.deepcopy(c[0]))),
-    broken("chunk-count", "stream", lambda c: _set(meta(c[0]), "completion_tokens", 2)),
+    broken("chunk-count", "stream", lambda c: _set(meta(c[0]), "completion_tokens",
+                                                   meta(c[0])["completion_tokens"] + 1)),
     broken("chunk-logprobs", "stream", lambda c: meta(c[0])["output_token_logprobs"].append((-1.0, 1, None))),
 ]
 

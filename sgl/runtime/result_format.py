@@ -15,6 +15,24 @@ from sgl.runtime.req_options import ReqOptions
 
 BEAM_STREAM_ERROR = "stream=True is invalid with beam_width: the beams come back together once they finish"
 
+# A chunk's logprob lists in its meta_info: deltas, as its text and ids are, so chunks join
+# by concatenating them; every other meta_info field is the stream's state so far.
+LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs", "input_top_logprobs",
+                "output_token_ids_logprobs", "input_token_ids_logprobs")
+
+
+def join_chunks(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """One stream chunk of `first`'s tokens then `later`'s (the next chunk of the same
+    stream): texts, ids and logprob lists joined, the other meta_info fields as `later`
+    has them (counts so far, the finish). `later` is changed and returned."""
+    meta, before = later["meta_info"], first["meta_info"]
+    for key in LOGPROB_KEYS:
+        if key in before:
+            meta[key] = before[key] + meta.get(key, [])
+    later["text"] = first["text"] + later["text"]
+    later["output_ids"] = first["output_ids"] + later["output_ids"]
+    return later
+
 
 def beam_results(beams: list[Beam] | None, final: dict[str, Any]) -> list[dict[str, Any]]:
     """The beams of the request whose final dict is `final`. A request that ended

@@ -60,7 +60,7 @@ from sgl.runtime.control import ControlCalls
 from sgl.runtime.dp_router import DataParallelSender
 from sgl.runtime.metrics import Metrics
 from sgl.runtime.req_options import ReqOptions, check_request, generation_defaults, is_int_list, replace_params
-from sgl.runtime.result_format import BEAM_STREAM_ERROR, beam_results, format_logprobs
+from sgl.runtime.result_format import BEAM_STREAM_ERROR, beam_results, format_logprobs, join_chunks
 from sgl.runtime.streams import close_all, gather_first, merge_streams
 from sgl.runtime.tokenizer_client import Tokenizing, encode, load_vocab
 from sgl.transports.channel import ChannelClosed, Receiver, Sender
@@ -273,11 +273,22 @@ class TokenizerManager:
         return rid
 
     async def _one(self, rid: str, stream: bool) -> AsyncGenerator[Any, None]:  # a beam request: a list
+        """The request's chunks (stream) or its result. A stream's chunks that arrived while
+        its reader was busy come as one: a reader behind the engine (an HTTP stream under
+        load) catches up in one step rather than one chunk per step it missed."""
         st = self.states[rid]
         finished = False
+        failed: BaseException | None = None  # came after chunks joined into the last one
         try:
             while True:
-                item = await st.queue.get()
+                item = failed or await st.queue.get()
+                if stream and not isinstance(item, BaseException):
+                    while item["meta_info"]["finish_reason"] is None and not st.queue.empty():
+                        later = st.queue.get_nowait()
+                        if isinstance(later, BaseException):
+                            failed = later
+                            break
+                        item = join_chunks(item, later)
                 if isinstance(item, BaseException):
                     raise item
                 fin = item["meta_info"]["finish_reason"]

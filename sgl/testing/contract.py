@@ -21,6 +21,7 @@ from typing import Any, NoReturn, Protocol, TypeGuard
 import regex
 
 from sgl.core.stop_rule import stop_cut
+from sgl.runtime.result_format import LOGPROB_KEYS
 from sgl.testing._request import GenerateRequest, RequestItem
 
 __all__ = ["RULES", "Contract", "ContractViolation", "Decoder", "EngineFacts", "GenerateRequest", "RequestItem",
@@ -73,8 +74,6 @@ RULES: dict[str, str] = {
     "leak-invariants": "the scheduler counted no broken invariant",
 }
 
-LOGPROB_KEYS = ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs", "input_top_logprobs",
-                 "output_token_ids_logprobs", "input_token_ids_logprobs")
 _BEAM_KEYS = ("cumulative_logprob", "score", "beam_index")
 _BASE_META = ("id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "weight_version")
 _LOGPROB_TOL = 1e-4  # a log probability is <= 0, up to float rounding
