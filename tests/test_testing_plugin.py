@@ -20,6 +20,7 @@ pytest_plugins = ["pytester"]
 
 APP_TESTS = '''
 import asyncio
+import json
 
 import httpx
 import openai
@@ -71,7 +72,8 @@ def test_native_streams_in_sse_framing(sgl_served_app):
         events = [line for line in r.iter_lines() if line]
     assert r.headers["content-type"].startswith("text/event-stream")
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
-    assert len(events) == 4
+    # One event a token, fewer where chunks a slow reader missed were joined; each holds the ids so far.
+    assert 2 <= len(events) <= 4 and len(json.loads(events[-2][len("data: "):])["output_ids"]) == 3
 '''
 
 MODEL_PATH_TEST = '''

@@ -93,8 +93,10 @@ def test_abort_ends_the_request_through_the_abort_path(real: BackgroundEngine) -
         got: list[dict[str, Any]] = []
         other = asyncio.ensure_future(generate(real, rid="b"))
         await chunks(real.stream(input_ids=PROMPT, sampling_params=SP, rid="a"), got)
-        assert [c["output_ids"] for c in got] == [WANT[:1], WANT[1:2], []]
+        # Two tokens, then the abort (chunks a slow reader missed come joined: any chunking).
+        assert [t for c in got for t in c["output_ids"]] == WANT[:2]
         assert got[-1]["meta_info"]["finish_reason"] == {"type": "abort", "message": "stopped by the plan"}
+        assert all(c["meta_info"]["finish_reason"] is None for c in got[:-1])
         assert (await other)["output_ids"] == WANT  # another rid: untouched
         assert (await generate(real, rid="a"))["meta_info"]["finish_reason"]["type"] == "abort"
 
@@ -146,7 +148,7 @@ def test_hang_meets_the_callers_timeout_and_its_abort(real: BackgroundEngine) ->
         got: list[dict[str, Any]] = []
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(chunks(real.stream(input_ids=PROMPT, sampling_params=SP, rid="mid"), got), 0.5)
-        assert [c["output_ids"] for c in got] == [WANT[:1], WANT[1:2]]
+        assert [t for c in got for t in c["output_ids"]] == WANT[:2]  # in one chunk or two
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(generate(real, rid="first"), 0.3)
         with pytest.raises(TimeoutError, match="HealthCheckReq"):
