@@ -107,17 +107,13 @@ async def generate(state: ServerState, request: Request, body: bytes) -> Respons
     req = decode_body(body, GenerateRequest)
     if (req.text is None) == (req.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids", "text")
+    args = (req.text, req.sampling_params, req.input_ids, req.rid)
     try:
-        if req.stream:
-            chunks = await primed(state.engine.stream(req.text, req.sampling_params, req.input_ids, req.rid,
-                                                      **options(req)))
-        else:
-            out = await state.engine.generate(req.text, req.sampling_params, req.input_ids, req.rid,
-                                              **options(req))
+        if not req.stream:
+            return json_response(await state.engine.generate(*args, **options(req)))
+        chunks = await primed(state.engine.stream(*args, **options(req)))
     except ValueError as e:  # the engine calls this route's `text` its `prompt`
         raise renamed(e, {"prompt": "text"}) from None
-    if not req.stream:
-        return json_response(out)
     incremental = state.engine.args.incremental_streaming_output
     headers = {**SSE_HEADERS, STREAM_OUTPUT_HEADER: "incremental" if incremental else "cumulative"}
     return StreamingResponse(sse_stream(chunks if incremental else cumulative(chunks)),

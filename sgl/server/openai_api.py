@@ -184,13 +184,12 @@ async def _completions(state: ServerState, req: CompletionRequest, adapter: str 
         raise ApiError(400, "rid: a batch of prompts takes no rid", "rid")
     if req.stream:
         return await _stream_completion(state, req, prompts, sp, opts, cid, created)
+    per_prompt: Any  # a result (a list of n for n > 1) per prompt
     if len(prompts) == 1:
         per_prompt = [await state.engine.generate(prompts[0][0], sp, prompts[0][1], req.rid, **opts)]
     else:  # the engine's batch: a refused prompt is named and ends its siblings
         texts, ids = _batch(prompts)
-        batch = await state.engine.generate(texts, sp, ids, **opts)
-        assert isinstance(batch, list)
-        per_prompt = batch
+        per_prompt = await state.engine.generate(texts, sp, ids, **opts)
     # With n > 1 each prompt gives a list of n samples: choice index = prompt index * n + sample.
     groups = [o if isinstance(o, list) else [o] for o in per_prompt]
     echoes = await _echoes(state, prompts) if req.echo else [""] * len(prompts)
