@@ -255,7 +255,9 @@ def streamed(oai: openai.OpenAI, **kw: Any) -> tuple[list[tuple[str, str]], Any,
 def test_streamed_reasoning_comes_first(oai: openai.OpenAI, scripted: Any) -> None:
     deltas, _, usage = streamed(oai, extra_body=scripted(THOUGHT))
     kinds = [k for k, _ in deltas]
-    assert kinds == sorted(kinds, key=lambda k: k != "reasoning") and kinds.count("reasoning") > 3
+    # How many deltas depends on the reader's pace (chunks it fell behind on come joined); the
+    # splitter's piece-by-piece output is checked on its own in the tests of its feed.
+    assert kinds == sorted(kinds, key=lambda k: k != "reasoning") and kinds.count("reasoning") >= 1
     assert "".join(t for k, t in deltas if k == "reasoning") == "The user asks for 2 + 2. That is 4."
     assert "".join(t for k, t in deltas if k == "content") == "It is 4."
     assert usage.completion_tokens_details.reasoning_tokens == len(tok_ids(scripted, "\nThe user asks for 2 + 2. "
