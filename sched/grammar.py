@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from sgl.core.log import get_logger
+from sgl.core.protocol import GRAMMAR_EMPTY, GRAMMAR_UNCOMPILED
 from sgl.sched.json_schema_rewrite import for_xgrammar
 from sgl.sched.models.parallel import TPGroup
 from sgl.sched.models.tokenizer import load_tokenizer
@@ -120,7 +121,7 @@ class Grammars:
                     why = str(e)
                 else:  # xgrammar's messages start with a time and a source location: the caller needs neither
                     text = re.sub(r"^\[[\d:]+\] \S+: (Check failed: \(.*?\) is false: )?", "", str(e).strip())
-                    why = f"the grammar does not compile: {text[:500]}"
+                    why = f"{GRAMMAR_UNCOMPILED}: {text[:500]}"
                 out.append((req, {"type": "abort", "status_code": 400, "message": f"{grammar_kind(req)}: {why}"}))
         return out
 
@@ -151,7 +152,7 @@ class Grammars:
         else:
             compiled = self._compiler.compile_grammar(text)
         if not allows_any(_backend().GrammarMatcher(compiled), compiled.tokenizer_info.vocab_size):
-            raise EmptyGrammar("the grammar matches no text (not even an empty output)")
+            raise EmptyGrammar(GRAMMAR_EMPTY)
         return compiled
 
 

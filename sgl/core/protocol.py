@@ -194,6 +194,10 @@ ABORTED_ALL = "aborted: abort_all"
 UPDATE_ABORT = "aborted: a weight update with abort_all_requests"
 # The 503 reason of a request refused while paused with refuse_new.
 PAUSED_REFUSAL = "the engine is paused (pause_generation with refuse_new): retry after continue_generation"
+# Why a grammar request is refused (a 400, after the grammar's field name): the scheduler's
+# compile and sgl.testing's fake say it alike.
+GRAMMAR_UNCOMPILED = "the grammar does not compile"
+GRAMMAR_EMPTY = "the grammar matches no text (not even an empty output)"
 
 
 class ControlReqOutput(msgspec.Struct, tag="control_out", forbid_unknown_fields=True, kw_only=True):

@@ -13,7 +13,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from sgl.core.protocol import FinishReason
+from sgl.core.protocol import GRAMMAR_EMPTY, GRAMMAR_UNCOMPILED, FinishReason
 
 MAX_JSON_WHITESPACE = 2  # as the scheduler compiles json_schema (sgl.sched.grammar)
 
@@ -41,8 +41,7 @@ def grammar_text(kind: str, grammar: str, text: str, budget: int) -> str:
     if kind == "ebnf" and (m := xgr.GrammarMatcher(compiled)).accept_string(text) and m.is_completed():
         return text
     if _matches_nothing(xgr.GrammarMatcher(compiled), grammar):  # as the scheduler's compile refuses it
-        raise Refused({"type": "abort", "status_code": 400,
-                       "message": f"{kind}: the grammar matches no text (not even an empty output)"})
+        raise Refused({"type": "abort", "status_code": 400, "message": f"{kind}: {GRAMMAR_EMPTY}"})
     return _write(xgr.GrammarMatcher(compiled), grammar, budget)
 
 
@@ -56,7 +55,7 @@ def _matches_nothing(matcher: Any, grammar: str) -> bool:
 
 
 def _invalid(kind: str, why: str) -> Refused:
-    return Refused({"type": "abort", "status_code": 400, "message": f"{kind}: the grammar does not compile: {why}"})
+    return Refused({"type": "abort", "status_code": 400, "message": f"{kind}: {GRAMMAR_UNCOMPILED}: {why}"})
 
 
 def _json_matches(grammar: str, text: str) -> bool:
