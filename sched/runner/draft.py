@@ -6,7 +6,8 @@ outputs stay those of plain decoding).
 
 Per step: one forward over each request's tokens the draft has not seen (through its
 last token), then one decode forward per further proposal, each feeding back the
-token it proposed last. The first runs as decode rows, one a token, while every
+token it proposed last (their positions, slots and attention metadata are known before
+the first runs, so they go to the device in one copy, the KV slots in one gather). The first runs as decode rows, one a token, while every
 request's unseen tokens are few (a verify's rows at most: its bonus token and the
 proposals it did not feed back), each row attending to those before it as a verify's
 rows do; as one prefill otherwise (a new request's prompt). Every proposal is the
@@ -25,6 +26,7 @@ slots and never changes a request."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +34,7 @@ import torch
 from sgl.cache.kv_pool import MHATokenToKVPool
 from sgl.cache.req_to_token_pool import ReqToTokenPool
 from sgl.core.host_copy import Uploads, to_device, to_host
-from sgl.kernels.attention import AttentionBackend
+from sgl.kernels.attention import AttentionBackend, AttnMetadata
 from sgl.sched.batch import DraftInput, ScheduleBatch
 from sgl.sched.models.forward_batch import CausalLM, ForwardBatch
 from sgl.sched.models.lora_layers import LoraSpec
@@ -45,6 +47,17 @@ from sgl.sched.runner.weights import WeightManager
 if TYPE_CHECKING:
     from sgl.sched.runner.cuda_graph import CudaGraphRunner
     from sgl.sched.runner.prepare import BatchPreparer
+
+
+@dataclass(frozen=True, slots=True)
+class GuessStep:
+    """One guess forward of a draft step, its inputs on the device before the first runs."""
+
+    works: list[int]  # the works (indices into the step's) that want the proposal it makes
+    keep: torch.Tensor | None  # their places among the previous forward's works (None: all of those)
+    positions: torch.Tensor  # where each feeds its last proposal back
+    slots: torch.Tensor  # that position's KV slot
+    attn: AttnMetadata
 
 
 class DraftModel:
@@ -94,42 +107,69 @@ class DraftModel:
         matcher takes each pick on the host), written into the batch's input_ids, and None."""
         works = batch.drafts
         assert works is not None and batch.input_ids is not None
-        dev = self.device
-        table = self.table
-        table.sync()
+        self.table.sync()
         rows = [batch.rows[w.entry] for w in works]
         ends = [w.start + len(w.tokens) for w in works]  # positions the draft's KV reaches after catching up
         logits = self._catch_up(rows, works, ends)
         drafting = [i for i, w in enumerate(works) if w.k]
         guide = DraftGrammars([batch.reqs[works[i].entry] for i in drafting], drafting)
-        last = guide.pick(logits, list(range(len(works))))  # each work's latest pick, on the device
-        entries: list[int] = []
-        picks: list[torch.Tensor] = []
-        for j in range(1, max((works[i].k for i in drafting), default=0) + 1):
-            entries += [works[i].entry + j for i in drafting]  # proposal j: the draft's pick after position end - 1
-            picks.append(_of(last, drafting, len(works), dev))
-            drafting = [i for i in drafting if works[i].k > j]
-            if not drafting:
-                break
-            # Feed proposal j back at its position (ends[i] - 1 + j) to predict proposal j + 1.
-            pos = [ends[i] - 1 + j for i in drafting]
-            step_rows = [rows[i] for i in drafting]
-            at = torch.tensor(pos, dtype=torch.int64)
-            logits = self._forward(step_rows, _of(last, drafting, len(works), dev), at,
-                                   table.req_to_token[torch.tensor(step_rows), at].to(torch.int64),
-                                   [1] * len(drafting), [p + 1 for p in pos], is_decode=True)
-            picked = guide.pick(logits, drafting)  # a new tensor: `picks` keeps the earlier ones
-            last = picked if len(drafting) == len(works) else last.index_put((_index(drafting, dev),), picked)
-        guide.rollback()
-        if not entries:
+        last = guide.pick(logits, list(range(len(works))))  # each work's first proposal, on the device
+        if not drafting:
+            guide.rollback()
             return None
+        first, steps = self._guess_steps(rows, works, ends, drafting)
+        picks = [last if first is None else last[first]]  # proposal 1 of each drafting work
+        entries = [works[i].entry + 1 for i in drafting]
+        for j, step in enumerate(steps, start=2):
+            ids = picks[-1] if step.keep is None else picks[-1][step.keep]
+            picks.append(guide.pick(self._guess(step, ids), step.works))  # proposal j
+            entries += [works[i].entry + j for i in step.works]
+        guide.rollback()
         tokens = torch.cat(picks)
         if guide.guided:
             for e, t in zip(entries, tokens.tolist()):
                 batch.input_ids[e] = t
             return None
         batch.proposed = (entries, to_host(tokens))
-        return to_device(torch.tensor(entries, dtype=torch.int64), dev), tokens
+        return to_device(torch.tensor(entries, dtype=torch.int64), self.device), tokens
+
+    def _guess_steps(self, rows: list[int], works: list[DraftInput], ends: list[int],
+                     drafting: list[int]) -> tuple[torch.Tensor | None, list[GuessStep]]:
+        """The guess forwards after the catch-up, planned and uploaded together: the one
+        that makes proposal p + 1 feeds proposal p back, at position ends[i] - 1 + p, for
+        the works that want one more. Also the drafting works' places among all works
+        (None: all of them draft)."""
+        sets: list[tuple[list[int], list[int], int]] = []  # (works, the previous forward's, proposal fed back)
+        cur, j = drafting, 1
+        while nxt := [i for i in cur if works[i].k > j]:
+            sets.append((nxt, cur, j))
+            cur, j = nxt, j + 1
+        up = Uploads(self.device)
+        at_first = None if len(drafting) == len(works) else up.add(torch.tensor(drafting, dtype=torch.int64))
+        pos = torch.tensor([ends[i] - 1 + j for ws, _, j in sets for i in ws], dtype=torch.int64)
+        step_rows = [[rows[i] for i in ws] for ws, _, _ in sets]
+        flat_rows = torch.tensor([r for rs in step_rows for r in rs], dtype=torch.int64)
+        at_pos = up.add(pos)
+        at_slots = up.add(self.table.req_to_token[flat_rows, pos].to(torch.int64))
+        at_keep = [None if len(ws) == len(prev) else up.add(_places(ws, prev)) for ws, prev, _ in sets]
+        kv_lens = (pos + 1).split([len(ws) for ws, _, _ in sets])
+        metas = self.preparer.decode_steps(step_rows, [k.tolist() for k in kv_lens], up)
+        positions, slots = up.get(at_pos), up.get(at_slots)
+        steps = []
+        start = 0
+        for (ws, _, _), meta, keep in zip(sets, metas, at_keep):
+            end = start + len(ws)
+            steps.append(GuessStep(ws, None if keep is None else up.get(keep), positions[start:end], slots[start:end],
+                                   meta))
+            start = end
+        return (None if at_first is None else up.get(at_first)), steps
+
+    def _guess(self, step: GuessStep, ids: torch.Tensor) -> torch.Tensor:
+        """The logits of one guess forward, whose inputs `ids` are the proposals fed back."""
+        if self.graphs is not None and self.graphs.can_run(len(step.works)):
+            self.graph_forwards += 1
+            return self.graphs.replay(step.attn, ids, step.positions, step.slots)[:, : self.vocab_size]
+        return self._eager(step.attn, ids, step.positions, step.slots)
 
     def _catch_up(self, rows: list[int], works: list[DraftInput], ends: list[int]) -> torch.Tensor:
         """The draft's forward over each work's unseen tokens (row i's from works[i].start to
@@ -149,31 +189,35 @@ class DraftModel:
 
     def _forward(self, rows: list[int], input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  qo_lens: list[int], kv_lens: list[int], is_decode: bool) -> torch.Tensor:
-        """One forward over request-table rows: each row's qo_lens[i] new tokens (written at
-        `slots`) ending at kv_lens[i]; the logits after each row's last, over the target's ids."""
-        dev = self.device
-        up = Uploads(dev)  # one copy for the step's host inputs (a guess step's ids are on the device)
-        host = [torch.tensor(rows, dtype=torch.int64), positions, slots.to(torch.int64)]
-        at = [up.add(t) for t in (host if input_ids.is_cuda else [*host, input_ids])]
+        """One forward over request-table rows (a catch-up): each row's qo_lens[i] new
+        tokens (written at `slots`) ending at kv_lens[i]; the logits after each row's last,
+        over the target's ids."""
+        up = Uploads(self.device)  # one copy for the forward's host inputs
+        at = [up.add(t.to(torch.int64)) for t in (torch.tensor(rows), positions, slots, input_ids)]
         up.send()
-        rows_dev, positions, slots = (up.get(i) for i in at[:3])
-        ids = input_ids if input_ids.is_cuda else up.get(at[3])
+        rows_dev, positions, slots, ids = (up.get(i) for i in at)
         meta = self.preparer.attention(is_decode, qo_lens, kv_lens, rows_dev, backend=self.attn_backend)
-        assert meta.qo_indptr_host is not None
         if is_decode and self.graphs is not None and self.graphs.can_run(len(rows)):
             self.graph_forwards += 1
             return self.graphs.replay(meta, ids, positions, slots)[:, : self.vocab_size]
+        return self._eager(meta, ids, positions, slots)
+
+    def _eager(self, meta: AttnMetadata, ids: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+        """A forward outside the decode graphs (a prefill through the prefill pieces where
+        they take it)."""
+        assert meta.qo_indptr_host is not None
         self.attn_backend.begin_forward(meta)
         fb = ForwardBatch(
             input_ids=ids,
             positions=positions,
             out_cache_loc=slots,
-            logits_indices=to_device((meta.qo_indptr_host[1:] - 1).to(torch.int64), dev),
+            logits_indices=to_device((meta.qo_indptr_host[1:] - 1).to(torch.int64), self.device),
             attn=meta,
             attn_backend=self.attn_backend,
             kv_pool=self.kv_pool,
         )
-        if not is_decode and self.prefill_graphs is not None and self.prefill_graphs.can_run(ids.shape[0]):
+        if not meta.is_decode and self.prefill_graphs is not None and self.prefill_graphs.can_run(ids.shape[0]):
             self.graph_forwards += 1
             return self.prefill_graphs.forward(ids, fb)[:, : self.vocab_size]
         return self.model(fb)[:, : self.vocab_size]
@@ -254,10 +298,7 @@ class DraftGrammars:
         self.matchers.clear()
 
 
-def _index(works: list[int], device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(works, dtype=torch.int64), device)
-
-
-def _of(picks: torch.Tensor, works: list[int], n: int, device: torch.device) -> torch.Tensor:
-    """The picks of `works` among all n."""
-    return picks if len(works) == n else picks[_index(works, device)]
+def _places(works: list[int], among: list[int]) -> torch.Tensor:
+    """Where each of `works` stands in `among` (which holds them all, in the same order)."""
+    place = {w: p for p, w in enumerate(among)}
+    return torch.tensor([place[w] for w in works], dtype=torch.int64)

@@ -206,6 +206,29 @@ class BatchPreparer:
             meta.prefix_indices = self._slots(table, rows_dev[:extends], up.get(at_prefix), int(prefix_indptr[-1]))
         return meta
 
+    def decode_steps(self, rows: list[list[int]], kv_lens: list[list[int]], up: Uploads) -> list[AttnMetadata]:
+        """The attention metadata of several decode forwards known before the first runs
+        (a draft's guess forwards): forward s runs request-table rows rows[s], each one new
+        token over its first kv_lens[s][i] slots. Adds their inputs to the caller's `up` and
+        sends it (one copy for them all, the caller's tensors too), and gathers every
+        forward's KV slots in one go. The table's mirror must be synced."""
+        every = [k for lens in kv_lens for k in lens]
+        at_rows = up.add(torch.tensor([r for rs in rows for r in rs], dtype=torch.int64))
+        at_every = up.add(indptr_of(every))
+        hosts = [(self._host(torch.arange(len(rs) + 1, dtype=torch.int32)), self._host(indptr_of(lens)))
+                 for rs, lens in zip(rows, kv_lens)]
+        at = [(up.add(qo), up.add(kv)) for qo, kv in hosts]
+        up.send()
+        slots = self._slots(self.runner.req_to_token_pool.mirror, up.get(at_rows), up.get(at_every), sum(every))
+        metas = []
+        start = 0
+        for lens, (qo, kv), (at_qo, at_kv) in zip(kv_lens, hosts, at):
+            end = start + int(kv[-1])
+            metas.append(AttnMetadata(True, up.get(at_qo), up.get(at_kv), slots[start:end], [1] * len(lens), lens,
+                                      kv_indptr_host=kv, qo_indptr_host=qo))
+            start = end
+        return metas
+
     def _slots(self, table: torch.Tensor, rows_dev: torch.Tensor, indptr_dev: torch.Tensor,
                total: int, start: int = 0) -> torch.Tensor:
         """Each row's indptr[i + 1] - indptr[i] slots of `table` from column `start` on,
