@@ -416,11 +416,14 @@ class ModelRunner:
         Nothing here waits for the device (sgl.sched.runner.prepare), except a draft
         model's proposals for grammar requests (sgl.sched.runner.draft); a draft's forwards
         come first, their proposals the step's inputs."""
-        proposals = None
+        proposals = started = None
         if batch.drafts:
             assert self.draft is not None
+            started = self._gpu_event()  # the step's GPU work begins with the draft's forwards
             proposals = self.draft.propose(batch)
-        return self.preparer.prepare(batch, proposals)
+        prepared = self.preparer.prepare(batch, proposals)
+        prepared.started = started
+        return prepared
 
     def launch(self, p: PreparedBatch) -> Step:
         """Queue a prepared batch's forward and, unless it has grammar rows, its sampling
@@ -428,11 +431,16 @@ class ModelRunner:
         back through pinned buffers and an event, so the caller works on while the GPU
         runs (the overlap loop needs no thread there); on a CPU with the overlap loop
         they run on the worker thread, else right away."""
-        start = None
-        if self.device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
+        start = p.started or self._gpu_event()
         return Step(self, p, self._submit(self._logits, p), start)
+
+    def _gpu_event(self) -> torch.cuda.Event | None:
+        """On CUDA, a timing event queued now (where the GPU work queued next begins)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def queue_sampling(self, p: PreparedBatch, logits: Future[torch.Tensor],
                        fill: GrammarFill | None) -> tuple[Future[StepResult], torch.cuda.Event | None]:

@@ -68,6 +68,9 @@ class PreparedBatch:
     lora: LoraBatch | None = None  # each row's adapter slot (an engine with LoRA adapters)
     # A draft's proposals made on the device: (entries, tokens) of input_ids (-1 on the host).
     proposals: tuple[torch.Tensor, torch.Tensor] | None = None
+    # On CUDA, an event queued before the draft's forwards, where the step's GPU work begins
+    # (None: it begins with the forward's own kernels).
+    started: torch.cuda.Event | None = None
 
 
 class BatchPreparer:
