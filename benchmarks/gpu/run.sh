@@ -500,11 +500,11 @@ for step in "$@"; do
     # adds options (e.g. --closed-loop 32: requests joining out of step).
     speccost) run 300 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} --draft .lt \
                 ${SPECCOST_ARGS:-} ;;
-    # specspy: NGRAM's steps at concurrency 1 (speccost's set-up, 2,048 tokens) under py-spy, every
+    # specspy: NGRAM's steps (SPECSPY_ALGORITHMS: others, STANDALONE's draft the same model) at concurrency 1 (speccost's set-up, 2,048 tokens) under py-spy, every
     # thread apart (the scheduler's is the one whose host time a step waits for); specspy.txt.
     specspy) run 200 py-spy record -r 1000 --nonblocking --threads --format raw -o "$results/specspy.txt" -- \
                python3 -m benchmarks.spec_step_cost .lt --concurrency 1 --algorithms ${SPECSPY_ALGORITHMS:-NGRAM} \
-               --new-tokens 2048 ;;
+               --draft .lt --new-tokens 2048 ;;
     # speccostold: the same benchmark (this checkout's) through the engine of .old/ (see `old`).
     speccostold)
       if old_site benchmarks; then
