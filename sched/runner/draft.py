@@ -6,11 +6,12 @@ outputs stay those of plain decoding).
 
 Per step: one forward over each request's tokens the draft has not seen (through its
 last token), then one decode forward per further proposal, each feeding back the
-token it proposed last (their positions, slots and attention metadata are known before
-the first runs, so they go to the device in one copy, the KV slots in one gather). The first runs as decode rows, one a token, while every
+token it proposed last. The first runs as decode rows, one a token, while every
 request's unseen tokens are few (a verify's rows at most: its bonus token and the
 proposals it did not feed back), each row attending to those before it as a verify's
-rows do; as one prefill otherwise (a new request's prompt). Every proposal is the
+rows do; as one prefill otherwise (a new request's prompt). The others' positions, KV
+slots and attention metadata are known before the first runs: they go to the device in
+one copy, their KV slots gathered in one launch. Every proposal is the
 draft's most likely token, kept on the device as the next forward's input and the
 verify rows' input (the host gets its copy with the step's results; a grammar's matcher
 takes each on the host, so a step with grammar requests waits for each pick). The
