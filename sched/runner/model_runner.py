@@ -431,7 +431,7 @@ class ModelRunner:
         back through pinned buffers and an event, so the caller works on while the GPU
         runs (the overlap loop needs no thread there); on a CPU with the overlap loop
         they run on the worker thread, else right away."""
-        start = p.started or self._gpu_event()
+        start = p.started if p.started is not None else self._gpu_event()
         return Step(self, p, self._submit(self._logits, p), start)
 
     def _gpu_event(self) -> torch.cuda.Event | None:
