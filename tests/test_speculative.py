@@ -536,3 +536,42 @@ def test_draft_model_memory_goes_with_the_targets(tmp_path_factory: pytest.TempP
         assert r.released == {"kv_cache"} and r.kv_pool.released  # the target's resume was undone
     finally:
         r.close()
+
+
+@pytest.fixture(scope="module")
+def small_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from sgl.sched.runner.model_runner import ModelRunner
+
+    base = tmp_path_factory.mktemp("decode-steps")
+    r = ModelRunner(sgl.ServerArgs(max_total_tokens=256, max_running_requests=8, context_length=64),
+                    tiny_model_dir(base, "llama", vocab=8, seed=4))
+    yield r
+    r.close()
+
+
+@given(st.data())
+def test_guess_forwards_planned_together_get_each_forwards_own_metadata(small_runner: Any,
+                                                                        data: st.DataObject) -> None:
+    """A draft's guess forwards planned in one go (one upload, one gather of every forward's
+    KV slots) get the attention metadata each forward would get planned alone."""
+    import torch
+
+    from sgl.core.host_copy import Uploads
+
+    r = small_runner
+    pool = r.req_to_token_pool
+    n_rows, ctx = min(pool.req_to_token.shape[0], 8), min(pool.req_to_token.shape[1], 64)
+    for row in range(n_rows):  # each row's slots: any ids of the KV pool
+        pool.write(row, 0, torch.tensor(data.draw(st.lists(st.integers(1, 255), min_size=ctx, max_size=ctx))))
+    pool.sync()
+    forwards = data.draw(st.lists(st.lists(st.tuples(st.integers(0, n_rows - 1), st.integers(1, ctx)),
+                                           min_size=1, max_size=6), max_size=4))
+    rows = [[row for row, _ in f] for f in forwards]
+    kv_lens = [[k for _, k in f] for f in forwards]
+    together = r.preparer.decode_steps(rows, kv_lens, Uploads(r.device))
+    assert len(together) == len(forwards)
+    for rs, ks, meta in zip(rows, kv_lens, together):
+        alone = r.preparer.attention(True, [1] * len(rs), ks, torch.tensor(rs))
+        assert meta.is_decode and meta.qo_lens == alone.qo_lens and meta.kv_lens == alone.kv_lens
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "qo_indptr_host", "kv_indptr_host"):
+            assert torch.equal(getattr(meta, name), getattr(alone, name)), name
