@@ -45,12 +45,11 @@ def split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[An
 _ITEM_FIELD = re.compile(r"^(prompt|input_ids)(?=[\[:=])")
 
 
-def name_item(e: ValueError, i: int) -> ValueError:
-    """A batch's refusal of its prompt i, naming it: "input_ids[0]=9 ..." becomes
-    "input_ids[i][0]=9 ...". The same exception (its type and attributes kept)."""
+def name_item(e: ValueError, i: int) -> None:
+    """Make a batch's refusal of its prompt i name it, in place (its type and attributes
+    kept, for the caller to raise again): "input_ids[0]=9 ..." becomes "input_ids[i][0]=9 ..."."""
     if e.args and isinstance(e.args[0], str):
         e.args = (_ITEM_FIELD.sub(rf"\1[{i}]", e.args[0], count=1), *e.args[1:])
-    return e
 
 
 def item_call(i: int, call: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
