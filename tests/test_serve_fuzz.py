@@ -1,10 +1,10 @@
-"""Any body a client sends to the generation routes (/generate, /v1/completions,
-/v1/chat/completions) gets an answer in time: a 200 of the route's shape (a stream ends
-with [DONE], every event JSON), or a 400/404 in OpenAI's error shape, never a 5xx or an
-internal error inside a stream. Bodies are drawn from the routes' own request schemas
-(msgspec's JSON schema of each Struct): a few fields at a time, values of the declared
-types biased to edges, now and then one of another type or an unknown field. After them
-the server still answers and its KV accounting balances. The table of known bad inputs
+"""Any body a client sends to the routes that take a prompt (/generate, /v1/completions,
+/v1/chat/completions, the tokenizer's and the embedding routes) gets an answer in time: a
+200 of the route's shape (a stream ends with [DONE], every event JSON), or a 400/404 in
+OpenAI's error shape, never a 5xx or an internal error inside a stream. Bodies are drawn
+from the routes' own request schemas (msgspec's JSON schema of each Struct): a few fields
+at a time, values of the declared types biased to edges, now and then one of another type
+or an unknown field. After them the server still answers and its KV accounting balances. The table of known bad inputs
 is tests/test_serve_bad_inputs.py; this test is for the combinations no table lists.
 
 The schema walker is written here because hypothesis-jsonschema's object strategy no
@@ -23,13 +23,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sgl.server.embeddings_api import EmbeddingRequest, EncodeRequest
 from sgl.server.native import GenerateRequest
 from sgl.server.openai_protocol import ChatRequest, CompletionRequest
+from sgl.server.tokenize_api import DetokenizeRequest, TokenizeRequest
 from tests.hypothesis_profiles import PROFILE
 from tests.serve_util import HTTP, ServerProc
 
 API_KEY = "sk-fuzz"
-ROUTES = {"/generate": GenerateRequest, "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
+GENERATION = {"/generate": GenerateRequest, "/v1/completions": CompletionRequest,
+              "/v1/chat/completions": ChatRequest}
+# The tokenizer's routes, and the embedding routes (which this generation model refuses).
+OTHERS = {"/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest, "/v1/embeddings": EmbeddingRequest,
+          "/encode": EncodeRequest}
+ROUTES = {**GENERATION, **OTHERS}
 # Fields that set how many tokens a request makes: kept small, so that each example is quick.
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
 MAX_NEW = 8
@@ -108,16 +115,20 @@ def requests(draw: Any) -> tuple[str, dict[str, Any]]:
     """A route and a body for it; half the bodies start from a valid prompt or conversation
     and a third of them stream, so that requests reach the engine and its streams, not only
     the first check."""
-    route = draw(st.sampled_from(sorted(ROUTES)))
+    route = draw(st.sampled_from(sorted(GENERATION) * 2 + sorted(OTHERS)))
     body = draw(Bodies(msgspec.json.schema(ROUTES[route])).bodies())
     if draw(st.integers(0, 2)) == 0:
         body.setdefault("stream", True)
     if draw(st.booleans()):
-        prompt = {"/v1/chat/completions": ("messages", USER), "/v1/completions": ("prompt", "hi")}.get(route)
+        prompt = {"/v1/chat/completions": ("messages", USER), "/v1/completions": ("prompt", "hi"),
+                  "/tokenize": ("prompt", "hi"), "/detokenize": ("tokens", [1, 2]),
+                  "/v1/embeddings": ("input", "hi"), "/encode": ("text", "hi")}.get(route)
         if prompt is not None:
             body[prompt[0]] = prompt[1]
         elif "input_ids" not in body:
             body["text"] = "hi"
+    if route in OTHERS:
+        return route, body
     if route != "/generate":
         body.setdefault("max_tokens", MAX_NEW)
     else:
@@ -166,7 +177,9 @@ def _check_stream(text: str, route: str, body: dict[str, Any]) -> None:
 
 
 def _check_result(out: Any, route: str, body: dict[str, Any]) -> None:
-    if route == "/generate":
+    if route in OTHERS:
+        assert isinstance(out, dict), (out, route, body)
+    elif route == "/generate":
         for o in out if isinstance(out, list) else [out]:
             assert "meta_info" in o and o["meta_info"]["finish_reason"] is not None, (o, body)
     else:
@@ -174,7 +187,7 @@ def _check_result(out: Any, route: str, body: dict[str, Any]) -> None:
         assert out["usage"]["completion_tokens"] >= 0, out
 
 
-@settings(PROFILE, max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(PROFILE, max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                             HealthCheck.function_scoped_fixture])
 @given(requests())
 def test_any_body_gets_a_shaped_answer(server: ServerProc, request_: tuple[str, dict[str, Any]]) -> None:
