@@ -52,7 +52,7 @@ class CudaGraphRunner:
         # A collection now, not inside a capture: the garbage of an engine closed earlier in
         # this process (its graphs sit in reference cycles) freed during a capture destroys
         # graphs there, which breaks it ("operation failed due to a previous error during
-        # capture": GPU tests' second engine, sessions 16-17; thread_local mode does not help,
+        # capture": a GPU test's second engine in one process; thread_local mode does not help,
         # since the collector runs on the capturing thread).
         gc.collect()
         with progress_bar(total=sum(map(len, kinds.values())), desc="Capturing CUDA graphs", unit="graph") as bar:
