@@ -500,8 +500,9 @@ for step in "$@"; do
     # adds options (e.g. --closed-loop 32: requests joining out of step).
     speccost) run 300 python3 -m benchmarks.spec_step_cost .lt --concurrency ${SPECCOST_C:-1,8} --draft .lt \
                 ${SPECCOST_ARGS:-} ;;
-    # specspy: NGRAM's steps (SPECSPY_ALGORITHMS: others, STANDALONE's draft the same model) at concurrency 1 (speccost's set-up, 2,048 tokens) under py-spy, every
-    # thread apart (the scheduler's is the one whose host time a step waits for); specspy.txt.
+    # specspy: NGRAM's steps (SPECSPY_ALGORITHMS: others; STANDALONE's draft is the same model) at
+    # concurrency 1 (speccost's set-up, 2,048 tokens) under py-spy, every thread apart (the
+    # scheduler's is the one whose host time a step waits for); specspy.txt.
     specspy) run 200 py-spy record -r 1000 --nonblocking --threads --format raw -o "$results/specspy.txt" -- \
                python3 -m benchmarks.spec_step_cost .lt --concurrency 1 --algorithms ${SPECSPY_ALGORITHMS:-NGRAM} \
                --draft .lt --new-tokens 2048 ;;

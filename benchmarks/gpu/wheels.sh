@@ -7,7 +7,8 @@
 # request is refused there; uvicorn, starlette, h11, httptools and uvloop for `sgl serve`
 # (step w8); py-spy for the *spy steps; watchfiles, model-hosting-container-standards and
 # jmespath, which vLLM's OpenAI server imports at start and the vLLM peer's bundle lacks
-# (steps vllmw8, vllmspec; its uvicorn, httptools included, is ours too). benchmarks/gpu/run.sh installs them all into /tmp/site.
+# (steps vllmw8, vllmspec; its uvicorn, httptools included, is ours too).
+# benchmarks/gpu/run.sh installs them all into /tmp/site.
 set -euo pipefail
 bash ../shared/gpu/fetch-wheels.sh .whl
 cp ../shared/gpu/install-wheels.sh .whl/
