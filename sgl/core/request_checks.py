@@ -10,6 +10,7 @@ state: each side passes its limits."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,13 @@ def request_error(
         except ValueError as e:
             return str(e)
     return None
+
+
+def refield(message: str, names: Mapping[str, str]) -> str:
+    """`message` with its leading field renamed (names: field -> what to call it) where it
+    leads with one of them ("input_ids[3]=9 ...", "prompt: ..."); as it was otherwise."""
+    lead = re.compile(rf"^({'|'.join(map(re.escape, names))})(?=[\[:=])")
+    return lead.sub(lambda m: names[m.group(1)], message, count=1)
 
 
 def context_message(context_length: int) -> str:

@@ -5,11 +5,11 @@ touches an engine."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import fields
 from typing import Any
 
+from sgl.core.request_checks import refield
 from sgl.core.sampling_params import SamplingParams
 from sgl.runtime.req_options import ReqOptions
 from sgl.runtime.result_format import BEAM_STREAM_ERROR
@@ -40,16 +40,11 @@ def split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[An
     return list(zip(prompts, ids, sps, rids))
 
 
-# The per-prompt fields a refusal of one prompt can lead with ("input_ids[3]=...",
-# "prompt: ..."): in a batch the prompt's position goes after the name.
-_ITEM_FIELD = re.compile(r"^(prompt|input_ids)(?=[\[:=])")
-
-
 def name_item(e: ValueError, i: int) -> None:
     """Make a batch's refusal of its prompt i name it, in place (its type and attributes
     kept, for the caller to raise again): "input_ids[0]=9 ..." becomes "input_ids[i][0]=9 ..."."""
     if e.args and isinstance(e.args[0], str):
-        e.args = (_ITEM_FIELD.sub(rf"\1[{i}]", e.args[0], count=1), *e.args[1:])
+        e.args = (refield(e.args[0], {"prompt": f"prompt[{i}]", "input_ids": f"input_ids[{i}]"}), *e.args[1:])
 
 
 def item_call(i: int, call: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:

@@ -15,6 +15,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sgl.core.request_checks import refield
+
 T = TypeVar("T")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -85,8 +87,7 @@ def invalid(message: str) -> ApiError:
 def renamed(e: ValueError, names: dict[str, str]) -> ApiError:
     """An engine's refusal as a 400 naming the route's field where the route calls the
     engine's by another name (names: engine field -> route field), as the message's lead."""
-    lead = re.compile(rf"^({'|'.join(map(re.escape, names))})(?=[:\[=])")
-    return invalid(lead.sub(lambda m: names[m.group(1)], str(e), count=1))
+    return invalid(refield(str(e), names))
 
 
 def api_error_of(e: Exception) -> ApiError:
