@@ -315,11 +315,13 @@ for step in "$@"; do
     # W8_ARGS, label vllm; w8_vllm.json, and w8_*.png of vLLM beside those of w8_sgl.json and
     # w8_sgl_mixed.json that are there too, and w8_compare.md: sgl against vLLM by W8's criteria
     # (w8_online --compare). Its first start compiles (1-2 minutes), inside the 540 s.
+    # W8_VLLM_ARGS adds vLLM server options, as W8_SERVER_ARGS does sgl's (e.g. an FP8 KV
+    # cache on both: W8_SERVER_ARGS="--kv-cache-dtype fp8_e4m3" W8_VLLM_ARGS="--kv-cache-dtype fp8").
     vllmw8)
       w8_model
       (vllm_env && run 540 python3 -m benchmarks.w8_online --label vllm --url http://127.0.0.1:30001 --procs 4 \
          --launch "python3 -m vllm.entrypoints.openai.api_server --model $dir --load-format dummy --dtype bfloat16 \
-                   --seed 0 --host 127.0.0.1 --port 30001 --disable-uvicorn-access-log $tok" \
+                   --seed 0 --host 127.0.0.1 --port 30001 --disable-uvicorn-access-log $tok ${W8_VLLM_ARGS:-}" \
          --launch-timeout 300 --workloads "$wl" --json "$results/w8_vllm.json" \
          $w8_sweep)
       if [ -f "$results/w8_vllm.json" ]; then
