@@ -167,10 +167,7 @@ class DraftModel:
 
     def _guess(self, step: GuessStep, ids: torch.Tensor) -> torch.Tensor:
         """The logits of one guess forward, whose inputs `ids` are the proposals fed back."""
-        if self.graphs is not None and self.graphs.can_run(len(step.works)):
-            self.graph_forwards += 1
-            return self.graphs.replay(step.attn, ids, step.positions, step.slots)[:, : self.vocab_size]
-        return self._eager(step.attn, ids, step.positions, step.slots)
+        return self._run(step.attn, ids, step.positions, step.slots)
 
     def _catch_up(self, rows: list[int], works: list[DraftInput], ends: list[int]) -> torch.Tensor:
         """The draft's forward over each work's unseen tokens (row i's from works[i].start to
@@ -198,15 +195,15 @@ class DraftModel:
         up.send()
         rows_dev, positions, slots, ids = (up.get(i) for i in at)
         meta = self.preparer.attention(is_decode, qo_lens, kv_lens, rows_dev, backend=self.attn_backend)
-        if is_decode and self.graphs is not None and self.graphs.can_run(len(rows)):
+        return self._run(meta, ids, positions, slots)
+
+    def _run(self, meta: AttnMetadata, ids: torch.Tensor, positions: torch.Tensor,
+             slots: torch.Tensor) -> torch.Tensor:
+        """One forward's logits over the target's ids: a decode through its graph where one
+        takes the batch, else eagerly (a prefill through the prefill pieces where they take it)."""
+        if meta.is_decode and self.graphs is not None and self.graphs.can_run(ids.shape[0]):
             self.graph_forwards += 1
             return self.graphs.replay(meta, ids, positions, slots)[:, : self.vocab_size]
-        return self._eager(meta, ids, positions, slots)
-
-    def _eager(self, meta: AttnMetadata, ids: torch.Tensor, positions: torch.Tensor,
-               slots: torch.Tensor) -> torch.Tensor:
-        """A forward outside the decode graphs (a prefill through the prefill pieces where
-        they take it)."""
         assert meta.qo_indptr_host is not None
         self.attn_backend.begin_forward(meta)
         fb = ForwardBatch(
