@@ -5,9 +5,11 @@ driven through the real ModelRunner (prepare -> launch -> result) without the sc
 Prints, per prompt length: the host time to build and prepare the batch, to queue the
 forward (launch), the wall time until the sampled token is on the host, and the GPU's
 busy time (CUDA events around the step). Wall far above GPU busy means the prefill is
-bound by the host queueing kernels one by one, not by the GPU. Each length runs eagerly
-and through the piecewise CUDA graphs (sgl.sched.runner.prefill_graph; lengths past
-their largest count, 2,048 by default, run eagerly in both). Then the kernels of one
+bound by the host queueing kernels one by one, not by the GPU. Each length runs by
+variant: `eager`; `pieces`, the piecewise CUDA graphs alone (sgl.sched.runner.prefill_graph;
+lengths past their largest count, 2,048 by default, run eagerly); `whole`, the engine's
+default: batches up to WHOLE_MAX_TOKENS through one graph of the whole forward, the rest
+through the pieces (a mixed forward, with decode rows, always). Then the kernels of one
 prefill by GPU time and their count, per variant. `--decode-rows N` puts N running
 requests (each `--decode-kv` tokens of KV) in every prefill's forward, as a mixed batch
 (enable_mixed_chunk) carries them; `--decode-shared S` makes the first S of their slots the
@@ -21,7 +23,7 @@ and for mixed forwards (one paged prefill over every row up to N tokens, else ra
 paged + merge for the extend rows and the decode kernel for the decode rows).
 
     python -m benchmarks.prefill_cost [--lens 100,400,1000,4000] [--reps 20] [--model DIR]
-        [--decode-rows 0] [--decode-kv 1500] [--decode-shared 0] [--prefix 0] [--variants eager,pieces]
+        [--decode-rows 0] [--decode-kv 1500] [--decode-shared 0] [--prefix 0] [--variants eager,pieces,whole]
         [--server-args JSON] [--paged-extend-max N]
 """
 
@@ -40,6 +42,7 @@ from sgl.core.server_args import ServerArgs
 from sgl.runtime.child import gpu_scheduler_process
 from sgl.sched.batch import ScheduleBatch
 from sgl.sched.req import Req
+from sgl.sched.runner import prefill_graph
 from sgl.sched.runner.model_runner import ModelRunner
 
 
@@ -129,7 +132,9 @@ def main() -> None:
     ap.add_argument("--decode-kv", type=int, default=1500, help="each running request's KV tokens")
     ap.add_argument("--decode-shared", type=int, default=0, help="of those, the slots they all share")
     ap.add_argument("--prefix", type=int, default=0, help="cached KV tokens before each prompt's new ones")
-    ap.add_argument("--variants", default="eager,pieces", help="eager, pieces (the piecewise CUDA graphs), or both")
+    ap.add_argument("--variants", default="eager,pieces,whole",
+                    help="eager, pieces (the piecewise CUDA graphs alone), whole (whole-forward graphs where they "
+                         "take the batch, else the pieces: the default), comma-separated")
     ap.add_argument("--paged-extend-max", type=int, default=None,
                     help="FlashInfer: extends with cached prefixes and mixed forwards up to N tokens as one "
                          "paged prefill (default: the backend's PAGED_EXTEND_MAX_TOKENS; 0: never)")
@@ -142,9 +147,11 @@ def main() -> None:
         lens = [0, *lens]  # the rows' decode step alone first: mixed pays where it costs less than that step
     cuda = torch.cuda.is_available()
     rows = []
-    variants = {"eager": 0, "pieces": ServerArgs().piecewise_cuda_graph_max_tokens}
+    # variant -> (largest piecewise count, largest whole-forward count)
+    top = ServerArgs().piecewise_cuda_graph_max_tokens
+    variants = {"eager": (0, 0), "pieces": (top, 0), "whole": (top, prefill_graph.WHOLE_MAX_TOKENS)}
     for variant in a.variants.split(","):
-        pieces = variants[variant]
+        pieces, prefill_graph.WHOLE_MAX_TOKENS = variants[variant]
         kv_total = 4 * max(lens) + 64 + a.decode_rows * (a.decode_kv + 1) + a.prefix
         # The chunk (which bounds the pieces) holds the longest prompt with its decode rows.
         args = ServerArgs(load_format="dummy", max_total_tokens=kv_total, max_running_requests=8 + a.decode_rows,

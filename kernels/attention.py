@@ -86,6 +86,17 @@ class AttentionBackend(ABC):
         AttnMetadata's prefix fields (a gather of their slots on the device)."""
         return False
 
+    # Whole extend graphs (sgl.sched.runner.prefill_graph): a backend whose extend attention
+    # can be captured plans each batch into one graph-mode wrapper's buffers.
+    supports_extend_graphs = False
+
+    def init_extend_graph(self, max_tokens: int, max_reqs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not run under CUDA graphs")
+
+    def begin_graph_extend(self, qo_indptr_host: torch.Tensor, kv_indptr_host: torch.Tensor,
+                           kv_indices: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not run under CUDA graphs")
+
     # CUDA-graph decode: backends that can be captured plan each padded batch size into
     # buffers that a graph replays. The torch reference is never captured.
     # A backend with a second decode kernel ("tensor cores") captures each size with the

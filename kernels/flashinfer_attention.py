@@ -106,6 +106,7 @@ def prefers_tensor_cores(kv_indptr_host: torch.Tensor, shared_len: int) -> bool:
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cascade = True
     cascade_by_default = True
+    supports_extend_graphs = True
 
     def __init__(
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -151,9 +152,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         # shared-block wrapper reads that buffer, so another size's plan overwrites it.
         self._shared_indices_key: tuple = ()
         self._graph_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's, the shared block's
+        # Whole extend graphs' one paged prefill wrapper (init_extend_graph), and the most
+        # requests it plans: fewer are padded with empty ones.
+        self.graph_extend: object | None = None
+        self.graph_extend_reqs = 0
         self._mode = "decode"
         self._active_decode: object = self.decode
         self._active_shared: object = self.paged
+        self._active_paged: object = self.paged  # an extend's paged prefill: eager, or the graphs'
         self._ones = torch.ones(4096, dtype=torch.int32).pin_memory()
         # The shared block's plan inputs ([0, B], [0, P], [P]), rewritten in place per plan.
         self._shared_qo = torch.zeros(2, dtype=torch.int32).pin_memory()
@@ -277,6 +283,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             qo = qo[: d + 1]
             self._plan_mixed_decode(meta, d)
         b = qo.numel() - 1
+        self._active_paged = self.paged
         if paged and (prefixed or d is not None):
             self._extend_kind = "paged"
             # kv_indptr[: b + 1] bounds the planned rows' slots, which come first in kv_indices.
@@ -418,6 +425,49 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._plan_decode(self._active_decode, suffix_indptr_host, suffix_indices)
         self._after_plan()
 
+    def init_extend_graph(self, max_tokens: int, max_reqs: int) -> None:
+        """The graph-mode paged prefill wrapper of whole extend graphs (before their capture):
+        batches of at most `max_reqs` requests and `max_tokens` query tokens. Its first plan
+        is such a batch: FlashInfer sizes a graph-mode launch (query tile, CTA count) for
+        the first plan's tokens and requests and keeps it for later plans, whose
+        per-tile schedule it writes to the wrapper's buffers, where the kernel reads it."""
+        dev = self.device
+        self.graph_extend_reqs = max_reqs
+        self.graph_extend = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indptr_buf=torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev),
+            # A batch's requests read at most context_length slots each.
+            paged_kv_indices_buf=torch.zeros(max(max_reqs * self.context_length, max_tokens), dtype=torch.int32,
+                                              device=dev),
+            paged_kv_last_page_len_buf=torch.ones(max_reqs, dtype=torch.int32, device=dev),
+            backend="fa2",
+        )
+        one_each = torch.arange(max_reqs + 1, dtype=torch.int32)
+        one_each[-1] = max_tokens  # the last request takes the tokens the others leave
+        self.begin_graph_extend(one_each, one_each, torch.zeros(max_tokens, dtype=torch.int32, device=dev))
+
+    def begin_graph_extend(self, qo_indptr_host: torch.Tensor, kv_indptr_host: torch.Tensor,
+                           kv_indices: torch.Tensor) -> None:
+        """Plan an extend batch (no decode rows; at most init_extend_graph's requests and
+        tokens) for a whole extend graph's replay: one causal paged prefill over each
+        request's whole KV, its new tokens' K/V in the pool already. Empty requests pad
+        the batch to the wrapper's count; query rows past the batch's tokens (a graph's
+        padding) are left out of every request, and their output is zeros."""
+        assert self.graph_extend is not None
+        b, r = qo_indptr_host.numel() - 1, self.graph_extend_reqs
+        qo, kv = self._scratch("graph_qo", r + 1), self._scratch("graph_kv", r + 1)
+        qo[: b + 1].copy_(qo_indptr_host)
+        qo[b + 1:] = qo_indptr_host[-1]
+        kv[: b + 1].copy_(kv_indptr_host)
+        kv[b + 1:] = kv_indptr_host[-1]
+        self._before_plan()
+        self.graph_extend.plan(  # type: ignore[attr-defined]
+            qo, kv, kv_indices[: int(kv_indptr_host[-1])], self._last_page_len(r), self.hq, self.hkv, self.d, 1,
+            causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype, seq_lens=self._lens("graph_lens", kv))
+        self._after_plan()
+        self._mode, self._extend_kind, self._active_paged = "extend", "paged", self.graph_extend
+
     # ---- the layer call ----------------------------------------------------------
 
     def forward(
@@ -461,7 +511,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self._extend_kind == "ragged":
             return self.ragged.run(q, k, v)
         if self._extend_kind == "paged":
-            return self.paged.run(q, kv)
+            return self._active_paged.run(q, kv)  # type: ignore[attr-defined]
         o_new, lse_new = self.ragged.run(q, k, v, return_lse=True)
         o_pre, lse_pre = self.paged.run(q, kv, return_lse=True)
         return self.fi.merge_state(o_new, lse_new, o_pre, lse_pre)[0]

@@ -10,7 +10,10 @@ first kv_len - n + j + 1 keys, and a row with no keys gives zeros with a log-sum
 -inf. Log-sum-exps here are natural logs (FlashInfer's are base 2); only `merge_state`
 reads them, and it reads its own. In CUDA-graph mode (`use_cuda_graph=True`) a wrapper's
 plan copies its indptr and indices into the buffers it was made with and its run reads
-them back, as a captured graph does: whatever overwrote a shared buffer since is read."""
+them back, as a captured graph does: whatever overwrote a shared buffer since is read.
+A graph-mode paged prefill, as FlashInfer's, keeps its batch size and takes at most the
+query tokens of its first plan; its run may be handed more query rows than the plan's
+tokens (a graph's padding), which no request reads and whose output is zeros."""
 
 from __future__ import annotations
 
@@ -113,11 +116,18 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     BUFFERS = ("paged_kv_indptr_buf", "paged_kv_indices_buf")
 
+    def __init__(self, workspace: torch.Tensor, layout: str, **kw: object) -> None:
+        super().__init__(workspace, layout, **kw)
+        self.max_rows: int | None = None  # graph mode: the first plan's query tokens
+
     def plan(self, qo_indptr: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
              **kw: object) -> None:
         assert page_size == 1
         self.qo, self.causal = qo_indptr.tolist(), causal
+        if self.graph:
+            self.max_rows = self.qo[-1] if self.max_rows is None else self.max_rows
+            assert self.qo[-1] <= self.max_rows, ("more query tokens than the first plan's", self.qo, self.max_rows)
         steps = [b - a for a, b in zip(indptr.tolist(), indptr.tolist()[1:])]
         assert len(self.qo) == indptr.numel() and int(indptr[-1]) <= indices.numel()
         seq_lens = kw.get("seq_lens")
@@ -128,12 +138,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
 
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], return_lse: bool = False):
         indptr, indices = self._kv()
-        assert self.planned and q.shape[0] == self.qo[-1], (q.shape, self.qo)
+        rows = self.qo[-1]
+        assert self.planned and (q.shape[0] >= rows if self.graph else q.shape[0] == rows), (q.shape, self.qo)
         k_pool, v_pool = (t[:, 0] for t in kv)
         outs = []
         for i in range(len(self.qo) - 1):
             slots = indices[indptr[i]: indptr[i + 1]].long()
             outs.append(_attend(q[self.qo[i]: self.qo[i + 1]], k_pool[slots], v_pool[slots], self.causal))
+        if q.shape[0] > rows:  # a graph's padding rows
+            pad = q.shape[0] - rows
+            outs.append((torch.zeros(pad, *q.shape[1:]), torch.full((pad, q.shape[1]), -math.inf)))
         return self._finish(q, outs, return_lse)
 
 

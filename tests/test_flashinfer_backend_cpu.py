@@ -251,3 +251,58 @@ def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path,
     assert_top_logprobs_agree(through, alone)
     assert all(gathered == (kind == "split") for kind, gathered in extends), extends
     assert ("paged" if paged_extend else "split") in {kind for kind, _ in extends}
+
+
+def test_whole_extend_graphs_agree_with_the_torch_engine(tmp_path: Path) -> None:
+    """Extend batches of up to 8 requests and 64 tokens through one whole forward over the
+    fixed, padded buffers, attention planned into the graph-mode wrapper (eagerly here:
+    PrefillGraphs(capture=False)), the rest through the pieces: lone prompts, prefix-cached
+    turns (a chat's), prompt chunks, a batch of more requests than a whole graph plans.
+    Against the same engine on the torch backend without graphs, each request's top
+    logprobs agree to float16's precision up to its first near-tie flip; both kinds of
+    replay ran, and no plan of the graph-mode wrapper exceeded its first plan's tokens."""
+    import sgl
+    from sgl.sched.runner.model_runner import ModelRunner
+    from sgl.sched.runner.prefill_graph import WHOLE_MAX_REQUESTS, PrefillGraphs
+    from tests.conftest import assert_top_logprobs_agree, generate_after_prefix, tiny_model_dir
+
+    model = tiny_model_dir(tmp_path, "qwen3", vocab=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    rng = random.Random(11)
+    shared = [rng.randrange(256) for _ in range(40)]
+    turns = [shared + [rng.randrange(256) for _ in range(n)] for n in (2, 5, 9)]
+    lone = [[rng.randrange(256) for _ in range(n)] for n in (1, 30, 64, 65, 150)]
+    many = [[rng.randrange(256) for _ in range(rng.randint(1, 5))] for _ in range(WHOLE_MAX_REQUESTS + 3)]
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+    def run(e: Any) -> tuple[list[dict], dict]:
+        outs, info = generate_after_prefix(e, shared, turns, params)
+        for p in lone:  # one at a time: a batch of one request, chunked past 64 tokens
+            outs += e.generate(input_ids=[p], sampling_params=params, return_logprob=True, top_logprobs_num=3)
+        outs += e.generate(input_ids=many, sampling_params=params, return_logprob=True, top_logprobs_num=3)
+        return outs, e.get_server_info()
+
+    def engine() -> Any:
+        return sgl.Engine(model, transport="inproc", skip_tokenizer_init=True, dtype="float16", device="cpu",
+                          max_total_tokens=4000, chunked_prefill_size=96)
+
+    with engine() as e:
+        alone, _ = run(e)
+
+    def backend(self: ModelRunner, args: object, m: Any) -> Any:
+        from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
+                                          self.max_total_tokens + 1, context_length=self.context_length)
+
+    def eager_graphs(self: ModelRunner) -> None:
+        self.prefill_graphs = PrefillGraphs(self, 64, capture=False)
+
+    with cpu_flashinfer(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelRunner, "_attention_backend", backend)
+        mp.setattr(ModelRunner, "_capture_graphs", eager_graphs)
+        with engine() as e:
+            through, info = run(e)
+    assert info["prefill_whole_graph_steps"] > 0, info
+    assert info["prefill_graph_steps"] > info["prefill_whole_graph_steps"], info  # the pieces took the rest
+    assert_top_logprobs_agree(through, alone)

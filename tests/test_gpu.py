@@ -293,11 +293,14 @@ def _run(model_dir: str, prompts: list[list[int]], **kw: object) -> list[list[in
 @pytest.mark.parametrize("decode", ["triton", "flashinfer"])
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_cuda_graph_replay_equals_eager(qwen3_dir: str, kv: str, decode: str) -> None:
+    """Decode graphs run decode's kernels as the eager forward does: the same tokens. The
+    prompts' forwards are eager in both (a whole-forward prefill graph plans its attention
+    for the largest batch it takes, so it may round apart: test_prefill_graphs_...)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(2000) for _ in range(rng.randint(3, 80))] for _ in range(5)]
     kw = dict(attention_backend="flashinfer", kv_cache_dtype=kv, decode_attention_backend=decode)
     eager = _run(qwen3_dir, prompts, disable_cuda_graph=True, **kw)
-    graphs = _run(qwen3_dir, prompts, cuda_graph_max_bs=8, **kw)
+    graphs = _run(qwen3_dir, prompts, cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=0, **kw)
     assert graphs == eager
 
 
@@ -400,8 +403,8 @@ def test_tensor_core_decode_graphs_equal_eager(qwen3_g2_dir: str, lengths: str) 
     assert prefers_tensor_cores(indptr, 0) == (lengths == "mixed")
     kw = dict(attention_backend="flashinfer", decode_attention_backend="flashinfer", tensor_core_decode_min_batch=4)
     eager = _run(qwen3_g2_dir, prompts, disable_cuda_graph=True, **kw)
-    graphs = _run(qwen3_g2_dir, prompts, cuda_graph_max_bs=8, **kw)
-    assert graphs == eager
+    graphs = _run(qwen3_g2_dir, prompts, cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=0, **kw)
+    assert graphs == eager  # prompts eager in both, as in test_cuda_graph_replay_equals_eager
 
 
 @pytest.mark.parametrize(("model", "decode"), [("qwen3_dir", "triton"), ("qwen3_g2_dir", "triton"),
@@ -440,7 +443,7 @@ def test_cascade_under_cuda_graphs_equals_plain_decode(model: str, decode: str, 
         return outs, info["cascade_steps"]
 
     plain, plain_steps = run(enable_cascade_attention=False)
-    graphs, steps = run()
+    graphs, steps = run(piecewise_cuda_graph_max_tokens=0)  # prompts eager, as in the eager run
     eager, eager_steps = run(enable_cascade_attention=True, disable_cuda_graph=True)
     assert plain_steps == 0 and steps > 0 and eager_steps > 0
     assert [o["output_ids"] for o in graphs] == [o["output_ids"] for o in eager]
@@ -479,15 +482,18 @@ def test_graph_decode_of_a_shared_prefix_past_the_pool(qwen3_dir: str) -> None:
 
 
 def test_prefill_graphs_equal_the_eager_forward(qwen3_dir: str) -> None:
-    """Extend batches through the captured pieces (sgl.sched.runner.prefill_graph), padded
+    """Extend batches through the captured graphs (sgl.sched.runner.prefill_graph), padded
     to the captured token counts, against the eager forward: prompts from 1 token past
-    the largest piece (eager there), fresh and prefix-cached, with prompt logprobs. Up to
-    the first greedy flip (the GEMMs may pick another algorithm for the padded row
-    count) every prompt and output logprob agrees to bf16's precision."""
+    the largest count (eager there), fresh and prefix-cached, with prompt logprobs; up to
+    8 requests through whole-forward graphs (their attention planned into FlashInfer's
+    graph-mode wrapper, requests padded with empty ones), a batch of 10 through the
+    pieces. Up to the first greedy flip (the GEMMs may pick another algorithm for the
+    padded row count) every prompt and output logprob agrees to bf16's precision."""
     rng = random.Random(11)
     prefix = [rng.randrange(2000) for _ in range(100)]
     prompts = ([[rng.randrange(2000) for _ in range(n)] for n in (1, 15, 16, 17, 100, 255, 256, 257, 600)]
-               + [prefix + [rng.randrange(2000) for _ in range(rng.randint(1, 40))] for _ in range(6)])
+               + [prefix + [rng.randrange(2000) for _ in range(rng.randint(1, 40))] for _ in range(6)]
+               + [[rng.randrange(2000) for _ in range(rng.randint(1, 20))] for _ in range(10)])
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
     def run(**kw: object) -> tuple[list[dict], dict]:
@@ -497,15 +503,17 @@ def test_prefill_graphs_equal_the_eager_forward(qwen3_dir: str) -> None:
             e.generate(input_ids=prefix + [1], sampling_params=params)  # caches the prefix
             outs = [e.generate(input_ids=p, sampling_params=params, return_logprob=True, logprob_start_len=0)
                     for p in prompts[:9]]  # one at a time: each its own padded count
-            outs += e.generate(input_ids=prompts[9:], sampling_params=params, return_logprob=True,
-                               logprob_start_len=0)
+            for batch in (prompts[9:15], prompts[15:]):
+                outs += e.generate(input_ids=batch, sampling_params=params, return_logprob=True,
+                                   logprob_start_len=0)
             info = e.get_server_info()
             assert_kv_balanced(info)
         return outs, info
 
     graphed, info = run(piecewise_cuda_graph_max_tokens=256)
     eager, eager_info = run(disable_cuda_graph=True)
-    assert info["prefill_graph_steps"] > 0 and eager_info["prefill_graph_steps"] == 0
+    assert info["prefill_graph_steps"] > info["prefill_whole_graph_steps"] > 0, info
+    assert eager_info["prefill_graph_steps"] == 0
     for g, e in zip(graphed, eager):
         gi, ei = ([lp for lp, *_ in o["meta_info"]["input_token_logprobs"][1:]] for o in (g, e))
         assert max((abs(x - y) for x, y in zip(gi, ei)), default=0.0) < 0.05

@@ -205,7 +205,6 @@ class DraftModel:
             self.graph_forwards += 1
             return self.graphs.replay(meta, ids, positions, slots)[:, : self.vocab_size]
         assert meta.qo_indptr_host is not None
-        self.attn_backend.begin_forward(meta)
         fb = ForwardBatch(
             input_ids=ids,
             positions=positions,
@@ -217,7 +216,8 @@ class DraftModel:
         )
         if not meta.is_decode and self.prefill_graphs is not None and self.prefill_graphs.can_run(ids.shape[0]):
             self.graph_forwards += 1
-            return self.prefill_graphs.forward(ids, fb)[:, : self.vocab_size]
+            return self.prefill_graphs.forward(ids, fb)[:, : self.vocab_size]  # plans the attention itself
+        self.attn_backend.begin_forward(meta)
         return self.model(fb)[:, : self.vocab_size]
 
     def info(self) -> dict[str, int]:

@@ -477,6 +477,7 @@ class ModelRunner:
                 "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
                 "eos_token_ids": sorted(self.eos_ids), "cascade_steps": self.preparer.cascade_steps,
                 "prefill_graph_steps": self.prefill_graph_steps,
+                "prefill_whole_graph_steps": self.prefill_graphs.whole_replays if self.prefill_graphs else 0,
                 "startup": self.startup, "memory": self.memory_stats,
                 "embedding": None if self.pooling is None else self.pooling.info(),
                 **(self.draft.info() if self.draft is not None else {}),
@@ -501,8 +502,6 @@ class ModelRunner:
             input_ids = torch.where(input_ids < 0, self.sampling.next_token[src], input_ids)
         if p.attn.is_decode and self.graphs is not None and self.graphs.can_run(len(p.attn.qo_lens)):
             return self.graphs.replay(p.attn, input_ids, p.positions, p.out_cache_loc, p.lora)
-        if self.attends:
-            self.attn_backend.begin_forward(p.attn)
         fb = ForwardBatch(
             input_ids=input_ids,
             positions=p.positions,
@@ -516,7 +515,9 @@ class ModelRunner:
         )
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0]):
             self.prefill_graph_steps += 1
-            return self.prefill_graphs.forward(input_ids, fb)
+            return self.prefill_graphs.forward(input_ids, fb)  # plans the attention itself
+        if self.attends:
+            self.attn_backend.begin_forward(p.attn)
         return self.model(fb)
 
 
