@@ -258,7 +258,7 @@ def test_gpu_fp8_cuda_graphs_equal_eager(gpu_model_dir: str, monkeypatch: pytest
     monkeypatch.setattr(prefill_graph, "WHOLE_MAX_TOKENS", 0)
     pieces = _gpu_greedy(gpu_model_dir, cuda_graph_max_bs=8)
     assert [o["output_ids"] for o in pieces] == [o["output_ids"] for o in eager]
-    assert_top_logprobs_agree(whole, eager)
+    assert_top_logprobs_agree(whole, eager, tol=0.05)  # FP8 activations amplify rounding apart
 
 
 # ---- checkpoints stored in FP8 (sgl.sched.models.fp8_checkpoint) ----
