@@ -8,8 +8,9 @@ busy time (CUDA events around the step). Wall far above GPU busy means the prefi
 bound by the host queueing kernels one by one, not by the GPU. Each length runs by
 variant: `eager`; `pieces`, the piecewise CUDA graphs alone (sgl.sched.runner.prefill_graph;
 lengths past their largest count, 2,048 by default, run eagerly); `whole`, the engine's
-default: batches up to WHOLE_MAX_TOKENS through one graph of the whole forward, the rest
-through the pieces (a mixed forward, with decode rows, always). Then the kernels of one
+default: batches the attention backend takes (FlashInfer: up to WHOLE_MAX_TOKENS tokens on
+a cached prefix, so `--prefix`) through one graph of the whole forward, the rest through
+the pieces (a mixed forward, with decode rows, always). Then the kernels of one
 prefill by GPU time and their count, per variant. `--decode-rows N` puts N running
 requests (each `--decode-kv` tokens of KV) in every prefill's forward, as a mixed batch
 (enable_mixed_chunk) carries them; `--decode-shared S` makes the first S of their slots the

@@ -93,6 +93,11 @@ class AttentionBackend(ABC):
     def init_extend_graph(self, max_tokens: int, max_reqs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not run under CUDA graphs")
 
+    def takes_extend_graph(self, meta: AttnMetadata) -> bool:
+        """Whether this batch's attention runs in a whole extend graph (as planned by
+        begin_graph_extend) rather than eagerly between the pieces."""
+        return False
+
     def begin_graph_extend(self, qo_indptr_host: torch.Tensor, kv_indptr_host: torch.Tensor,
                            kv_indices: torch.Tensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not run under CUDA graphs")

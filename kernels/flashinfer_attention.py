@@ -24,7 +24,9 @@ Plans run on the host, once per batch, before the layers. Under CUDA graphs each
 captured batch size has its own decode wrapper (and, with cascade, its own
 shared-block prefill wrapper) in graph mode, reading index buffers that all sizes
 share (one graph replays at a time, and plans copy into them in stream order);
-`plan` runs before each replay, outside the graph. Those index buffers are sized
+`plan` runs before each replay, outside the graph. Whole extend graphs (small
+prefix-cached extends, sgl.sched.runner.prefill_graph) share one graph-mode paged prefill
+wrapper, planned the same way (takes_extend_graph). Those index buffers are sized
 for the worst case of the largest captured batch, max_bs x context_length slots,
 since a decode batch's summed KV lengths count a prefix shared by many requests
 once per request and so can far exceed the pool; the shared block's buffer holds
@@ -447,9 +449,23 @@ class FlashInferAttentionBackend(AttentionBackend):
         one_each[-1] = max_tokens  # the last request takes the tokens the others leave
         self.begin_graph_extend(one_each, one_each, torch.zeros(max_tokens, dtype=torch.int32, device=dev))
 
+    def takes_extend_graph(self, meta: AttnMetadata) -> bool:
+        """An extend without decode rows, of at most init_extend_graph's requests, whose
+        eager plan is one paged prefill (some request reads cached KV, and the batch is
+        within paged_extend_max_tokens): the graph runs that kernel too and saves the host
+        its launches. Without cached KV the eager plan is the ragged prefill (FlashInfer's
+        Hopper kernel on an H100), faster on the GPU than the graph-mode paged one
+        (RESULTS.md, 2026-12-06, 05:49 UTC)."""
+        qo, kv = meta.qo_indptr_host, meta.kv_indptr_host
+        if self.graph_extend is None or meta.is_decode or meta.decode_from is not None or qo is None or kv is None:
+            return False
+        tokens = int(qo[-1])
+        return (qo.numel() - 1 <= self.graph_extend_reqs and int(kv[-1]) > tokens
+                and not self.reads_prefixes_apart(tokens))
+
     def begin_graph_extend(self, qo_indptr_host: torch.Tensor, kv_indptr_host: torch.Tensor,
                            kv_indices: torch.Tensor) -> None:
-        """Plan an extend batch (no decode rows; at most init_extend_graph's requests and
+        """Plan an extend batch (one takes_extend_graph takes, of at most init_extend_graph's
         tokens) for a whole extend graph's replay: one causal paged prefill over each
         request's whole KV, its new tokens' K/V in the pool already. Empty requests pad
         the batch to the wrapper's count; query rows past the batch's tokens (a graph's

@@ -254,13 +254,14 @@ def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path,
 
 
 def test_whole_extend_graphs_agree_with_the_torch_engine(tmp_path: Path) -> None:
-    """Extend batches of up to 8 requests and 64 tokens through one whole forward over the
-    fixed, padded buffers, attention planned into the graph-mode wrapper (eagerly here:
-    PrefillGraphs(capture=False)), the rest through the pieces: lone prompts, prefix-cached
-    turns (a chat's), prompt chunks, a batch of more requests than a whole graph plans.
+    """Extend batches of up to 8 requests and 64 tokens that read cached KV through one
+    whole forward over the fixed, padded buffers, attention planned into the graph-mode
+    wrapper (eagerly here: PrefillGraphs(capture=False)); the rest through the pieces:
+    prefix-cached turns (a chat's) and a long prompt's later chunks take the whole graph,
+    fresh prompts, a batch of more requests than it plans, and decode steps the pieces.
     Against the same engine on the torch backend without graphs, each request's top
-    logprobs agree to float16's precision up to its first near-tie flip; both kinds of
-    replay ran, and no plan of the graph-mode wrapper exceeded its first plan's tokens."""
+    logprobs agree to float16's precision up to its first near-tie flip, and no plan of
+    the graph-mode wrapper exceeded its first plan's tokens (the stand-in checks)."""
     import sgl
     from sgl.sched.runner.model_runner import ModelRunner
     from sgl.sched.runner.prefill_graph import WHOLE_MAX_REQUESTS, PrefillGraphs
@@ -289,11 +290,25 @@ def test_whole_extend_graphs_agree_with_the_torch_engine(tmp_path: Path) -> None
     with engine() as e:
         alone, _ = run(e)
 
+    asked: list[tuple[bool, bool]] = []  # per extend batch the pieces' graphs got: (taken whole, its rule's answer)
+
     def backend(self: ModelRunner, args: object, m: Any) -> Any:
         from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
 
-        return FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
-                                          self.max_total_tokens + 1, context_length=self.context_length)
+        fi = FlashInferAttentionBackend(m.num_heads, m.num_kv_heads, m.head_dim, self.dtype, self.device,
+                                        self.max_total_tokens + 1, context_length=self.context_length)
+        takes = fi.takes_extend_graph
+
+        def takes_extend_graph(meta: AttnMetadata) -> bool:
+            taken = takes(meta)
+            if not meta.is_decode:
+                qo, kv = meta.qo_indptr_host, meta.kv_indptr_host
+                assert qo is not None and kv is not None
+                asked.append((taken, len(meta.qo_lens) <= WHOLE_MAX_REQUESTS and int(kv[-1]) > int(qo[-1])))
+            return taken
+
+        fi.takes_extend_graph = takes_extend_graph  # type: ignore[method-assign]
+        return fi
 
     def eager_graphs(self: ModelRunner) -> None:
         self.prefill_graphs = PrefillGraphs(self, 64, capture=False)
@@ -303,6 +318,7 @@ def test_whole_extend_graphs_agree_with_the_torch_engine(tmp_path: Path) -> None
         mp.setattr(ModelRunner, "_capture_graphs", eager_graphs)
         with engine() as e:
             through, info = run(e)
-    assert info["prefill_whole_graph_steps"] > 0, info
-    assert info["prefill_graph_steps"] > info["prefill_whole_graph_steps"], info  # the pieces took the rest
+    assert all(taken == rule for taken, rule in asked), asked
+    assert {rule for _, rule in asked} == {True, False}, asked  # both kinds of batch came
+    assert 0 < info["prefill_whole_graph_steps"] < info["prefill_graph_steps"], info
     assert_top_logprobs_agree(through, alone)

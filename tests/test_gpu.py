@@ -484,10 +484,10 @@ def test_graph_decode_of_a_shared_prefix_past_the_pool(qwen3_dir: str) -> None:
 def test_prefill_graphs_equal_the_eager_forward(qwen3_dir: str) -> None:
     """Extend batches through the captured graphs (sgl.sched.runner.prefill_graph), padded
     to the captured token counts, against the eager forward: prompts from 1 token past
-    the largest count (eager there), fresh and prefix-cached, with prompt logprobs; up to
-    8 requests through whole-forward graphs (their attention planned into FlashInfer's
-    graph-mode wrapper, requests padded with empty ones), a batch of 10 through the
-    pieces. Up to the first greedy flip (the GEMMs may pick another algorithm for the
+    the largest count (eager there), fresh and prefix-cached, with prompt logprobs; the
+    prefix-cached batch of 6 through a whole-forward graph (its attention planned into
+    FlashInfer's graph-mode wrapper, requests padded with empty ones), the fresh prompts
+    and a batch of 10 through the pieces. Up to the first greedy flip (the GEMMs may pick another algorithm for the
     padded row count) every prompt and output logprob agrees to bf16's precision."""
     rng = random.Random(11)
     prefix = [rng.randrange(2000) for _ in range(100)]

@@ -20,13 +20,15 @@ eagerly on the rows the batch wants (each request's last, prompt-logprob rows).
 Every row's numbers are the eager forward's up to the GEMMs' choice of algorithm for
 T rows instead of n.
 
-Small extend batches (at most WHOLE_MAX_TOKENS tokens over at most WHOLE_MAX_REQUESTS
-requests, no decode rows) replay one graph of the whole forward instead, attention
-included, where the attention backend can capture it (FlashInfer: one graph-mode paged
-prefill wrapper, planned before each replay; see its init_extend_graph). The pieces'
-host time, a graph replay and an eager attention call a layer, is most of such a
-batch's time (100 tokens: 3.4 ms wall, 2.2 ms of it the host, on an H100): it is the gap
-a new prompt puts between its running requests' tokens, and its own time to first token.
+Small extend batches replay one graph of the whole forward instead, attention included,
+where the attention backend can capture it and takes the batch (FlashInfer: at most
+WHOLE_MAX_TOKENS tokens over at most WHOLE_MAX_REQUESTS requests, no decode rows, some
+cached KV read: a chat's next turn on its cached system prompt and earlier turns; one
+graph-mode paged prefill wrapper, planned before each replay; see its
+takes_extend_graph). The pieces' host time, a graph replay and an eager attention call a
+layer, is most of such a batch's time (100 tokens on a 1,000-token prefix: 2.9-3.2 ms of
+launch, 1.1-1.8 whole, on an H100): it is the gap a new prompt puts between its running
+requests' tokens, and its own time to first token.
 
 Not captured: engines with LoRA adapters (a batch's adapter rows change every step).
 Capture happens once, at start-up, and again when released memory comes back."""
@@ -49,8 +51,10 @@ from sgl.sched.models.forward_batch import ForwardBatch, ModelOnDevice
 TOKEN_COUNTS = [16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 2560, 3072,
                 4096, 5120, 6144, 8192, 10240, 12288, 16384]
 # Whole graphs: extend batches up to these sizes (the captured token counts up to the first,
-# each request count up to the second through empty requests).
-WHOLE_MAX_TOKENS = 1024
+# each request count up to the second through empty requests). Past 256 tokens the graph's
+# paged prefill, planned for its largest batch, cost the GPU more than the pieces saved the
+# host (RESULTS.md, 2026-12-06, 05:49 UTC).
+WHOLE_MAX_TOKENS = 256
 WHOLE_MAX_REQUESTS = 8
 
 
@@ -157,8 +161,7 @@ class PrefillGraphs:
         n = input_ids.shape[0]
         t = next(s for s in self.sizes if s >= n)
         meta = fb.attn
-        whole = self.whole.get(t) if (not meta.is_decode and meta.decode_from is None
-                                      and len(meta.qo_lens) <= WHOLE_MAX_REQUESTS) else None
+        whole = self.whole.get(t) if fb.attn_backend.takes_extend_graph(meta) else None
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(fb.positions)
         self.out_cache_loc[:n].copy_(fb.out_cache_loc)
