@@ -434,7 +434,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         the first plan's tokens and requests and keeps it for later plans, whose
         per-tile schedule it writes to the wrapper's buffers, where the kernel reads it."""
         dev = self.device
-        self.graph_extend_reqs = max_reqs
+        max_reqs = self.graph_extend_reqs = min(max_reqs, max_tokens)  # each planned request has a token
         self.graph_extend = self.fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
             qo_indptr_buf=torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev),
