@@ -193,6 +193,45 @@ def test_graph_plans_read_what_their_buffers_hold(steps: list[tuple[str, int, in
             assert torch.allclose(got.float(), want, atol=2e-3, rtol=2e-3), (kind, bs, which)
 
 
+@settings(PROFILE, max_examples=25, deadline=None)
+@given(seeds=st.lists(st.integers(0, 2**16), min_size=1, max_size=4), heads=st.sampled_from([(4, 2), (8, 1)]),
+       pad=st.integers(0, 12))
+def test_extend_graph_plans_pad_requests_and_rows(seeds: list[int], heads: tuple[int, int], pad: int) -> None:
+    """Prefix-cached extends, one after another, planned into the one graph-mode wrapper of
+    whole extend graphs (at most 4 requests, 64 tokens), each run over its query rows plus
+    `pad` padding rows as a graph's fixed buffer holds them: the real rows equal the torch
+    reference, the padding rows are zeros, and takes_extend_graph takes exactly the
+    batches that read cached KV."""
+    hq, hkv = heads
+    d, slots = 16, 400
+    g = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(slots + 1, hkv, d, generator=g).half()
+    v_cache = torch.randn(slots + 1, hkv, d, generator=g).half()
+    with cpu_flashinfer():
+        from sgl.kernels.flashinfer_attention import FlashInferAttentionBackend
+
+        fi = FlashInferAttentionBackend(hq, hkv, d, torch.float16, torch.device("cpu"), slots + 1)
+        fi.init_extend_graph(64, 4)
+        for seed in seeds:
+            rng = random.Random(seed)
+            meta, new_slots = batch(rng.choice(["extend", "extend_prefix"]), rng, slots)
+            n = len(new_slots)
+            qo, kv = meta.qo_indptr_host, meta.kv_indptr_host
+            assert qo is not None and kv is not None
+            assert fi.takes_extend_graph(meta) == (len(meta.qo_lens) <= 4 and int(kv[-1]) > n and n <= 1024)
+            if len(meta.qo_lens) > 4 or n > 64:
+                continue  # not a batch these graphs take
+            q = torch.randn(n + pad, hq, d, generator=torch.Generator().manual_seed(seed)).half()
+            ref = TorchAttentionBackend()
+            ref.begin_forward(meta)
+            k, v = k_cache[new_slots], v_cache[new_slots]
+            want = ref.forward(q[:n].float(), k.float(), v.float(), k_cache.float(), v_cache.float(), d**-0.5)
+            fi.begin_graph_extend(qo, kv, meta.kv_indices)
+            got = fi.forward(q, q, q, k_cache, v_cache, d**-0.5)
+            assert torch.allclose(got[:n].float(), want, atol=2e-3, rtol=2e-3), seed
+            assert not got[n:].any()
+
+
 @pytest.mark.parametrize("paged_extend", [False, True])
 @pytest.mark.parametrize("triton_decode", [False, True] if INTERPRETED else [False])
 def test_an_engine_through_the_backend_agrees_with_the_torch_one(tmp_path: Path, triton_decode: bool,
