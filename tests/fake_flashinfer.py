@@ -7,8 +7,8 @@ kernels themselves are checked against the torch reference on a GPU (tests/test_
 As FlashInfer: attention is scaled by 1/sqrt(head_dim) (the backend passes no sm_scale),
 a KV head serves Hq/Hkv consecutive query heads, a causal extend's query j of n sees its
 first kv_len - n + j + 1 keys, and a row with no keys gives zeros with a log-sum-exp of
--inf. Log-sum-exps here are natural logs (FlashInfer's are base 2); only `merge_state`
-reads them, and it reads its own. In CUDA-graph mode (`use_cuda_graph=True`) a wrapper's
+-inf. Log-sum-exps are base 2, as FlashInfer's (its kernels keep scores in log2 units), so
+that a log-sum-exp sgl computes itself merges with these as it would with FlashInfer's. In CUDA-graph mode (`use_cuda_graph=True`) a wrapper's
 plan copies its indptr and indices into the buffers it was made with and its run reads
 them back, as a captured graph does: whatever overwrote a shared buffer since is read.
 A graph-mode paged prefill, as FlashInfer's, keeps its batch size and takes at most the
@@ -36,7 +36,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> 
     if causal:
         seen = torch.arange(m)[None, :] <= (m - n + torch.arange(n))[:, None]  # [n, m]
         s = s.masked_fill(~seen[None], -math.inf)
-    lse = torch.logsumexp(s, dim=-1)  # [Hq, n]
+    lse = torch.logsumexp(s, dim=-1) / math.log(2)  # [Hq, n], base 2
     out = torch.einsum("hnm,mhd->nhd", torch.softmax(s, dim=-1), vf)
     return out, lse.T
 
@@ -153,10 +153,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
                 lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two attentions over disjoint keys as one: weighted by their exp-sums."""
-    lse = torch.logaddexp(lse1, lse2)
-    w1 = torch.nan_to_num(torch.exp(lse1 - lse))[..., None]  # -inf - -inf: a row with no keys on either side
-    w2 = torch.nan_to_num(torch.exp(lse2 - lse))[..., None]
+    """Two attentions over disjoint keys as one: weighted by their exp-sums (base-2 log-sum-exps)."""
+    lse = torch.logaddexp2(lse1, lse2)
+    w1 = torch.nan_to_num(torch.exp2(lse1 - lse))[..., None]  # -inf - -inf: a row with no keys on either side
+    w2 = torch.nan_to_num(torch.exp2(lse2 - lse))[..., None]
     return (o1.float() * w1 + o2.float() * w2).to(o1.dtype), lse
 
 
