@@ -8,9 +8,10 @@ As FlashInfer: attention is scaled by 1/sqrt(head_dim) (the backend passes no sm
 a KV head serves Hq/Hkv consecutive query heads, a causal extend's query j of n sees its
 first kv_len - n + j + 1 keys, and a row with no keys gives zeros with a log-sum-exp of
 -inf. Log-sum-exps are base 2, as FlashInfer's (its kernels keep scores in log2 units), so
-that a log-sum-exp sgl computes itself merges with these as it would with FlashInfer's. In CUDA-graph mode (`use_cuda_graph=True`) a wrapper's
-plan copies its indptr and indices into the buffers it was made with and its run reads
-them back, as a captured graph does: whatever overwrote a shared buffer since is read.
+that a log-sum-exp sgl computes itself merges with these as it would with FlashInfer's.
+In CUDA-graph mode (`use_cuda_graph=True`) a wrapper's plan copies its indptr and
+indices into the buffers it was made with and its run reads them back, as a captured
+graph does: whatever overwrote a shared buffer since is read.
 A graph-mode paged prefill, as FlashInfer's, keeps its batch size and takes at most the
 query tokens of its first plan; its run may be handed more query rows than the plan's
 tokens (a graph's padding), which no request reads and whose output is zeros."""
