@@ -216,7 +216,7 @@ class DraftModel:
         )
         if not meta.is_decode and self.prefill_graphs is not None and self.prefill_graphs.can_run(ids.shape[0]):
             self.graph_forwards += 1
-            return self.prefill_graphs.forward(ids, fb)[:, : self.vocab_size]  # plans the attention itself
+            return self.prefill_graphs.forward(ids, fb)[0][:, : self.vocab_size]  # plans the attention itself
         self.attn_backend.begin_forward(meta)
         return self.model(fb)[:, : self.vocab_size]
 

@@ -201,7 +201,8 @@ class ModelRunner:
         self.gpu_timeline = GpuTimeline()
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        self.prefill_graph_steps = 0  # batches run through the piecewise graphs (server info)
+        self.prefill_graph_steps = 0  # batches run through the prefill graphs (server info)
+        self.prefill_whole_graph_steps = 0  # of them, through a whole-forward graph
         # The null model never attends: its batches need no KV indices and no attention plan.
         self.attends = args.load_format != "null"
         graphed = self.device.type == "cuda" and not args.disable_cuda_graph and self.attends
@@ -477,7 +478,7 @@ class ModelRunner:
                 "max_total_tokens": self.max_total_tokens, "max_running_requests": self.max_running_requests,
                 "eos_token_ids": sorted(self.eos_ids), "cascade_steps": self.preparer.cascade_steps,
                 "prefill_graph_steps": self.prefill_graph_steps,
-                "prefill_whole_graph_steps": self.prefill_graphs.whole_replays if self.prefill_graphs else 0,
+                "prefill_whole_graph_steps": self.prefill_whole_graph_steps,
                 "startup": self.startup, "memory": self.memory_stats,
                 "embedding": None if self.pooling is None else self.pooling.info(),
                 **(self.draft.info() if self.draft is not None else {}),
@@ -514,8 +515,10 @@ class ModelRunner:
             lora=p.lora,
         )
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0]):
+            logits, whole = self.prefill_graphs.forward(input_ids, fb)  # plans the attention itself
             self.prefill_graph_steps += 1
-            return self.prefill_graphs.forward(input_ids, fb)  # plans the attention itself
+            self.prefill_whole_graph_steps += whole
+            return logits
         if self.attends:
             self.attn_backend.begin_forward(p.attn)
         return self.model(fb)

@@ -109,7 +109,6 @@ class PrefillGraphs:
         self.sizes = [t for t in TOKEN_COUNTS if t < max_tokens] + [max_tokens]
         backend = runner.attn_backend
         self.whole_sizes = [t for t in self.sizes if t <= WHOLE_MAX_TOKENS] if backend.supports_extend_graphs else []
-        self.whole_replays = 0  # batches run through a whole graph (server info)
         dev, dt, top = runner.device, runner.dtype, max_tokens
         with torch.inference_mode():
             hidden = m.embed(torch.zeros(1, dtype=torch.int64, device=dev)).shape[-1]
@@ -154,14 +153,16 @@ class PrefillGraphs:
         return tokens <= self.sizes[-1]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """The batch's logits rows (fb.logits_indices), its pooled rows into fb.pool. Plans
-        fb's attention backend for the batch (n real tokens) itself: for a whole graph's
-        replay, or for the eager attention between pieces."""
+    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, bool]:
+        """The batch's logits rows (fb.logits_indices), its pooled rows into fb.pool, and
+        whether a whole graph ran it. Plans fb's attention backend for the batch (n real
+        tokens) itself: for a whole graph's replay, or for the eager attention between pieces."""
         n = input_ids.shape[0]
         t = next(s for s in self.sizes if s >= n)
         meta = fb.attn
-        whole = self.whole.get(t) if fb.attn_backend.takes_extend_graph(meta) else None
+        whole = self.whole.get(t)
+        if whole is not None and not fb.attn_backend.takes_extend_graph(meta):
+            whole = None
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(fb.positions)
         self.out_cache_loc[:n].copy_(fb.out_cache_loc)
@@ -173,7 +174,6 @@ class PrefillGraphs:
             assert meta.qo_indptr_host is not None and meta.kv_indptr_host is not None
             fb.attn_backend.begin_graph_extend(meta.qo_indptr_host, meta.kv_indptr_host, meta.kv_indices)
             whole()
-            self.whole_replays += 1
         else:
             fb.attn_backend.begin_forward(meta)
             pieces = self.pieces[t]
@@ -185,7 +185,7 @@ class PrefillGraphs:
         hidden = self.hidden[:t]
         if fb.pool is not None:
             fb.pool.pool(hidden[fb.pool.rows])
-        return self.model.lm_logits(hidden[fb.logits_indices])
+        return self.model.lm_logits(hidden[fb.logits_indices]), whole is not None
 
     def _batch(self, runner: ModelOnDevice, t: int) -> ForwardBatch:
         """The fixed buffers' first t rows as a batch. Its metadata is never read: pieces
