@@ -293,14 +293,11 @@ def _run(model_dir: str, prompts: list[list[int]], **kw: object) -> list[list[in
 @pytest.mark.parametrize("decode", ["triton", "flashinfer"])
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_cuda_graph_replay_equals_eager(qwen3_dir: str, kv: str, decode: str) -> None:
-    """Decode graphs run decode's kernels as the eager forward does: the same tokens. The
-    prompts' forwards are eager in both (a whole-forward prefill graph plans its attention
-    for the largest batch it takes, so it may round apart: test_prefill_graphs_...)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(2000) for _ in range(rng.randint(3, 80))] for _ in range(5)]
     kw = dict(attention_backend="flashinfer", kv_cache_dtype=kv, decode_attention_backend=decode)
     eager = _run(qwen3_dir, prompts, disable_cuda_graph=True, **kw)
-    graphs = _run(qwen3_dir, prompts, cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=0, **kw)
+    graphs = _run(qwen3_dir, prompts, cuda_graph_max_bs=8, **kw)
     assert graphs == eager
 
 
@@ -403,8 +400,8 @@ def test_tensor_core_decode_graphs_equal_eager(qwen3_g2_dir: str, lengths: str) 
     assert prefers_tensor_cores(indptr, 0) == (lengths == "mixed")
     kw = dict(attention_backend="flashinfer", decode_attention_backend="flashinfer", tensor_core_decode_min_batch=4)
     eager = _run(qwen3_g2_dir, prompts, disable_cuda_graph=True, **kw)
-    graphs = _run(qwen3_g2_dir, prompts, cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=0, **kw)
-    assert graphs == eager  # prompts eager in both, as in test_cuda_graph_replay_equals_eager
+    graphs = _run(qwen3_g2_dir, prompts, cuda_graph_max_bs=8, **kw)
+    assert graphs == eager
 
 
 @pytest.mark.parametrize(("model", "decode"), [("qwen3_dir", "triton"), ("qwen3_g2_dir", "triton"),
@@ -423,7 +420,7 @@ def test_cascade_under_cuda_graphs_equals_plain_decode(model: str, decode: str, 
     ties (on the CPU in bf16, this shape's request 0 decoding alone for a step takes other
     tokens than in the batch of six)."""
     qwen3_dir = request.getfixturevalue(model)
-    from sgl.sched.runner import prepare
+    from sgl.sched.runner import prefill_graph, prepare
 
     monkeypatch.setattr(prepare, "CASCADE_MIN_SAVED_TOKENS", 1)
     rng = random.Random(2)
@@ -443,7 +440,10 @@ def test_cascade_under_cuda_graphs_equals_plain_decode(model: str, decode: str, 
         return outs, info["cascade_steps"]
 
     plain, plain_steps = run(enable_cascade_attention=False)
-    graphs, steps = run(piecewise_cuda_graph_max_tokens=0)  # prompts eager, as in the eager run
+    # Prompts through the pieces, whose attention is the eager run's: the cached prefix's
+    # turns would take a whole-forward graph, planned for its largest batch (rounds apart).
+    monkeypatch.setattr(prefill_graph, "WHOLE_MAX_TOKENS", 0)
+    graphs, steps = run()
     eager, eager_steps = run(enable_cascade_attention=True, disable_cuda_graph=True)
     assert plain_steps == 0 and steps > 0 and eager_steps > 0
     assert [o["output_ids"] for o in graphs] == [o["output_ids"] for o in eager]
@@ -487,8 +487,9 @@ def test_prefill_graphs_equal_the_eager_forward(qwen3_dir: str) -> None:
     the largest count (eager there), fresh and prefix-cached, with prompt logprobs; the
     prefix-cached batch of 6 through a whole-forward graph (its attention planned into
     FlashInfer's graph-mode wrapper, requests padded with empty ones), the fresh prompts
-    and a batch of 10 through the pieces. Up to the first greedy flip (the GEMMs may pick another algorithm for the
-    padded row count) every prompt and output logprob agrees to bf16's precision."""
+    and a batch of 10 through the pieces. Up to the first greedy flip (the GEMMs may pick
+    another algorithm for the padded row count) every prompt and output logprob agrees to
+    bf16's precision."""
     rng = random.Random(11)
     prefix = [rng.randrange(2000) for _ in range(100)]
     prompts = ([[rng.randrange(2000) for _ in range(n)] for n in (1, 15, 16, 17, 100, 255, 256, 257, 600)]
