@@ -289,10 +289,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if paged and (prefixed or d is not None):
             self._extend_kind = "paged"
             # kv_indptr[: b + 1] bounds the planned rows' slots, which come first in kv_indices.
-            kv = kv_indptr[: b + 1]
-            self.paged.plan(qo, kv, meta.kv_indices, self._last_page_len(b), self.hq, self.hkv, self.d, 1,
-                            causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
-                            seq_lens=self._lens("extend_lens", kv))
+            self._plan_paged_extend(self.paged, qo, kv_indptr[: b + 1], meta.kv_indices, "extend_lens")
         elif not prefixed:
             self._extend_kind = "ragged"
         else:
@@ -305,6 +302,14 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.ragged.plan(qo, qo, self.hq, self.hkv, self.d, causal=True, q_data_type=self.dtype,
                              kv_data_type=self.dtype)
         self._mode = "mixed" if apart else "extend"
+
+    def _plan_paged_extend(self, wrapper: object, qo: torch.Tensor, kv: torch.Tensor, kv_indices: torch.Tensor,
+                           lens_key: str) -> None:
+        """One causal paged prefill over each request's whole KV (its new tokens' K/V in the
+        pool already); qo and kv host indptrs of one size, the KV lengths pinned in `lens_key`."""
+        wrapper.plan(qo, kv, kv_indices, self._last_page_len(qo.numel() - 1),  # type: ignore[attr-defined]
+                     self.hq, self.hkv, self.d, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+                     seq_lens=self._lens(lens_key, kv))
 
     def _scratch(self, key: str, n: int) -> torch.Tensor:
         """n int32 of the pinned buffer `key`, which each plan rewrites (`_before_plan` saw the
@@ -478,9 +483,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         kv[: b + 1].copy_(kv_indptr_host)
         kv[b + 1:] = kv_indptr_host[-1]
         self._before_plan()
-        self.graph_extend.plan(  # type: ignore[attr-defined]
-            qo, kv, kv_indices[: int(kv_indptr_host[-1])], self._last_page_len(r), self.hq, self.hkv, self.d, 1,
-            causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype, seq_lens=self._lens("graph_lens", kv))
+        self._plan_paged_extend(self.graph_extend, qo, kv, kv_indices[: int(kv_indptr_host[-1])], "graph_lens")
         self._after_plan()
         self._mode, self._extend_kind, self._active_paged = "extend", "paged", self.graph_extend
 
