@@ -439,10 +439,11 @@ def test_cascade_under_cuda_graphs_equals_plain_decode(model: str, decode: str, 
             assert_kv_balanced(info)
         return outs, info["cascade_steps"]
 
-    plain, plain_steps = run(enable_cascade_attention=False)
-    # Prompts through the pieces, whose attention is the eager run's: the cached prefix's
-    # turns would take a whole-forward graph, planned for its largest batch (rounds apart).
+    # Prompts through the pieces in every run, whose attention is the eager run's: the cached
+    # prefix's turns would take a whole-forward graph, planned for its largest batch (rounds
+    # apart), and the runs are to differ in their decode attention only.
     monkeypatch.setattr(prefill_graph, "WHOLE_MAX_TOKENS", 0)
+    plain, plain_steps = run(enable_cascade_attention=False)
     graphs, steps = run()
     eager, eager_steps = run(enable_cascade_attention=True, disable_cuda_graph=True)
     assert plain_steps == 0 and steps > 0 and eager_steps > 0
