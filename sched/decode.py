@@ -284,4 +284,8 @@ class DecodeManager:
         self.log.info("retracted", rid=victim.rid, output_len=len(victim.output_ids), retractions=victim.retractions)
 
     def info(self) -> dict[str, Any]:
-        return {"running": len(self.running) + (self.prefill.chunked is not None), **self.stats}
+        # "running": every admitted request not ended, those still prefilling too (the chunked
+        # one; under the overlap loop an embedding or a prefill-only request in flight, which
+        # never joins the decode steps): with none running and none waiting, no request
+        # holds KV.
+        return {"running": len(self.running) + sum(not r.running for r in self.prefill.prefilling), **self.stats}

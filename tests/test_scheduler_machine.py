@@ -407,6 +407,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert s is not None
         live = self._live()
         self._check_requests(s, live)
+        info = s.info()
+        if info["running"] + info["waiting"] != len(live):
+            raise fail("info counts", f"running {info['running']} + waiting {info['waiting']} != {len(live)} live")
         held = [r for r in live if r.req_pool_idx is not None]
         self._check_rows(s, held)
         self._check_kv(s, held)
@@ -610,6 +613,30 @@ def test_scheduler_state_machine(model_dir: str, overlap: bool, speculative: str
         run_state_machine_as_test(machine(model_dir, overlap, speculative, mixed), settings=machine_settings())
     finally:
         _report(f"overlap={overlap} speculative={speculative} mixed={mixed} profile={PROFILE_NAME}", before, t0)
+
+
+def test_info_counts_a_request_prefilling_in_flight(model_dir: str) -> None:
+    """Under the overlap loop a request that never joins the decode steps (here prompt
+    logprobs with max_new_tokens=0; an embedding alike) holds KV while its prefill is in
+    flight: the info counts it as running then, so that an engine whose info shows none
+    running or waiting holds no KV (what the testing kit's leak check reads)."""
+    s, recv, _ = make_scheduler(model_dir, disable_overlap_schedule=False)
+    try:
+        recv.q.append(GenerateReqInput("p", [5, 6, 7, 8, 9], params(((), 0, (), True)), return_logprob=True,
+                                       logprob_start_len=0))
+        seen = []
+        for _ in range(8):
+            s.step()
+            info = s.info()
+            held = info["kv_free"] + info["kv_evictable"] != info["max_total_tokens"]
+            seen.append((held, info["running"]))
+            if s.idle:
+                break
+        assert s.idle and (True, 1) in seen, seen  # its prefill was seen in flight, holding KV
+        assert all(running == 1 for held, running in seen if held), seen
+        assert seen[-1] == (False, 0)
+    finally:
+        close(s)
 
 
 # ---- planted bugs ----
