@@ -61,17 +61,23 @@ def default_config_dir() -> str:
 
 @pytest.fixture(autouse=True)
 def balanced(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After every test that uses an `engine` fixture, its KV accounting balances."""
+    """After every test that uses an `engine` fixture, its KV accounting balances, once
+    the aborts a test left behind (a stream left early, a batch's siblings cancelled by
+    one's error) have landed."""
     yield
     if "engine" in request.fixturenames:
-        assert_kv_balanced(request.getfixturevalue("engine").get_server_info())
+        engine = request.getfixturevalue("engine")
+        settle_aborts(engine)
+        assert_kv_balanced(engine.get_server_info())
 
 
 def settle_aborts(engine: Any) -> None:
-    """After a stream was left early: let the aborts reach the scheduler (each server-info
-    round trip follows them on the same channel) before the autouse balance check."""
+    """Let the aborts in flight reach the scheduler and their requests end: each
+    server-info round trip follows them on the same channel, and a request aborted while
+    its batch is in flight ends with that batch's results."""
     for _ in range(100):
-        if engine.get_server_info()["running"] == 0:
+        info = engine.get_server_info()
+        if info["running"] == 0 and info["waiting"] == 0:
             break
 
 
