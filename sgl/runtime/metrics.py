@@ -183,7 +183,7 @@ def _scheduler_families(info: dict[str, Any] | None) -> Iterator[Metric]:
     yield GaugeMetricFamily("sgl_scheduler_up", "1 while the scheduler answers.", 0 if info is None else 1)
     if info is None:
         return
-    yield GaugeMetricFamily("sgl_num_running_reqs", "Requests in the running batch.", info["running"])
+    yield GaugeMetricFamily("sgl_num_running_reqs", "Requests prefilling or decoding.", info["running"])
     yield GaugeMetricFamily("sgl_num_queue_reqs", "Requests waiting to be scheduled.", info["waiting"])
     yield GaugeMetricFamily("sgl_token_usage", "Share of KV slots held by requests.", _token_usage(info))
     yield GaugeMetricFamily("sgl_kv_used_tokens", "KV slots held by requests.", _kv_used(info))
@@ -221,7 +221,7 @@ def _replica_families(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
     from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
     fams: list[GaugeMetricFamily | CounterMetricFamily] = [
-            GaugeMetricFamily("sgl_dp_num_running_reqs", "Requests in a replica's running batch.", labels=["dp_rank"]),
+            GaugeMetricFamily("sgl_dp_num_running_reqs", "Requests running in a replica.", labels=["dp_rank"]),
             GaugeMetricFamily("sgl_dp_num_queue_reqs", "Requests waiting in a replica.", labels=["dp_rank"]),
             GaugeMetricFamily("sgl_dp_token_usage", "Share of a replica's KV slots held.", labels=["dp_rank"]),
             CounterMetricFamily("sgl_dp_routed_requests", "Requests routed to a replica.", labels=["dp_rank"]),
