@@ -181,7 +181,8 @@ def test_under_tensor_parallelism_rank_zeros_pace_decides() -> None:
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_on_a_slow_device_requests_verify_together(tmp_path: Path, tp_size: int) -> None:
-    """On a device slower than the host (a null model whose forwards take 10 ms) under
+    """On a device slower than the host (a null model whose forwards take 30 ms, well above
+    a turn's host work even on a CPU shared with another test process) under
     the overlap loop, requests with proposals verify in one step each turn rather than in
     groups that take turns, each group every other step. The second pair of requests
     arrives while the first pair decodes, so the two pairs start out of step. Every
@@ -192,7 +193,7 @@ def test_on_a_slow_device_requests_verify_together(tmp_path: Path, tp_size: int)
     k, new = 5, 100
     prompts = [[x, *null_continuation(x, 200), x] for x in (1000, 1037, 1074, 1111)]
     sp = {"max_new_tokens": new, "ignore_eos": True}
-    model = null_model_dir(tmp_path, device_time=DeviceTime(decode_ms=10.0, prefill_ms=10.0, per_token_us=0.0))
+    model = null_model_dir(tmp_path, device_time=DeviceTime(decode_ms=30.0, prefill_ms=30.0, per_token_us=0.0))
 
     async def main() -> tuple[list[list[int]], dict[str, Any], dict[str, Any]]:
         async with await sgl.AsyncEngine.start(model, load_format="null", tp_size=tp_size,
