@@ -160,6 +160,8 @@ def test_encode_refuses_bad_input(engine: sgl.Engine) -> None:
         engine.encode(input_ids=[1] * 1024)
     with pytest.raises(ValueError, match="^dimensions=8 is invalid: this model does not support Matryoshka"):
         engine.encode(input_ids=[1, 2], dimensions=8)
+    with pytest.raises(ValueError, match="^prompt: give exactly one of prompt or input_ids"):
+        engine.encode(prompt=["a", "b"], input_ids=[[1], [2]])
 
 
 def test_a_generation_model_serves_no_embeddings(tmp_path: Path) -> None:

@@ -43,6 +43,17 @@ def test_batch_keeps_order(engine: sgl.Engine) -> None:
     assert [o["output_ids"] for o in outs] == [null_continuation(p[-1], 1 + len(prompts) % 7) for p in prompts]
 
 
+@pytest.mark.parametrize(("prompt", "input_ids"), [(None, None), ("hi", [1, 2]), (["hi", "there"], [[1, 2], [3]]),
+                                                   (["hi"], [1, 2]), ("hi", [[1, 2]])])
+def test_a_call_takes_text_or_ids_never_both(engine: sgl.Engine, prompt: Any, input_ids: Any) -> None:
+    """Exactly one of prompt and input_ids, batch or not, for generate and stream; the
+    refusal names the field before anything is sent (a batch of texts dropped its ids)."""
+    with pytest.raises(ValueError, match=r"^prompt: give exactly one of prompt or input_ids"):
+        engine.generate(prompt=prompt, input_ids=input_ids)
+    with pytest.raises(ValueError, match=r"^prompt: give exactly one of prompt or input_ids"):
+        list(engine.generate(prompt=prompt, input_ids=input_ids, stream=True))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("bad", [0, 2, 4])
 def test_a_batch_refusal_names_the_prompt(engine: sgl.Engine, bad: int, stream: bool) -> None:

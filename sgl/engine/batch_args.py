@@ -16,7 +16,11 @@ from sgl.runtime.result_format import BEAM_STREAM_ERROR
 
 
 def split_batch(prompt: Any, input_ids: Any, sp: Any, rid: Any) -> list[tuple[Any, Any, Any, Any]] | None:
-    """Per-item arguments when the call is a batch, None when it is one request."""
+    """Per-item arguments when the call is a batch, None when it is one request. Every
+    engine call comes through here first: it takes its prompts as text or as ids, never
+    both (a batch of texts would otherwise drop the ids unread)."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("prompt: give exactly one of prompt or input_ids")
     if isinstance(prompt, list):
         n, prompts, ids = len(prompt), prompt, [None] * len(prompt)
     elif isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):

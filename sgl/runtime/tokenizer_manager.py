@@ -141,9 +141,8 @@ class TokenizerManager:
         return self.tok
 
     async def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
-        """The request's prompt ids: `input_ids` checked, or `prompt` encoded by the tokenizer's worker."""
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt or input_ids")
+        """The request's prompt ids: `input_ids` checked, or `prompt` encoded by the tokenizer's
+        worker (exactly one is given: the engine's calls check, sgl.engine.batch_args)."""
         if input_ids is not None:
             if not is_int_list(input_ids):
                 raise ValueError("input_ids must be a list of ints")
