@@ -20,10 +20,8 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/sgl generate "What is the capital of France?"
 
-# Test workers (pytest-xdist): each takes whole files, so a file's shared engines start once.
-TEST_WORKERS ?= 2
 test: lint typecheck
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check sgl transports sched cache kernels tests benchmarks examples
