@@ -293,6 +293,9 @@ def _run(model_dir: str, prompts: list[list[int]], **kw: object) -> list[list[in
 @pytest.mark.parametrize("decode", ["triton", "flashinfer"])
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_cuda_graph_replay_equals_eager(qwen3_dir: str, kv: str, decode: str) -> None:
+    """Decode graphs run decode's kernels as the eager forward does: the same tokens. The
+    fresh prompts take the prefill pieces, whose attention is the eager forward's (a
+    whole-forward graph takes prefix-cached prompts only)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(2000) for _ in range(rng.randint(3, 80))] for _ in range(5)]
     kw = dict(attention_backend="flashinfer", kv_cache_dtype=kv, decode_attention_backend=decode)

@@ -181,8 +181,7 @@ def test_under_tensor_parallelism_rank_zeros_pace_decides() -> None:
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_on_a_slow_device_requests_verify_together(tmp_path: Path, tp_size: int) -> None:
-    """On a device slower than the host (a null model whose forwards take 30 ms, well above
-    a turn's host work even on a CPU shared with another test process) under
+    """On a device slower than the host (a null model whose forwards take 30 ms) under
     the overlap loop, requests with proposals verify in one step each turn rather than in
     groups that take turns, each group every other step. The second pair of requests
     arrives while the first pair decodes, so the two pairs start out of step. Every
